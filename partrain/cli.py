@@ -1,0 +1,198 @@
+"""The `partrain` command line (Typer). Overrides are Hydra-style positional arguments.
+
+Exit codes: 0 success, 2 bad config or usage (one message per problem, nothing created),
+1 a failure while running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import ConfigError
+
+RECIPES_ENV = "PARTRAIN_RECIPES"
+"""Colon-separated recipe folders searched after --recipes and before the shipped recipes."""
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="Declarative parallel training of Hugging Face language models (DP/ZeRO, TP, PP, EP, SP).",
+)
+checkpoint_app = typer.Typer(help="Inspect and export distributed checkpoints.", no_args_is_help=True)
+
+OVERRIDES = typer.Argument(None, help="Hydra overrides: recipe=NAME, group=option (model=llama-tiny), key=value (parallel.tp=4).")
+RECIPES = typer.Option(None, "--recipes", help=f"Extra recipe folder (repeatable); searched before ${RECIPES_ENV} and the shipped recipes.")
+JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see README).")
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+def _recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
+    dirs = [str(d) for d in (cli_dirs or [])]
+    dirs += [d for d in environ.get(RECIPES_ENV, "").split(os.pathsep) if d]
+    return dirs
+
+
+def _fail(err: ConfigError, as_json: bool) -> None:
+    from .report import error_report, render_errors
+
+    if as_json:
+        print(json.dumps(error_report(err), indent=1, default=str))
+    else:
+        render_errors(err, Console(stderr=True, highlight=False))
+    raise typer.Exit(2)
+
+
+def _validated(overrides, recipes, as_json: bool):
+    from .config.compose import compose
+    from .config.validate import validate
+
+    try:
+        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
+        return validate(run)
+    except ConfigError as err:
+        _fail(err, as_json)
+
+
+def _print_layout(validated, as_json: bool, all_ranks: bool) -> dict:
+    from .report import layout_report, render_layout
+
+    report = layout_report(validated)
+    if as_json:
+        print(json.dumps(report, default=str))
+    else:
+        render_layout(report, _console(), all_ranks=all_ranks)
+    return report
+
+
+@app.command()
+def train(
+    overrides: Optional[List[str]] = OVERRIDES,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the layout; start no process, create no file."),
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+    all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
+) -> None:
+    """Compose, validate and train (launches workers with torchrun)."""
+    validated = _validated(overrides, recipes, as_json)
+    if dry_run:
+        _print_layout(validated, as_json, all_ranks)
+        return
+    from .runtime_support import unsupported_features
+
+    missing = unsupported_features(validated)
+    if missing:
+        _fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
+    from .launch import launch
+
+    raise typer.Exit(launch(validated, console=_console(), environ=dict(os.environ)))
+
+
+def _unsupported_problem(text: str):
+    from .errors import Problem
+
+    key, _, rest = text.partition(" ")
+    name, _, value = key.partition("=")
+    return Problem(name, value, f"{rest.strip('()') or 'this feature'} is not implemented in this version of partrain",
+                   "remove it from the layout (see `partrain train ... --dry-run` for what runs now)")
+
+
+@app.command()
+def plan(
+    overrides: Optional[List[str]] = OVERRIDES,
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+    all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
+) -> None:
+    """Validate a layout and show its report (rank table, groups, verdict) without starting anything."""
+    _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks)
+
+
+@app.command()
+def show(
+    overrides: Optional[List[str]] = OVERRIDES,
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+    explain: bool = typer.Option(False, "--explain", help="List every config key with its type, value and documentation."),
+) -> None:
+    """Print the composed, resolved config (YAML), as a worker would read it."""
+    from .config.compose import compose, to_yaml
+
+    try:
+        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
+    except ConfigError as err:
+        _fail(err, as_json)
+    if explain:
+        from .config.docs import explain_rows
+
+        rows = explain_rows(run)
+        if as_json:
+            print(json.dumps(rows, default=str))
+            return
+        from rich.table import Table
+
+        table = Table(title="config keys")
+        for col in ("key", "type", "value", "meaning"):
+            table.add_column(col, overflow="fold")
+        for row in rows:
+            table.add_row(row["key"], row["type"], repr(row["value"]), row["doc"])
+        _console().print(table)
+        return
+    if as_json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(run), default=str))
+    else:
+        print(to_yaml(run), end="")
+
+
+@app.command("recipes")
+def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIPES) -> None:
+    """List the recipes, one line each (user folders first; shadowed shipped recipes are marked)."""
+    from .config.recipes import list_recipes
+
+    try:
+        found = list_recipes(_recipe_dirs(recipes, dict(os.environ)))
+    except ConfigError as err:
+        _fail(err, as_json)
+    if as_json:
+        print(json.dumps([{"name": r.name, "description": r.description, "path": str(r.path), "shipped": r.shipped,
+                           "shadows": str(r.shadows) if r.shadows else None} for r in found.values()]))
+        return
+    from rich.table import Table
+
+    table = Table(title="recipes (partrain train recipe=NAME)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    table.add_column("source")
+    for r in found.values():
+        source = "shipped" if r.shipped else str(r.path.parent)
+        if r.shadows:
+            source += f" (overrides {r.shadows})"
+        table.add_row(r.name, r.description, source)
+    _console().print(table)
+
+
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console-script entry point."""
+    try:
+        app(args=argv, prog_name="partrain", standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Field documentation of the schema, read from the attribute docstrings in schema.py."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from typing import Dict, List
+
+from . import schema
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """{field name: docstring} from the string literal that follows each annotated field."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: Dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def explain_rows(run: schema.RunConfig) -> List[dict]:
+    rows = []
+    for group in dataclasses.fields(run):
+        value = getattr(run, group.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        docs = field_docs(type(value))
+        for f in dataclasses.fields(value):
+            rows.append({"key": f"{group.name}.{f.name}", "type": str(f.type), "value": getattr(value, f.name), "doc": docs.get(f.name, "")})
+    return rows

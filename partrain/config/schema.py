@@ -1,0 +1,200 @@
+"""Typed schema of a partrain run.
+
+Every Hydra group (model, cluster, parallel, data, optim, train, checkpoint) is backed by one
+dataclass here. A composed config is merged into `RunConfig`, so unknown keys and wrong types are
+errors. Each field carries an attribute docstring (the string literal under it); `partrain show
+--explain` and the README are generated from them, and a test checks that none is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+AXES = ("tp", "sp", "dp", "pp")
+"""Axes that multiply the world size, in the default order (fastest-varying first)."""
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
+SP_MODES = ("ulysses", "ring")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"
+    """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, mistral, mixtral, qwen2_moe."""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
+    pretrained: Optional[str] = None
+    """Local folder with an HF `save_pretrained` checkpoint; its config.json wins over `config`. Nothing is downloaded."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped in a pretrained folder. Off: such code is never executed."""
+    name: str = ""
+    """Display name used in reports (defaults to the config file name)."""
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local-cpu"
+    """Display name of the cluster."""
+    nodes: int = 1
+    """Number of machines."""
+    devices_per_node: int = 8
+    """Processes (devices) per machine; the world size is nodes x devices_per_node."""
+    device: str = "cpu"
+    """Device type each process drives: cpu or cuda."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) or nccl (CUDA)."""
+    device_memory_gib: float = 24.0
+    """Memory of one device in GiB (2**30 bytes), for the fit verdict and the planner."""
+    peak_tflops: float = 0.1
+    """Peak dense throughput of one device in TFLOP/s at the training precision (planner)."""
+    intra_node_gbps: float = 10.0
+    """Bandwidth between two devices of one node, GB/s (10**9 bytes/s) per direction (planner)."""
+    inter_node_gbps: float = 10.0
+    """Bandwidth between nodes, GB/s (10**9 bytes/s) per device per direction (planner)."""
+    allow_tp_across_nodes: bool = False
+    """Permit a tensor-parallel group to span nodes (normally a mistake: TP talks every layer)."""
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1
+    """Data-parallel degree (replicas or shards of the model); -1 = whatever the other degrees leave."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row slicing inside each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of pipeline stages across ranks)."""
+    sp: int = 1
+    """Sequence/context-parallel degree (Ulysses or ring attention over sequence shards)."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models; carved out of dp x sp ranks, does not multiply the world size."""
+    order: List[str] = field(default_factory=lambda: list(AXES))
+    """Rank order of the axes, fastest-varying first (default tp, sp, dp, pp as in Megatron)."""
+    zero_stage: int = 0
+    """0 = replicate (DDP); 1 = shard optimizer state; 2 = FSDP, keep params after forward; 3 = FSDP full shard."""
+    dp_shard: int = -1
+    """Hybrid sharding: shard within groups of this many dp ranks, replicate across them; -1 = shard over all of dp."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv, dualpipev."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules use >= 2; zbv and dualpipev exactly 2)."""
+    pp_layers_per_stage: Optional[List[int]] = None
+    """Decoder layers of each stage (pp x virtual stages entries); unset = balanced by cost."""
+    sp_mode: str = "ulysses"
+    """Context-parallel attention: ulysses (all-to-all over heads) or ring (K/V passed around a ring)."""
+    tp_sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and dropout on sequence shards inside the TP group."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (whole decoder blocks)."""
+    recompute_every: int = 1
+    """Recompute only every k-th decoder block (1 = all of them)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """builtin (this Python's standard-library sources, read at run time) or a local text/jsonl/parquet file or folder."""
+    text_field: str = "text"
+    """Field holding the text in jsonl/parquet records."""
+    tokenizer: str = "byte"
+    """byte (256-symbol byte-level, no download) or a local folder with an HF tokenizer."""
+    max_bytes: int = 8_000_000
+    """Read at most this many bytes of raw text (0 = all)."""
+    eval_fraction: float = 0.02
+    """Share of the token stream held out for evaluation."""
+    cache_dir: str = ""
+    """Where tokenized, packed token files are cached (default ~/.cache/partrain/data)."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer; adamw is supported."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay as a fraction of lr."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to biases and norms)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 128
+    """Tokens per sequence."""
+    micro_batch_size: int = 4
+    """Sequences per microbatch on one data-parallel rank."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all replicas; 0 = micro_batch_size x microbatches x dp."""
+    microbatches: int = 0
+    """Microbatches per step on one rank (gradient accumulation / pipeline microbatches); 0 = derived."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout; every layout starts from the same weights."""
+    run_dir: str = ""
+    """Run folder; default runs/<recipe>/<timestamp>."""
+    eval_every: int = 50
+    """Evaluate every this many steps (0 = only at the end)."""
+    eval_batches: int = 4
+    """Microbatches per evaluation."""
+    log_every: int = 1
+    """Console progress every this many steps (metrics.jsonl gets every step)."""
+    threads_per_process: int = 0
+    """torch intra-op threads per process; 0 = available cores / local processes (at least 1)."""
+    max_restarts: int = 0
+    """Restarts torchrun's elastic agent makes after a worker dies (resuming from the newest checkpoint)."""
+    stop_on_nan: bool = True
+    """Stop with an error when the loss becomes NaN or infinite."""
+    timeout_s: int = 120
+    """Collective timeout in seconds: a hung or dead rank fails the job after this long."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every this many steps (0 = never)."""
+    dir: str = ""
+    """Checkpoint folder; default <run_dir>/checkpoints."""
+    resume: str = "none"
+    """none, auto (the newest complete checkpoint in dir) or a checkpoint path."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints (0 = all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model: HF architecture and its config."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The machines: nodes, devices, backend and link speeds."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout: degrees, sharding, pipeline schedule, recompute."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training text and tokenizer."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch, sequence length, steps, precision, seed, run folder."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Distributed checkpoints: cadence, folder, resume."""
+    recipe: str = ""
+    """Name of the recipe this run was composed from (set by partrain)."""
