@@ -95,7 +95,11 @@ def train(
         _fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
     from .launch import launch
 
-    raise typer.Exit(launch(validated, console=_console(), environ=dict(os.environ)))
+    try:
+        code = launch(validated, console=_console(), environ=dict(os.environ))
+    except ConfigError as err:
+        _fail(err, as_json)
+    raise typer.Exit(code)
 
 
 def _unsupported_problem(text: str):

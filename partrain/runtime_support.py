@@ -19,6 +19,7 @@ IMPLEMENTED = {
     "ep": False,
     "recompute": False,
     "checkpoint": False,
+    "fp16": False,
 }
 
 
@@ -30,6 +31,7 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "sp": (layout.sp > 1, f"parallel.sp={layout.sp} (sequence/context parallelism)"),
         "ep": (layout.ep > 1, f"parallel.ep={layout.ep} (expert parallelism)"),
         "recompute": (p.recompute != "none", f"parallel.recompute={p.recompute}"),
+        "fp16": (v.run.train.precision == "fp16", "train.precision=fp16 (loss scaling; use bf16)"),
         "checkpoint": (v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
                        "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)"),
     }

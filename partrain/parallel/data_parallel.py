@@ -1,0 +1,87 @@
+"""Data parallelism: DDP (zero_stage 0), sharded optimizer state (1), FSDP2 (2 and 3), hybrid.
+
+- zero_stage 0: `DistributedDataParallel` over the dp x sp ranks; gradients all-reduced in
+  buckets during backward; the optimizer is replicated.
+- zero_stage 1: DDP for the gradients plus `ShardedOptimizer` (optimizer state split 1/N).
+- zero_stage 2: FSDP2 `fully_shard` with `reshard_after_forward=False`: parameters stay
+  gathered from forward to backward (no second all-gather), gradients and optimizer state sharded.
+- zero_stage 3: FSDP2 with `reshard_after_forward=True`: parameters are sharded at rest too.
+- hybrid (`parallel.dp_shard` < dp): FSDP shards within groups of dp_shard ranks and replicates
+  across them (a 2-D mesh: dp_replicate x dp_shard); for zero_stage 1 the optimizer state is
+  sharded within dp_shard groups and gradients are all-reduced over all of dp.
+
+FSDP is applied to the meta model before weights exist (so no rank ever holds the full model);
+DDP wraps the materialized model. The first decoder layers are sharded as their own units so
+their all-gathers overlap with compute, then the root (embeddings, norm, head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+from ..config.schema import OptimConfig
+from ..models.adapters import Adapter
+from ..runtime.mesh import ParallelMesh
+from ..train.optim import adamw_kwargs, make_adamw, param_groups
+from .zero1 import ShardedOptimizer
+
+
+def uses_fsdp(zero_stage: int) -> bool:
+    return zero_stage >= 2
+
+
+def fsdp_mesh(mesh: ParallelMesh):
+    if mesh.layout.dp_shard == mesh.layout.dp:
+        return mesh["dp"]
+    return mesh.world["dp_replicate", "dp_shard"]
+
+
+def apply_fsdp(model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int) -> None:
+    """Shard each decoder layer, then the root; call on the meta model, before materialize."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero_stage == 3
+    dmesh = fsdp_mesh(mesh)
+    layers = list(adapter.layers(model))
+    for i, layer in enumerate(layers):
+        # The last layer is used first in backward; keeping it gathered saves one all-gather.
+        fully_shard(layer, mesh=dmesh, reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=dmesh, reshard_after_forward=reshard)
+
+
+@dataclass
+class DataParallelModel:
+    """What the training loop talks to, whatever the zero stage."""
+
+    module: nn.Module
+    """Call this for forward."""
+    inner: nn.Module
+    """The unwrapped model (parameters, state dict)."""
+    optimizer: object
+    microbatch: Callable[[bool], ContextManager]
+    """Context for one microbatch's forward+backward; argument: is it the last of the step."""
+
+
+def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig) -> DataParallelModel:
+    """After materialize: DDP for stages 0/1, and the optimizer for every stage."""
+    groups = param_groups(model, optim_cfg.weight_decay)
+    dp_group_size = mesh.size("dp_sp")
+    if uses_fsdp(zero_stage):
+        return DataParallelModel(model, model, make_adamw(groups, optim_cfg), lambda last: contextlib.nullcontext())
+    # The sharded optimizer re-homes parameters into its flat buffers: build it before DDP.
+    if zero_stage == 1 and mesh.size("dp_shard") > 1:
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
+    else:
+        optimizer = make_adamw(groups, optim_cfg)
+    module: nn.Module = model
+    microbatch: Callable[[bool], ContextManager] = lambda last: contextlib.nullcontext()
+    if dp_group_size > 1:
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_sp"].get_group())
+        module = ddp
+        microbatch = lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+    return DataParallelModel(module, model, optimizer, microbatch)

@@ -1,0 +1,161 @@
+"""One training process: `python -m partrain.worker RUN_DIR` (what torchrun starts).
+
+Reads the resolved RUN_DIR/config.yaml (never Hydra), joins the process group, builds the mesh,
+the model (meta -> parallelize -> materialize) and the data, trains, and always tears the process
+group down. The flow is one way: config -> layout -> mesh -> model -> parallelize -> train.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from .config.compose import load_resolved
+from .config.validate import ValidatedRun, validate
+from .runtime.context import DistEnv, cpu_count, from_environ
+from .train.metrics import emit
+
+log = logging.getLogger("partrain")
+
+DATA_MANIFEST = "data.json"
+"""Written by the launcher in the run folder: where the packed token files are."""
+
+
+def setup_logging(run_dir: Path, env: DistEnv) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / f"rank-{env.rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{env.rank} %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _threads(v: ValidatedRun, env: DistEnv) -> int:
+    wanted = v.run.train.threads_per_process
+    return wanted if wanted > 0 else max(1, cpu_count() // max(1, env.local_world_size))
+
+
+def _device(v: ValidatedRun, env: DistEnv):
+    import torch
+
+    if v.run.cluster.device == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def _open_data(v: ValidatedRun, run_dir: Path):
+    from .data import EvalBatches, TokenBatches, open_packed
+
+    packed = open_packed(json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"])
+    t = v.run.train
+    batches = TokenBatches.from_packed(packed, t.seq_len, v.global_batch_size, t.seed)
+    evals = EvalBatches.from_packed(packed, t.seq_len, v.global_batch_size) if t.eval_batches > 0 else None
+    return batches, evals
+
+
+def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
+    """Everything between init_process_group and destroy_process_group."""
+    import torch
+
+    from .models.adapters import get_adapter
+    from .models.build import build_meta_model
+    from .models.init import materialize
+    from .parallel import data_parallel
+    from .runtime.mesh import build_mesh
+    from .train.loop import Trainer, peak_rss_bytes
+    from .train.metrics import MetricsWriter
+
+    run = v.run
+    torch.manual_seed(run.train.seed)
+    device = _device(v, env)
+    mesh = build_mesh(v.layout, device.type)
+    log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
+
+    model = build_meta_model(run.model)
+    adapter = get_adapter(model)
+    if data_parallel.uses_fsdp(run.parallel.zero_stage):
+        data_parallel.apply_fsdp(model, adapter, mesh, run.parallel.zero_stage)
+    materialize(model, run.model, run.train.seed, device)
+    model.train()
+    dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim)
+
+    batches, evals = _open_data(v, run_dir)
+    metrics = MetricsWriter(run_dir, enabled=env.is_main)
+    trainer = Trainer(v, mesh, dp_model, batches, evals, metrics, device, env.is_main)
+    state = trainer.run()
+    metrics.close()
+
+    import torch.distributed as dist
+
+    mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    gathered = [None] * env.world_size if env.is_main else None
+    dist.gather_object(mine, gathered, dst=0)
+    if env.is_main:
+        timed = state.history[1:] or state.history
+        tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
+        summary = {"steps": state.step, "final_loss": state.history[-1].loss, "eval_loss": state.eval_loss,
+                   "tokens_per_s": tokens_per_s, "ranks": gathered, "run_dir": str(run_dir)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        emit("summary", **summary)
+
+
+def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:
+    errors = run_dir / "errors"
+    errors.mkdir(parents=True, exist_ok=True)
+    tmp = errors / f".rank-{env.rank}.txt.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, errors / f"rank-{env.rank}.txt")
+
+
+def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) -> int:
+    """Run one worker to completion; returns the process exit code (the caller exits with os._exit)."""
+    import torch
+    import torch.distributed as dist
+
+    setup_logging(run_dir, env)
+    try:
+        v = validated or validate(load_resolved(run_dir / "config.yaml"))
+        torch.set_num_threads(_threads(v, env))
+        dist.init_process_group(backend=v.run.cluster.backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=v.run.train.timeout_s))
+        if env.world_size != v.world_size:
+            raise RuntimeError(f"the layout needs {v.world_size} processes but the launcher started {env.world_size}")
+        train_process(v, env, run_dir)
+        dist.barrier()
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - any failure must end this rank with its message recorded
+        text = f"rank {env.rank}: {type(exc).__name__}: {exc}"
+        log.error("%s\n%s", text, traceback.format_exc())
+        _write_error(run_dir, env, text + "\n\n" + traceback.format_exc())
+        print(text, file=sys.stderr, flush=True)
+        # Exit at once: waiting for a barrier would block until peers time out; torchrun stops them.
+        return 1
+    finally:
+        logging.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+def entry() -> None:
+    env = from_environ(os.environ)
+    if env is None:
+        print("partrain.worker must be started by torchrun (or srun); use `partrain train`", file=sys.stderr)
+        os._exit(2)
+    code = main(Path(sys.argv[1]), env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo aborts at interpreter exit now and then even after destroy_process_group: leave directly.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    entry()
