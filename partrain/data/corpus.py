@@ -1,0 +1,152 @@
+"""The training corpus: which files a ``data.source`` names, their identity, and their documents.
+
+``data.source`` is either ``builtin`` or a local path:
+
+- ``builtin``: the ``.py`` files of this Python's standard library
+  (``sysconfig.get_paths()["stdlib"]``), read at run time so nothing ships with partrain and
+  nothing is downloaded. Test folders, ``site-packages`` and caches are skipped; each file is one
+  document. Files are taken in sorted order of their relative path, so the corpus is the same
+  on every run of the same Python.
+- a ``.txt``, ``.jsonl`` or ``.parquet`` file (see ``formats`` for each), or a folder: every
+  file with one of those suffixes below it, recursively, in sorted order of relative path
+  (hidden files and folders skipped).
+
+``max_bytes`` caps the UTF-8 bytes of document text read (not file bytes: JSON syntax does not
+count). The document that crosses the cap is cut at a character boundary and reading stops.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from partrain.config.schema import DataConfig
+from partrain.data.formats import SUFFIXES, read_documents, source_error
+
+BUILTIN = "builtin"
+"""The ``data.source`` value that selects the standard-library corpus."""
+
+# Folders of the standard library that are not library source: tests (partly deliberately
+# broken or odd-encoded files), third-party packages (differ per machine) and bytecode caches.
+_BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """An ordered list of source files plus how to read documents from them."""
+
+    kind: str
+    """``builtin`` or ``files``."""
+    root: Path
+    """The standard-library folder, the given file, or the given folder."""
+    files: Tuple[Path, ...]
+    """Files to read, in reading order."""
+    text_field: str
+    """Field holding the text in jsonl/parquet records."""
+    max_bytes: int
+    """Cap on UTF-8 bytes of document text (0 = no cap)."""
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> "Corpus":
+        """Resolve ``cfg.source`` to its files; a ConfigError if it names nothing readable."""
+        if cfg.source == BUILTIN:
+            root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+            return cls(BUILTIN, root, _builtin_files(root), cfg.text_field, cfg.max_bytes)
+        root = Path(cfg.source).expanduser().resolve()
+        return cls("files", root, _user_files(root, cfg.source), cfg.text_field, cfg.max_bytes)
+
+    @property
+    def slug(self) -> str:
+        """A short readable name for cache folders (``builtin``, or the file/folder stem)."""
+        if self.kind == BUILTIN:
+            return BUILTIN
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.root.stem)[:40] or "data"
+
+    def identity(self) -> Dict[str, Any]:
+        """Everything the documents depend on: paths, sizes and modification times of the files.
+
+        A changed, added or removed file changes the identity, so a cache keyed by it is rebuilt.
+        """
+        stats = []
+        for path in self.files:
+            try:
+                st = path.stat()
+            except OSError as exc:
+                raise source_error(path, f"cannot read the file: {exc}", "check the path and its permissions") from exc
+            stats.append([path.relative_to(self.root).as_posix() if path != self.root else path.name,
+                          st.st_size, st.st_mtime_ns])
+        ident: Dict[str, Any] = {"kind": self.kind, "root": str(self.root), "files": stats,
+                                 "text_field": self.text_field, "max_bytes": self.max_bytes}
+        if self.kind == BUILTIN:
+            ident["python"] = sys.version
+        return ident
+
+    def documents(self) -> Iterator[str]:
+        """The documents in order, empty ones skipped, stopping at ``max_bytes``.
+
+        Raises a ConfigError at the end if the source held no text at all.
+        """
+        remaining: Optional[int] = self.max_bytes or None
+        # The standard library has a few files that are not UTF-8; replacing their odd bytes is
+        # harmless there. A user's file with bad bytes is more likely the wrong file: say so.
+        errors = "replace" if self.kind == BUILTIN else "strict"
+        produced = False
+        for text in self._texts(errors, remaining):
+            if remaining is not None:
+                data = text.encode("utf-8")
+                if len(data) >= remaining:
+                    # Cut at the cap; "ignore" drops only a character split by the cut.
+                    text = data[:remaining].decode("utf-8", errors="ignore")
+                    if text:
+                        produced = True
+                        yield text
+                    break
+                remaining -= len(data)
+            produced = True
+            yield text
+        if not produced:
+            raise source_error(self.root, "holds no text (every document is empty)",
+                               "check the file contents and data.text_field")
+
+    def _texts(self, errors: str, limit: Optional[int]) -> Iterator[str]:
+        # `limit` is only a read-ahead hint for the txt reader; exact clipping is done above.
+        for path in self.files:
+            yield from (text for text in read_documents(path, self.text_field, limit, errors) if text)
+
+
+def _builtin_files(root: Path) -> Tuple[Path, ...]:
+    files = []
+    for folder, dirs, names in os.walk(root):
+        # Pruning in place stops os.walk from descending into skipped folders at all.
+        dirs[:] = [d for d in dirs if d not in _BUILTIN_SKIP_DIRS and not d.startswith((".", "config-"))]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
+    if not files:
+        raise source_error(root, "data.source=builtin found no standard-library .py files in this Python",
+                           "give a local .txt/.jsonl/.parquet file or folder as data.source")
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+def _user_files(root: Path, given: str) -> Tuple[Path, ...]:
+    if not root.exists():
+        raise source_error(Path(given), "no such file or folder",
+                           "give an existing .txt/.jsonl/.parquet file or folder, or data.source=builtin")
+    if root.is_file():
+        if root.suffix.lower() not in SUFFIXES:
+            raise source_error(root, f"unsupported file type {root.suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
+                               "convert the data to .txt, .jsonl or .parquet")
+        if root.stat().st_size == 0:
+            raise source_error(root, "the file is empty", "give a file with text in it")
+        return (root,)
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files.extend(Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES)
+    if not files:
+        raise source_error(root, f"the folder holds no {', '.join(SUFFIXES)} files",
+                           "put the data files in the folder, or point data.source at a file")
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))

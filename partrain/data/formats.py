@@ -1,0 +1,123 @@
+"""Readers that turn one local file into a stream of documents (strings).
+
+One reader per format, chosen by the file suffix:
+
+- ``.txt`` (and ``.py``, which the builtin corpus reads): the whole file is one document. Paragraphs are not split, because blank lines
+  inside prose or code are not document boundaries; put documents in separate files (a folder
+  source) or use jsonl when they are.
+- ``.jsonl``: one JSON object per line; the document is the string under ``text_field``.
+  Blank lines are skipped.
+- ``.parquet``: the string column ``text_field``; needs pyarrow, imported only here.
+
+Readers stream (jsonl line by line, parquet batch by batch), so a large file never has to fit
+in memory; ``limit`` lets the txt reader stop early when only a prefix is wanted. Every
+failure is a ConfigError naming the file, because a bad data file is a bad ``data.source``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+from partrain.errors import ConfigError, Problem
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+"""File suffixes a local data source may have (a folder source reads the files with these)."""
+
+
+def read_documents(path: Path, text_field: str, limit: Optional[int] = None, errors: str = "strict") -> Iterator[str]:
+    """Documents of one file, in file order.
+
+    ``limit``: the caller needs at most about this many UTF-8 bytes (a hint; None = all).
+    ``errors``: how undecodable bytes are treated; "strict" makes them a ConfigError.
+    """
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".py"):
+        return _read_txt(path, limit, errors)
+    if suffix == ".jsonl":
+        return _read_jsonl(path, text_field)
+    if suffix == ".parquet":
+        return _read_parquet(path, text_field)
+    raise source_error(path, f"unsupported file type {suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
+                       "convert the data to .txt, .jsonl or .parquet")
+
+
+def source_error(path: Path, rule: str, fix: str = "") -> ConfigError:
+    """The ConfigError for a problem with a data file."""
+    return ConfigError(Problem(key="data.source", value=str(path), rule=rule, fix=fix))
+
+
+def _read_txt(path: Path, limit: Optional[int], errors: str) -> Iterator[str]:
+    try:
+        with open(path, "rb") as f:
+            # A few bytes over the limit, so a character cut by the limit is still whole; the
+            # caller clips the text to exactly `limit` bytes.
+            data = f.read() if limit is None else f.read(limit + 4)
+            complete = limit is None or len(data) <= limit
+    except OSError as exc:
+        raise source_error(path, f"cannot read the file: {exc}", "check the path and its permissions") from exc
+    # utf-8-sig drops a leading byte-order mark; final=complete keeps a character cut at the
+    # end of a partial read out of the text instead of failing on it.
+    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors=errors)
+    try:
+        text = decoder.decode(data, final=complete)
+    except UnicodeDecodeError as exc:
+        raise source_error(path, f"is not valid UTF-8 (byte {exc.start})", "re-encode the file as UTF-8") from exc
+    yield text
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise source_error(path, f"cannot read the file: {exc}", "check the path and its permissions") from exc
+    with f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                    raise source_error(path, f"line {lineno} is not valid JSON: {exc}",
+                                       "write one JSON object per line (JSON Lines)") from exc
+                yield _text_of(record, path, text_field, f"line {lineno}")
+        except OSError as exc:  # e.g. a network filesystem dropping out mid-file
+            raise source_error(path, f"reading failed after line {lineno}: {exc}", "check the file and its storage") from exc
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise source_error(path, "reading a .parquet file needs the pyarrow package, which is not installed",
+                           "pip install pyarrow (or pip install 'partrain[data]')") from exc
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise source_error(path, f"cannot read the parquet file: {exc}", "check that the file is a complete parquet file") from exc
+    if text_field not in parquet.schema_arrow.names:
+        raise _field_error(path, text_field, f"the parquet file has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if value is not None:  # null cells are missing documents, not errors
+                yield _text_of({text_field: value}, path, text_field, f"row {row}")
+
+
+def _text_of(record: object, path: Path, text_field: str, where: str) -> str:
+    if not isinstance(record, dict) or text_field not in record:
+        raise _field_error(path, text_field, f"{where} has no field {text_field!r}")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise _field_error(path, text_field, f"{where}: field {text_field!r} is a {type(text).__name__}, not a string")
+    return text
+
+
+def _field_error(path: Path, text_field: str, rule: str) -> ConfigError:
+    return ConfigError(Problem(key="data.text_field", value=text_field, rule=f"{path}: {rule}",
+                               fix="set data.text_field to the field that holds the text"))

@@ -1,0 +1,260 @@
+"""Tokenize a corpus once and cache it as flat token files that every worker can memory-map.
+
+Layout of one cache entry (a folder under the cache root)::
+
+    <cache root>/<source>-<key>/
+        train.bin   raw token ids, little-endian, dtype uint16 (vocab <= 65536) or uint32
+        eval.bin    the same for the held-out split
+        meta.json   dtype, token counts, tokenizer, eos id; written LAST
+
+The token stream is ``doc1 eos doc2 eos ...`` (every document ends with the separator). The
+eval split is the last ``eval_fraction`` of that stream, the train split everything before it.
+
+``key`` hashes everything the tokens depend on: the source identity (paths, sizes, mtimes of
+its files), the tokenizer identity, ``text_field``, ``max_bytes`` and ``eval_fraction``. A
+different input gets a different folder; the same input finds its folder and skips the work.
+
+Crash safety: each file is written under a temporary name and renamed into place, and
+``meta.json`` is renamed last. An entry counts as present only if meta.json exists and the
+file sizes match it, so a crash at any point leaves nothing that is later trusted.
+Several processes may build the same entry at once (they write identical bytes, and each
+rename is atomic); a launcher should still prepare once before starting workers, and workers
+should only ``open_packed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Union
+
+import numpy as np
+
+from partrain.config.schema import DataConfig
+from partrain.data.atomic import commit, fsync_dir, temp_path, write_json
+from partrain.data.corpus import Corpus
+from partrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_name
+from partrain.errors import ConfigError, Problem
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bumped whenever the file layout or the tokenization rules change, so old entries are not reused."""
+META_NAME = "meta.json"
+TRAIN_NAME = "train.bin"
+EVAL_NAME = "eval.bin"
+
+# Documents handed to the tokenizer per call: large enough for fast batch encoding, small
+# enough that memory stays bounded on huge corpora.
+_BATCH_DOCS = 256
+_BATCH_BYTES = 4 << 20
+# A temporary file untouched for this long belongs to a build that died.
+_STALE_TEMP_S = 3600
+
+
+@dataclass(frozen=True)
+class PackedData:
+    """A ready cache entry: where the token files are and how to read them."""
+
+    train_path: Path
+    """Flat token file of the training split."""
+    eval_path: Path
+    """Flat token file of the held-out split (may be empty when eval_fraction is 0)."""
+    dtype: str
+    """numpy dtype name of the token files: uint16 or uint32."""
+    vocab_size: int
+    """Tokenizer vocabulary size (every id is below it)."""
+    eos_id: int
+    """End-of-document id written after every document."""
+    n_train_tokens: int
+    """Tokens in train_path."""
+    n_eval_tokens: int
+    """Tokens in eval_path."""
+    tokenizer: str
+    """Identity of the tokenizer that produced the ids."""
+    meta_path: Path
+    """The entry's meta.json; ``open_packed(meta_path)`` reopens the entry."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id below ``vocab_size``."""
+    # Little-endian always, so a cache folder is portable between machines.
+    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
+
+
+def default_cache_root() -> Path:
+    """Where packed token files go when data.cache_dir is not set."""
+    return Path.home() / ".cache" / "partrain" / "data"
+
+
+def cache_root_for(cfg: DataConfig, cache_root: Optional[Path] = None) -> Path:
+    """The cache root: the explicit argument, else data.cache_dir, else the default."""
+    if cache_root is not None:
+        return Path(cache_root).expanduser()
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return default_cache_root()
+
+
+def cache_key(corpus: Corpus, tokenizer: str, eval_fraction: float) -> str:
+    """A hash of everything the cached tokens depend on."""
+    inputs = {"format": FORMAT_VERSION, "source": corpus.identity(), "tokenizer": tokenizer,
+              "eval_fraction": float(eval_fraction)}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> PackedData:
+    """Tokenize and pack ``cfg``'s corpus into the cache, or reuse the entry if it is already there.
+
+    A cache hit only stats the source files and hashes the tokenizer files; the tokenizer itself
+    is loaded only on a miss.
+    """
+    _check_numbers(cfg)
+    corpus = Corpus.from_config(cfg)
+    key = cache_key(corpus, tokenizer_name(cfg.tokenizer), cfg.eval_fraction)
+    folder = cache_root_for(cfg, cache_root) / f"{corpus.slug}-{key[:16]}"
+    meta_path = folder / META_NAME
+    if meta_path.exists():
+        try:
+            return open_packed(meta_path)
+        except (OSError, ValueError, KeyError) as exc:
+            # meta.json present but files do not match it (deleted or replaced by hand):
+            # rebuild rather than fail, the inputs are all still here.
+            log.warning("rebuilding damaged data cache %s: %s", folder, exc)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    try:
+        return _build(corpus, tokenizer, cfg.eval_fraction, folder, key)
+    except OSError as exc:
+        # Reading the source already reports its own errors (as ConfigErrors); an OSError here
+        # is the cache side: no permission, no space.
+        raise ConfigError(Problem(key="data.cache_dir", value=str(folder.parent), rule=f"cannot write the token cache: {exc}",
+                                  fix="set data.cache_dir to a writable folder with enough free space")) from exc
+
+
+def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
+    """Reopen a cache entry from its meta.json (or its folder, or a PackedData), checking it.
+
+    For workers that only read: it never builds anything. Raises FileNotFoundError if the entry
+    does not exist and ValueError if its files do not match its meta.json.
+    """
+    if isinstance(entry, PackedData):
+        meta_path = entry.meta_path
+    else:
+        meta_path = Path(entry).expanduser()
+        if meta_path.is_dir():
+            meta_path = meta_path / META_NAME
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path} has format {meta.get('format')}, this partrain reads format {FORMAT_VERSION}")
+    folder = meta_path.parent
+    packed = PackedData(
+        train_path=folder / meta["train_file"], eval_path=folder / meta["eval_file"], dtype=meta["dtype"],
+        vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]), n_train_tokens=int(meta["n_train_tokens"]),
+        n_eval_tokens=int(meta["n_eval_tokens"]), tokenizer=meta["tokenizer"], meta_path=meta_path,
+    )
+    itemsize = np.dtype(packed.dtype).itemsize
+    for path, n in ((packed.train_path, packed.n_train_tokens), (packed.eval_path, packed.n_eval_tokens)):
+        size = path.stat().st_size
+        if size != n * itemsize:
+            raise ValueError(f"{path} holds {size} bytes, {meta_path} says {n} tokens of {itemsize} bytes")
+    return packed
+
+
+def _check_numbers(cfg: DataConfig) -> None:
+    if cfg.max_bytes < 0:
+        raise ConfigError(Problem(key="data.max_bytes", value=cfg.max_bytes, rule="must be >= 0 (0 = read everything)",
+                                  fix="data.max_bytes=0 or a positive byte count"))
+    if not 0.0 <= cfg.eval_fraction < 1.0:
+        raise ConfigError(Problem(key="data.eval_fraction", value=cfg.eval_fraction, rule="must be in [0, 1)",
+                                  fix="data.eval_fraction=0.02 (or 0 for no held-out split)"))
+
+
+def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: Path, key: str) -> PackedData:
+    started = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(folder)
+    dtype = token_dtype(tokenizer.vocab_size)
+    all_tmp = temp_path(folder / TRAIN_NAME)
+    eval_tmp = temp_path(folder / EVAL_NAME)
+    try:
+        # One pass writes the whole stream; the eval tail is then copied out and cut off, so
+        # the corpus is read once and never held in memory.
+        with open(all_tmp, "wb") as out:
+            n_total, n_docs = _write_stream(corpus.documents(), tokenizer, dtype, out)
+        n_eval = int(round(n_total * eval_fraction))
+        n_train = n_total - n_eval
+        with open(all_tmp, "rb") as src, open(eval_tmp, "wb") as dst:
+            src.seek(n_train * dtype.itemsize)
+            shutil.copyfileobj(src, dst)
+        with open(all_tmp, "r+b") as f:
+            f.truncate(n_train * dtype.itemsize)
+        commit(all_tmp, folder / TRAIN_NAME)
+        commit(eval_tmp, folder / EVAL_NAME)
+    except BaseException:
+        all_tmp.unlink(missing_ok=True)
+        eval_tmp.unlink(missing_ok=True)
+        raise
+    meta = {
+        "format": FORMAT_VERSION, "key": key, "train_file": TRAIN_NAME, "eval_file": EVAL_NAME,
+        "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+        "n_train_tokens": n_train, "n_eval_tokens": n_eval, "n_documents": n_docs, "tokenizer": tokenizer.name,
+        "source": {"kind": corpus.kind, "root": str(corpus.root), "files": len(corpus.files),
+                   "text_field": corpus.text_field, "max_bytes": corpus.max_bytes},
+        "eval_fraction": eval_fraction,
+    }
+    fsync_dir(folder)  # the token files' renames must be durable before meta.json vouches for them
+    write_json(folder / META_NAME, meta)
+    fsync_dir(folder)
+    log.info("packed %d documents into %d train + %d eval tokens in %.1f s (%s)",
+             n_docs, n_train, n_eval, time.perf_counter() - started, folder)
+    return open_packed(folder / META_NAME)
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files a killed build left behind (never trusted, but they take space).
+
+    Only old ones: a recent temporary file may belong to a build running right now elsewhere.
+    """
+    cutoff = time.time() - _STALE_TEMP_S
+    for path in folder.glob(".*.tmp"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:
+            pass  # removed by another process meanwhile: fine
+
+
+def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype, out) -> tuple:
+    """Write ``doc eos doc eos ...`` to ``out``; returns (tokens written, documents)."""
+    n_tokens = n_docs = 0
+    for batch in _batches(documents):
+        for ids in tokenizer.encode_batch(batch):
+            if len(ids) and (int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0):
+                # Would wrap silently in the narrow dtype and train on garbage ids.
+                raise ValueError(f"tokenizer {tokenizer.name} produced an id outside [0, {tokenizer.vocab_size})")
+            row = np.empty(len(ids) + 1, dtype=dtype)
+            row[:-1] = ids
+            row[-1] = tokenizer.eos_id
+            out.write(row.tobytes())
+            n_tokens += len(row)
+            n_docs += 1
+    return n_tokens, n_docs
+
+
+def _batches(documents: Iterable[str]) -> Iterator[List[str]]:
+    batch: List[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if len(batch) >= _BATCH_DOCS or size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
