@@ -5,6 +5,7 @@ Every failure becomes a ConfigError naming the key, so the CLI can exit 2 with o
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
 from typing import List, Sequence, Tuple
@@ -53,6 +54,27 @@ def _known_keys(node, prefix: str = "") -> List[str]:
     return keys
 
 
+def _is_schema_key(dotted: str) -> bool:
+    """Whether a dotted key names a field of the schema; any key inside the free-form `model.config`
+    counts (it is checked against the HF config class later)."""
+    node: object = RunConfig()
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if parts[:i] == ["model", "config"]:
+            return True
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def _for_hydra(text: str, ov) -> str:
+    """Let `group.key=value` set any schema key, also one the group's YAML file leaves at its default
+    (Hydra's struct mode would demand `+` for those). Unknown keys are left for Hydra to refuse."""
+    plain = not (ov.is_add() or ov.is_force_add() or ov.is_delete()) and ov.package is None
+    return "++" + text.lstrip() if plain and "." in ov.key_or_group and _is_schema_key(ov.key_or_group) else text
+
+
 def _group_options(group: str) -> List[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
@@ -61,7 +83,7 @@ def _load_recipe(name: str, recipe_dirs: Sequence[str | Path]) -> Tuple[dict, Pa
     recipe = find_recipe(name, recipe_dirs)
     try:
         body = yaml.safe_load(recipe.path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(Problem("recipe", name, f"{recipe.path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the file"))
     if not isinstance(body, dict):
         raise ConfigError(Problem("recipe", name, f"{recipe.path} must hold a mapping", "see the README section on recipes"))
@@ -79,10 +101,14 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     parsed = _parse_overrides(overrides)
     recipe_name = ""
     for ov in parsed:
-        if ov.key_or_group == RECIPE_GROUP:
-            recipe_name = str(ov.value())
-        elif ov.is_delete():
+        if ov.is_delete():
             raise ConfigError(Problem(ov.key_or_group, _raw_value(ov.input_line), "deleting keys (~key) is not allowed", "override the value instead"))
+        if ov.key_or_group in GROUPS + (RECIPE_GROUP,) and not (isinstance(ov.value(), str) and ov.value()):
+            group = ov.key_or_group
+            options = "see `partrain recipes`" if group == RECIPE_GROUP else f"choose one of {', '.join(_group_options(group))}"
+            raise ConfigError(Problem(group, ov.value(), f"must name one {group} config", options))
+        if ov.key_or_group == RECIPE_GROUP:
+            recipe_name = ov.value()
         elif ov.key_or_group.split(".")[0] not in GROUPS and not ov.key_or_group.startswith("hydra"):
             close = difflib.get_close_matches(ov.key_or_group.split(".")[0], GROUPS + (RECIPE_GROUP,), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
@@ -95,12 +121,12 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
         store.store(group=RECIPE_GROUP, name=recipe_name, node=body, package="_global_", provider=str(path))
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=[_for_hydra(t, ov) for t, ov in zip(overrides, parsed)])
     except MissingConfigException as exc:
-        raise ConfigError(_missing_option_problem(exc, parsed))
+        raise ConfigError(_missing_option_problem(exc, parsed, recipe_name))
     except ConfigCompositionException as exc:
-        raise ConfigError(_composition_problem(exc, parsed))
-    except HydraException as exc:
+        raise ConfigError(_composition_problem(exc, parsed, recipe_name))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(Problem(RECIPE_GROUP if recipe_name else "overrides", recipe_name or " ".join(overrides),
                                   str(exc).splitlines()[0], "check the recipe's defaults list and the overrides"))
     finally:
@@ -109,7 +135,7 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     return _typed(cfg, recipe_name)
 
 
-def _missing_option_problem(exc, parsed) -> Problem:
+def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
     text = str(exc)
     for ov in parsed:
         group = ov.key_or_group.lstrip("+")
@@ -119,27 +145,37 @@ def _missing_option_problem(exc, parsed) -> Problem:
             close = difflib.get_close_matches(str(value), options, n=1)
             hint = f"did you mean {group}={close[0]}? " if close else ""
             return Problem(group, value, f"no {group} config of that name", f"{hint}choose one of {', '.join(options)}")
-    return Problem("defaults", "", text.splitlines()[0], "check the group names in the recipe's defaults list")
+    if recipe_name:
+        return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the group options in the recipe's defaults list")
+    return Problem("defaults", "", text.splitlines()[0], "check the group names in the defaults list")
 
 
-def _composition_problem(exc, parsed) -> Problem:
+def _composition_problem(exc, parsed, recipe_name: str) -> Problem:
     text = str(exc)
     for ov in parsed:
         if f"'{ov.key_or_group}'" in text or ov.input_line in text:
-            known = _known_keys(OmegaConf.structured(RunConfig))
-            close = difflib.get_close_matches(ov.key_or_group, known, n=1)
-            hint = f"did you mean {close[0]}?" if close else "see `partrain show --explain` for every key"
+            parent, _, leaf = ov.key_or_group.lstrip("+").rpartition(".")
+            siblings = [k.rpartition(".")[2] for k in _known_keys(OmegaConf.structured(RunConfig)) if k.rpartition(".")[0] == parent]
+            close = difflib.get_close_matches(leaf, siblings, n=1)
+            hint = (f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else
+                    f"known keys here: {', '.join(siblings)}" if siblings else "see `partrain show --explain` for every key")
             if "not in struct" in text or "Could not override" in text:
                 return Problem(ov.key_or_group, ov.value(), "not a config key", hint)
             if "Could not append" in text or "already" in text:
                 return Problem(ov.key_or_group, ov.value(), "key already exists: drop the '+'", f"write {ov.key_or_group.lstrip('+')}=...")
             return Problem(ov.key_or_group, ov.value(), text.splitlines()[-1], hint)
+    if recipe_name:
+        return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the recipe's defaults list")
     return Problem("overrides", "", text.splitlines()[0], "check the overrides")
 
 
 def _typed(cfg: DictConfig, recipe_name: str) -> RunConfig:
     """Merge the untyped composition into the schema: unknown keys and wrong types are errors."""
-    raw = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # a broken ${...} interpolation
+        key = getattr(exc, "full_key", "") or "config"
+        raise ConfigError(Problem(key, _lookup(OmegaConf.to_container(cfg, resolve=False), key), f"cannot resolve ({str(exc).splitlines()[0]})", "give a plain value or a valid ${...} reference"))
     raw.pop("hydra", None)
     raw["recipe"] = recipe_name
     schema = OmegaConf.structured(RunConfig)

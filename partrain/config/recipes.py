@@ -51,7 +51,7 @@ def recipe_dirs(user_dirs: Sequence[str | Path]) -> List[Path]:
 def _description(path: Path) -> str:
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return "(unreadable)"
     return str(data.get("description", "")) if isinstance(data, dict) else "(not a mapping)"
 

@@ -153,7 +153,7 @@ class TrainConfig:
     eval_every: int = 50
     """Evaluate every this many steps (0 = only at the end)."""
     eval_batches: int = 4
-    """Microbatches per evaluation."""
+    """Global batches (of global_batch_size sequences) per evaluation; the same for every layout. 0 = no eval."""
     log_every: int = 1
     """Console progress every this many steps (metrics.jsonl gets every step)."""
     threads_per_process: int = 0

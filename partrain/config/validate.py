@@ -83,7 +83,7 @@ def _check_ranges(c: _Collector, run: RunConfig) -> None:
         ("cluster.nodes", cl.nodes, 1), ("cluster.devices_per_node", cl.devices_per_node, 1),
         ("train.seq_len", t.seq_len, 1), ("train.micro_batch_size", t.micro_batch_size, 1), ("train.steps", t.steps, 1),
         ("train.global_batch_size", t.global_batch_size, 0), ("train.microbatches", t.microbatches, 0),
-        ("train.eval_every", t.eval_every, 0), ("train.eval_batches", t.eval_batches, 1), ("train.log_every", t.log_every, 1),
+        ("train.eval_every", t.eval_every, 0), ("train.eval_batches", t.eval_batches, 0), ("train.log_every", t.log_every, 1),
         ("train.threads_per_process", t.threads_per_process, 0), ("train.max_restarts", t.max_restarts, 0),
         ("train.timeout_s", t.timeout_s, 1), ("checkpoint.every_steps", ck.every_steps, 0), ("checkpoint.keep_last", ck.keep_last, 0),
         ("optim.warmup_steps", o.warmup_steps, 0), ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
