@@ -29,7 +29,7 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
     pretrained: Optional[str] = None
-    """Local folder with an HF `save_pretrained` checkpoint; its config.json wins over `config`. Nothing is downloaded."""
+    """Local folder with an HF `save_pretrained` checkpoint; its config.json is the base and `config` keys override it. Nothing is downloaded."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped in a pretrained folder. Off: such code is never executed."""
     name: str = ""

@@ -149,22 +149,35 @@ def _int(values: Dict[str, Any], name: str, arch: str) -> int:
     return value
 
 
+def _opt_int(values: Dict[str, Any], name: str, arch: str) -> Optional[int]:
+    """A field HF derives when it is unset (None); when set, a positive integer."""
+    return None if values.get(name) is None else _int(values, name, arch)
+
+
+def _divides(part: int, whole: int, key: str, rule: str) -> None:
+    if whole % part:
+        raise ConfigError(Problem(key, part, f"{rule}; {whole} % {part} = {whole % part}", f"choose a divisor of {whole}"))
+
+
 def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> ModelFacts:
     if arch == "gpt2":
         hidden, heads = _int(values, "n_embd", arch), _int(values, "n_head", arch)
+        _divides(heads, hidden, "model.config.n_head", f"must divide the hidden size n_embd={hidden}")
         return ModelFacts(
             arch=arch, config_class=class_name, n_layers=_int(values, "n_layer", arch), hidden=hidden, heads=heads,
-            kv_heads=heads, head_dim=hidden // heads, ffn=values.get("n_inner") or 4 * hidden,
+            kv_heads=heads, head_dim=hidden // heads, ffn=_opt_int(values, "n_inner", arch) or 4 * hidden,
             vocab=_int(values, "vocab_size", arch), max_positions=_int(values, "n_positions", arch),
             tied_embeddings=bool(values.get("tie_word_embeddings", True)), norm="layernorm", gated_mlp=False,
             qkv_bias=True, learned_positions=True,
         )
     hidden, heads = _int(values, "hidden_size", arch), _int(values, "num_attention_heads", arch)
-    kv_heads = values.get("num_key_value_heads") or heads
+    kv_heads = _opt_int(values, "num_key_value_heads", arch) or heads
+    _divides(kv_heads, heads, "model.config.num_key_value_heads",
+             f"must divide the attention heads num_attention_heads={heads} (each KV head serves a group of query heads)")
     n_layers = _int(values, "num_hidden_layers", arch)
     common = dict(
         arch=arch, config_class=class_name, n_layers=n_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        head_dim=values.get("head_dim") or hidden // heads, vocab=_int(values, "vocab_size", arch),
+        head_dim=_opt_int(values, "head_dim", arch) or hidden // heads, vocab=_int(values, "vocab_size", arch),
         max_positions=_int(values, "max_position_embeddings", arch),
         tied_embeddings=bool(values.get("tie_word_embeddings", False)), norm="rmsnorm", gated_mlp=True,
         qkv_bias=bool(values.get("attention_bias") or values.get("qkv_bias") or arch in ("qwen2", "qwen2_moe")),
@@ -173,12 +186,14 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
         return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch), n_experts=_int(values, "num_local_experts", arch),
                           experts_per_token=_int(values, "num_experts_per_tok", arch), moe_layers=n_layers)
     if arch == "qwen2_moe":
-        step = values.get("decoder_sparse_step") or 1
-        dense_only = set(values.get("mlp_only_layers") or [])
-        moe_layers = sum(1 for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0)
+        step = _opt_int(values, "decoder_sparse_step", arch) or 1
+        dense_only = values.get("mlp_only_layers") or []
+        if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
+            raise ConfigError(Problem("model.config.mlp_only_layers", dense_only, "must be a list of layer indices", "e.g. [0, 1], or []"))
+        moe_layers = n_layers // step - sum(1 for i in set(dense_only) if 0 <= i < n_layers and (i + 1) % step == 0)
         return ModelFacts(**common, ffn=_int(values, "moe_intermediate_size", arch), n_experts=_int(values, "num_experts", arch),
                           experts_per_token=_int(values, "num_experts_per_tok", arch),
-                          shared_expert_ffn=values.get("shared_expert_intermediate_size") or 0, moe_layers=moe_layers)
+                          shared_expert_ffn=_opt_int(values, "shared_expert_intermediate_size", arch) or 0, moe_layers=moe_layers)
     return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch))
 
 

@@ -1,0 +1,105 @@
+"""Turn a partrain ModelConfig into an HF config and an unallocated (meta-device) model.
+
+Weights are never allocated here: parallel code first shards the meta model (TP, FSDP, pipeline
+split) and `partrain.models.init.materialize` then fills only each rank's shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from ..config.schema import ModelConfig
+from ..errors import ConfigError, Problem
+from .facts import load_snapshot, merged_kwargs
+
+ATTN_IMPLEMENTATION = "sdpa"
+"""Default attention kernel. SDPA runs on CPU and GPU, its CPU kernels are deterministic (no atomics,
+fixed reduction order for a given thread count), it never materialises the S x S score matrix, and
+with attention_mask=None it runs causal, which pipeline stages rely on. "eager" is the slower
+reference; a user may still pick any HF implementation with model.config.attn_implementation."""
+
+EXPERTS_IMPLEMENTATION = "eager"
+"""Default MoE experts kernel: HF's plain per-expert loop of F.linear calls. It works for meta,
+DTensor and CPU tensors alike and keeps expert-parallel code simple; transformers would otherwise
+pick "grouped_mm". Override with model.config.experts_implementation."""
+
+# Keys that HF configs accept as constructor kwargs without being dataclass fields.
+_IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation")
+
+
+def hf_config(model_cfg: ModelConfig) -> Any:
+    """The `transformers.PretrainedConfig` for `model_cfg`, ready for training.
+
+    Built from `model_cfg.arch` and the `model_cfg.config` kwargs, or loaded from the local
+    `model_cfg.pretrained` folder (never downloaded) with the kwargs applied on top (the same order
+    as `partrain.models.facts`, so the planner and the model agree). Always sets use_cache=False
+    (a KV cache is rebuilt during reentrant recompute and gives wrong gradients) and the attention /
+    experts implementations above unless the kwargs name others. Raises ConfigError for unknown
+    archs or keys, an arch that differs from the pretrained folder's, or values HF rejects.
+    """
+    kwargs: Dict[str, Any] = dict(model_cfg.config or {})
+    implementations = {k: kwargs.pop(k) for k in _IMPLEMENTATION_KEYS if k in kwargs}
+    if kwargs.get("use_cache"):
+        raise ConfigError(Problem("model.config.use_cache", kwargs["use_cache"],
+                                  "training needs use_cache=False (a KV cache makes recomputed activations wrong)",
+                                  "remove model.config.use_cache"))
+    kwargs.pop("use_cache", None)
+    # One validator for unknown archs, unknown keys and arch/pretrained mismatch: the facts layer.
+    merged_kwargs(model_cfg.arch, kwargs, model_cfg.pretrained, load_snapshot())
+
+    try:
+        if model_cfg.pretrained:
+            config = _load_pretrained_config(model_cfg, kwargs)
+        else:
+            from transformers import CONFIG_MAPPING
+
+            config = CONFIG_MAPPING[model_cfg.arch](**kwargs)
+    except ConfigError:
+        raise
+    except Exception as exc:  # HF's strict dataclass and __post_init__ checks raise various types
+        raise ConfigError(Problem("model.config", kwargs, f"transformers rejects this {model_cfg.arch} config: {exc}",
+                                  "fix the named value")) from exc
+
+    config.use_cache = False
+    config._attn_implementation = implementations.get("attn_implementation", ATTN_IMPLEMENTATION)
+    config._experts_implementation = implementations.get("experts_implementation", EXPERTS_IMPLEMENTATION)
+    return config
+
+
+def _load_pretrained_config(model_cfg: ModelConfig, kwargs: Dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_cfg.pretrained, local_files_only=True,
+                                          trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ConfigError(Problem("model.trust_remote_code", model_cfg.trust_remote_code,
+                                      "the pretrained folder ships its own modelling code",
+                                      "set model.trust_remote_code=true if you trust that code")) from exc
+        raise
+    except OSError as exc:
+        raise ConfigError(Problem("model.pretrained", model_cfg.pretrained, f"cannot read the HF config there: {exc}",
+                                  "point model.pretrained at a local save_pretrained folder")) from exc
+
+
+def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
+    """The HF `*ForCausalLM` for `model_cfg` on the meta device, fp32, with no storage allocated.
+
+    Parameters and buffers are placeholders (shape and dtype only) until `materialize` fills them.
+    """
+    config = hf_config(model_cfg)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            # dtype=fp32 explicitly: a pretrained config.json may say bf16; master weights are fp32
+            # and mixed precision is applied later by the parallel wrappers.
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                    trust_remote_code=model_cfg.trust_remote_code)
+    except (ValueError, ImportError) as exc:  # e.g. an attention implementation that is not installed
+        raise ConfigError(Problem("model.config", dict(model_cfg.config or {}),
+                                  f"transformers cannot build this model: {exc}", "fix the named setting")) from exc

@@ -1,0 +1,39 @@
+"""The training loss of a causal LM, computed by partrain rather than by HF.
+
+The data pipeline already shifts labels (labels[t] is the token after input_ids[t], -100 where
+there is none), so no shift happens here; HF's built-in loss would shift a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+"""Label value that contributes nothing to the loss (padding, document ends)."""
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labelled tokens; logits [B, S, V], labels [B, S].
+
+    Computed in fp32 whatever the compute dtype. Vocabulary-sharded (DTensor) logits work inside
+    `torch.distributed.tensor.parallel.loss_parallel()`. Pipeline last stages call this directly.
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def forward_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run `model` on `input_ids` and return `token_loss` of its logits against `labels`.
+
+    position_ids default to arange(seq_len) and are always passed explicitly: with sequence
+    parallelism HF would otherwise derive positions from the local (sharded) length. Context
+    parallel code passes its own offsets.
+    """
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits
+    return token_loss(logits, labels)

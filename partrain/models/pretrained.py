@@ -1,0 +1,113 @@
+"""Read full tensors, one at a time and by model FQN, from a local `save_pretrained` folder.
+
+Only safetensors files are read (memory-mapped with `safe_open`); pickled `.bin` checkpoints are
+never loaded because unpickling runs arbitrary code. Besides exact names, the reader understands
+the differences between transformers' in-memory names and what `save_pretrained` writes:
+- a base-model-only file (keys without "model." / "transformer.", as on the Hub for gpt2);
+- the adapter's renames (Mixtral's router lives under "block_sparse_moe" on disk);
+- MoE experts stored per expert on disk but as stacked 3-D parameters in memory (LegacyExperts).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ConfigError, Problem
+from .adapters import Adapter
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsCheckpoint:
+    """Tensor lookup over the safetensors files of one folder. Use as a context manager."""
+
+    def __init__(self, folder: str, adapter: Adapter):
+        self.folder = Path(folder).expanduser()
+        self.adapter = adapter
+        self.key_to_file = _key_to_file(self.folder)
+        self._stack = ExitStack()
+        self._handles: Dict[str, object] = {}
+
+    def __enter__(self) -> "SafetensorsCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor stored under `key` (CPU, dtype as stored)."""
+        file = self.key_to_file[key]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt", device="cpu"))
+            self._handles[file] = handle
+        return handle.get_tensor(key)
+
+    def value(self, fqn: str, shape: Sequence[int]) -> Optional[torch.Tensor]:
+        """Full value of the model tensor `fqn` (of `shape`), or None when the folder lacks it."""
+        for key in self._candidate_keys(fqn):
+            if key in self.key_to_file:
+                return self.read(key)
+        return self._legacy_experts(fqn, shape)
+
+    def _candidate_keys(self, fqn: str) -> List[str]:
+        keys = [fqn]
+        for in_model, in_file in self.adapter.checkpoint_renames:
+            if in_model in fqn:
+                keys.append(fqn.replace(in_model, in_file))
+        prefix = self.adapter.base_prefix + "."
+        keys += [k[len(prefix):] for k in list(keys) if k.startswith(prefix)]
+        return keys
+
+    def _legacy_experts(self, fqn: str, shape: Sequence[int]) -> Optional[torch.Tensor]:
+        """Stack per-expert Linear weights into the [E, ...] parameter transformers 5 uses in memory."""
+        legacy, experts_attr = self.adapter.legacy_experts, self.adapter.experts_attr
+        if legacy is None or experts_attr is None:
+            return None
+        layer_path, sep, param = fqn.rpartition(f".{experts_attr}.")
+        if not sep or param not in ("gate_up_proj", "down_proj"):
+            return None
+        prefix = f"{layer_path}.{legacy.file_experts_attr}"
+        names = (legacy.gate, legacy.up) if param == "gate_up_proj" else (legacy.down,)
+        keys = [[f"{prefix}.{e}.{n}.weight" for n in names] for e in range(shape[0])]
+        if not all(k in self.key_to_file for per_expert in keys for k in per_expert):
+            return None
+        # Fill one preallocated tensor so at most one full parameter (plus one expert) is alive.
+        # gate_up_proj[e] is [gate_e; up_e] along the output dimension, as transformers merges it.
+        full: Optional[torch.Tensor] = None
+        for e, per_expert in enumerate(keys):
+            row = 0
+            for key in per_expert:
+                part = self.read(key)
+                if full is None:
+                    full = torch.empty(tuple(shape), dtype=part.dtype)
+                full[e, row:row + part.shape[0]].copy_(part)
+                row += part.shape[0]
+                del part
+            if row != shape[1]:
+                raise ValueError(f"{fqn}: per-expert weights give {row} rows, the model expects {shape[1]}")
+        return full
+
+
+def _key_to_file(folder: Path) -> Dict[str, str]:
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = folder / _SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return {key: _SINGLE_FILE for key in handle.keys()}
+    raise ConfigError(Problem("model.pretrained", str(folder), "no safetensors weights in that folder "
+                              f"({_SINGLE_FILE} or {_INDEX_FILE}); pickled .bin files are never loaded",
+                              "re-save the model with save_pretrained(..., safe_serialization=True)"))
