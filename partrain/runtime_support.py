@@ -13,7 +13,7 @@ from .config.validate import ValidatedRun
 
 # Flipped to True by the module that implements each technique (kept here, one place to read).
 IMPLEMENTED = {
-    "tp": False,
+    "tp": True,
     "pp": False,
     "sp": False,
     "ep": False,

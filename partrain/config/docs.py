@@ -7,8 +7,6 @@ import dataclasses
 import inspect
 from typing import Dict, List
 
-from . import schema
-
 
 def field_docs(cls) -> Dict[str, str]:
     """{field name: docstring} from the string literal that follows each annotated field."""
@@ -22,13 +20,14 @@ def field_docs(cls) -> Dict[str, str]:
     return docs
 
 
-def explain_rows(run: schema.RunConfig) -> List[dict]:
+def explain_rows(run, prefix: str = "") -> List[dict]:
+    """One row per config key (dataclasses are walked, so every leaf of the schema appears)."""
     rows = []
-    for group in dataclasses.fields(run):
-        value = getattr(run, group.name)
-        if not dataclasses.is_dataclass(value):
-            continue
-        docs = field_docs(type(value))
-        for f in dataclasses.fields(value):
-            rows.append({"key": f"{group.name}.{f.name}", "type": str(f.type), "value": getattr(value, f.name), "doc": docs.get(f.name, "")})
+    docs = field_docs(type(run))
+    for f in dataclasses.fields(run):
+        value = getattr(run, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(explain_rows(value, f"{prefix}{f.name}."))
+        else:
+            rows.append({"key": f"{prefix}{f.name}", "type": str(f.type), "value": value, "doc": docs.get(f.name, "")})
     return rows

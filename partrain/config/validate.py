@@ -21,6 +21,8 @@ from .schema import AXES, BACKENDS, DEVICES, PP_SCHEDULES, PRECISIONS, RECOMPUTE
 INTERLEAVED = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
 V_SHAPED = ("zbv", "dualpipev")
 BYTE_VOCAB = 256
+MAX_WORLD = 1 << 18
+"""Largest world size partrain lays out (the dry run lists every rank; beyond this it would take minutes)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,11 @@ def _degree_problems(c: _Collector, run: RunConfig, facts: Optional[ModelFacts])
     """Check the world-size axes; return resolved degrees (dp, tp, pp, sp) or None."""
     p, cl = run.parallel, run.cluster
     world = cl.nodes * cl.devices_per_node
+    if world > MAX_WORLD:
+        key, value = ("cluster.devices_per_node", cl.devices_per_node) if cl.devices_per_node > MAX_WORLD else ("cluster.nodes", cl.nodes)
+        c.add(key, value, f"the world size nodes x devices_per_node = {world} exceeds the {MAX_WORLD} ranks partrain lays out",
+              "plan a smaller cluster")
+        return None
     given = {a: getattr(p, a) for a in AXES}
     ok = True
     for axis, value in given.items():
@@ -219,6 +226,17 @@ def _tp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
         padded = -(-facts.vocab // tp) * tp
         c.add("parallel.tp", tp, f"must divide the vocabulary size ({facts.vocab}) for the vocabulary-parallel embedding and head",
               f"pad it: model.config.vocab_size={padded}, or {fix}")
+    p = run.parallel
+    if p.zero_stage == 1:
+        c.add("parallel.zero_stage", 1, "ZeRO-1 (flat sharded optimizer) is not supported together with tensor parallelism",
+              "use parallel.zero_stage=0 (replicated) or 3 (FSDP, sharded with TP as a 2-D mesh)")
+    if p.tp_sequence_parallel:
+        if facts.learned_positions:
+            c.add("parallel.tp_sequence_parallel", True, f"Megatron sequence parallelism is not supported for {facts.arch} "
+                  "(its learned position embeddings are added outside the embedding layer)", "set parallel.tp_sequence_parallel=false")
+        elif run.train.seq_len % tp:
+            c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over tp={tp} ranks",
+                  f"use a multiple of {tp}, e.g. {-(-run.train.seq_len // tp) * tp}")
     if tp > cl.devices_per_node and not cl.allow_tp_across_nodes:
         c.add("parallel.tp", tp, f"a tensor-parallel group must fit in one node (cluster.devices_per_node={cl.devices_per_node})",
               f"use tp <= {cl.devices_per_node}, or set cluster.allow_tp_across_nodes=true")
@@ -301,7 +319,7 @@ def _ep_problems(c: _Collector, run: RunConfig, facts: Optional[ModelFacts], d: 
     ep = run.parallel.ep
     dpsp = d["dp"] * d["sp"]
     if ep == -1:
-        ep = dpsp if facts is None or not facts.is_moe else math.gcd(dpsp, facts.n_experts)
+        ep = 1 if facts is None or not facts.is_moe else math.gcd(dpsp, facts.n_experts)  # -1 = as many as fit
     if not c.check(ep >= 1, "parallel.ep", run.parallel.ep, "must be a positive integer or -1", "set parallel.ep=1"):
         return 1
     if facts is not None and not facts.is_moe:
@@ -329,9 +347,10 @@ def _sp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
             f"use train.seq_len={-(-seq // need) * need}")
     if run.parallel.sp_mode == "ulysses":
         for name, heads in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
-            c.check(heads % (tp * sp) == 0, "parallel.sp", sp,
-                    f"Ulysses gives each rank heads / (tp x sp); the model's {heads} {name} are not divisible by tp x sp = {tp * sp}",
-                    "use parallel.sp_mode=ring, or an sp that divides the heads")
+            if not c.check(heads % (tp * sp) == 0, "parallel.sp", sp,
+                           f"Ulysses gives each rank heads / (tp x sp); the model's {heads} {name} are not divisible by tp x sp = {tp * sp}",
+                           "use parallel.sp_mode=ring, or an sp that divides the heads"):
+                break  # one message per rule
 
 
 def _dp_shard(c: _Collector, run: RunConfig, dp: int) -> int:

@@ -65,6 +65,32 @@ class DataParallelModel:
     optimizer: object
     microbatch: Callable[[bool], ContextManager]
     """Context for one microbatch's forward+backward; argument: is it the last of the step."""
+    finish_gradients: Callable[[], None] = lambda: None
+    """Called once after the last backward of a step (gradient sync where no wrapper does it)."""
+
+
+def _has_dtensor_params(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def allreduce_gradients(model: nn.Module, group, size: int) -> None:
+    """Average local gradients over the data-parallel group in one flat buffer (for layouts DDP
+    cannot wrap: tensor-parallel DTensor parameters, pipeline stages)."""
+    grads = []
+    for p in model.parameters():
+        if p.grad is not None:
+            grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig) -> DataParallelModel:
@@ -80,6 +106,9 @@ def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: Optim
         optimizer = make_adamw(groups, optim_cfg)
     module: nn.Module = model
     microbatch: Callable[[bool], ContextManager] = lambda last: contextlib.nullcontext()
+    if dp_group_size > 1 and _has_dtensor_params(model):
+        group = mesh["dp_sp"].get_group()
+        return DataParallelModel(module, model, optimizer, microbatch, lambda: allreduce_gradients(model, group, dp_group_size))
     if dp_group_size > 1:
         ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_sp"].get_group())
         module = ddp

@@ -21,6 +21,7 @@ from ..config.validate import ValidatedRun
 from ..data import EvalBatches, TokenBatches
 from ..models.loss import forward_loss
 from ..parallel.data_parallel import DataParallelModel
+from ..parallel.tensor_parallel import loss_context
 from ..runtime.mesh import ParallelMesh
 from .metrics import MetricsWriter, emit, log
 from .optim import lr_at, set_lr
@@ -45,6 +46,11 @@ class TrainState:
     model_state_bytes: int = 0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (loss parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def autocast_context(precision: str, device_type: str):
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -60,13 +66,26 @@ def _mean_over(value: torch.Tensor, group, size: int) -> float:
 
 
 def clip_gradients(parameters, max_norm: float) -> float:
-    """Global gradient norm over every rank's shards; clip to max_norm when > 0."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(total, "full_tensor"):  # DTensor shards: the partial norms are summed across ranks here
-        total = total.full_tensor()
+    """Global gradient norm over every rank's shards; clip to max_norm when > 0.
+
+    Gradients are grouped by kind: plain tensors (replicated, counted once) and DTensors per mesh
+    and placement set (their norms are Partial over shard dims: full_tensor() sums the squares).
+    """
+    groups = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
+            groups.setdefault(key, []).append(p.grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares += norm.double().cpu() ** 2
+    total = squares.sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        for grads in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
     return float(total)
 
 
@@ -105,6 +124,7 @@ class Trainer:
         self.dp_rank = mesh.local("dp")
         self.dp_size = mesh.layout.dp
         self.loss_group = mesh["dp"].get_group()
+        self.loss_context = loss_context(mesh.size("tp"), use_loss_parallel=True)
 
     # -- one step ------------------------------------------------------------------------------
     def _microbatches(self, step: int):
@@ -122,11 +142,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32)
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device), y.to(self.device)
-            with self.dp.microbatch(i == len(micro) - 1):
+            with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(train.precision, self.device.type):
                     loss = forward_loss(self.dp.module, x, y)
                 (loss / len(micro)).backward()
-            loss_sum += loss.detach().float().cpu()
+            loss_sum += _local(loss.detach()).float().cpu()
+        self.dp.finish_gradients()
         grad_norm = clip_gradients(self.dp.inner.parameters(), self.cfg.optim.grad_clip)
         optimizer.step()
         if step == 0:
@@ -153,8 +174,8 @@ class Trainer:
         for i in range(self.cfg.train.eval_batches):
             inputs, labels = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
             for x, y in zip(inputs.split(b), labels.split(b)):
-                with autocast_context(self.cfg.train.precision, self.device.type):
-                    total += forward_loss(module, x.to(self.device), y.to(self.device)).float().cpu()
+                with autocast_context(self.cfg.train.precision, self.device.type), self.loss_context():
+                    total += _local(forward_loss(module, x.to(self.device), y.to(self.device))).float().cpu()
                 count += 1
         module.train(was_training)
         return _mean_over(total / count, self.loss_group, self.dp_size)
