@@ -17,9 +17,11 @@ IMPLEMENTED = {
     "pp": False,
     "sp": False,
     "ep": False,
-    "recompute": False,
+    "recompute": True,
     "checkpoint": False,
     "fp16": False,
+    "zero1-tp": False,
+    "tp-sp-learned-positions": False,
 }
 
 
@@ -32,6 +34,9 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "ep": (layout.ep > 1, f"parallel.ep={layout.ep} (expert parallelism)"),
         "recompute": (p.recompute != "none", f"parallel.recompute={p.recompute}"),
         "fp16": (v.run.train.precision == "fp16", "train.precision=fp16 (loss scaling; use bf16)"),
+        "zero1-tp": (p.zero_stage == 1 and layout.tp > 1, "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)"),
+        "tp-sp-learned-positions": (p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
+                                    f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)"),
         "checkpoint": (v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
                        "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)"),
     }

@@ -69,6 +69,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     from .models.build import build_meta_model
     from .models.init import materialize
     from .parallel import data_parallel
+    from .parallel.recompute import apply_recompute
     from .parallel.tensor_parallel import apply_tp
     from .runtime.mesh import build_mesh
     from .train.loop import Trainer, peak_rss_bytes
@@ -82,8 +83,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
 
     model = build_meta_model(run.model)
     adapter = get_adapter(model)
-    # Fixed order (as in torchtitan): tensor parallel -> FSDP on the meta model, then weights.
+    # Fixed order (as in torchtitan): tensor parallel -> recompute -> FSDP on the meta model, then weights.
     apply_tp(model, adapter, mesh["tp"], sequence_parallel=run.parallel.tp_sequence_parallel)
+    apply_recompute(model, adapter, run.parallel.recompute, run.parallel.recompute_every)
     if data_parallel.uses_fsdp(run.parallel.zero_stage):
         data_parallel.apply_fsdp(model, adapter, mesh, run.parallel.zero_stage)
     materialize(model, run.model, run.train.seed, device)
