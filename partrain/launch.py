@@ -137,7 +137,7 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
                 info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=event["step"], info=info)
             elif kind == "eval":
-                progress.console.print(f"step {event['step']}: eval loss {event['eval_loss']:.4f}")
+                progress.console.print(f"step {event['step']}: eval loss {event['eval_loss']:.4f}", markup=False)
             elif kind == "summary":
                 summary = event
     return summary
@@ -147,8 +147,9 @@ def _report_failure(run_dir: Path, code: int, console) -> None:
     errors = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime) if (run_dir / "errors").exists() else []
     if errors:
         first = errors[0].read_text().split("\n\n", 1)[0]
-        console.print(f"[bold red]training failed[/bold red]: {first}", highlight=False)
-        console.print(f"traceback: {errors[0]}; logs: {run_dir / 'logs'}", highlight=False)
+        console.print("[bold red]training failed[/bold red]: ", end="", highlight=False)
+        console.print(first, markup=False, highlight=False)
+        console.print(f"traceback: {errors[0]}; logs: {run_dir / 'logs'}", markup=False, highlight=False)
     else:
         console.print(f"[bold red]training failed[/bold red] (torchrun exit code {code}); logs: {run_dir}", highlight=False)
 

@@ -14,7 +14,7 @@ from .config.validate import ValidatedRun
 # Flipped to True by the module that implements each technique (kept here, one place to read).
 IMPLEMENTED = {
     "tp": True,
-    "pp": False,
+    "pp": True,
     "sp": False,
     "ep": False,
     "recompute": True,

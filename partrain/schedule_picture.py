@@ -22,8 +22,9 @@ How the grid is made
    (F of a chunk needs F of the previous chunk; B/I needs the next chunk's B/I; W needs its I).
    Gaps are bubbles.
 
-With unit costs the bubble of gpipe and 1f1b is exactly (p - 1) / (m + p - 1) of the step and
-that of interleaved-1f1b (p - 1) / (v m + p - 1) when m is a multiple of p (see `formula_bubble`).
+With unit costs the simulated bubble of gpipe and 1f1b is exactly (p - 1) / (m + p - 1) of the
+step, and that of interleaved-1f1b and looped-bfs exactly (p - 1) / (v m + p - 1) whenever m >= p
+(see `formula_bubble`; the tests check both).
 Real costs differ (the last stage also runs the head and the loss; backward is not exactly 2x
 forward; sends take time), so measured bubbles are somewhat larger.
 """
@@ -35,9 +36,10 @@ from html import escape
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
+from .parallel.stage_split import SCHEDULES, ZERO_BUBBLE_SCHEDULES, chunk_placement, schedule_problems, schedule_style
+
 _V_STYLE = ("zbv", "dualpipev")
-_ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv", "dualpipev")
+_ZERO_BUBBLE = ZERO_BUBBLE_SCHEDULES
 APPROXIMATE = {"dualpipev": "DualPipeV drawn with the ZBV order; its overlapped F+B pairs are not modelled"}
 
 DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -124,21 +126,18 @@ def formula_bubble(schedule: str, pp: int, v: int, m: int) -> Optional[float]:
 # ---- per-rank orders ----------------------------------------------------------------------------
 
 def placement(schedule: str, pp: int, v: int) -> List[List[int]]:
-    if schedule in _V_STYLE:
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[r + k * pp for k in range(v)] for r in range(pp)]
+    """Chunks (global stage indices) each rank owns under `schedule`."""
+    return chunk_placement(pp, v, schedule_style(schedule))
 
 
 def rank_orders(schedule: str, pp: int, v: int, m: int) -> List[List[Action]]:
-    """The order in which each rank runs its actions (see module docstring)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
-    if pp < 1 or v < 1 or m < 1:
-        raise ValueError("pp, virtual stages and microbatches must be >= 1")
-    if schedule in ("gpipe", "1f1b") and v != 1:
-        raise ValueError(f"{schedule} runs one chunk per rank (v=1)")
-    if schedule in _V_STYLE and v != 2:
-        raise ValueError(f"{schedule} needs exactly 2 chunks per rank")
+    """The order in which each rank runs its actions (see module docstring).
+
+    Raises ValueError for combinations torch rejects (`stage_split.schedule_problems`); some of
+    them (interleaved with m not a multiple of the rounds) would deadlock."""
+    problems = schedule_problems(schedule, pp, v, m)
+    if problems:
+        raise ValueError("; ".join(problems))
     out = []
     for r in range(pp):
         if schedule == "gpipe":
@@ -317,14 +316,15 @@ def schedule_grid(schedule: str, pp: int, v: int, n_microbatches: int,
                   orders: Optional[Sequence[Sequence[Action]]] = None) -> ScheduleGrid:
     """Simulate `schedule` (see module docstring). `orders` overrides the built-in per-rank orders,
     e.g. ones read from torch (`partrain.parallel.pipeline.torch_rank_orders`)."""
-    v = 2 if schedule in _V_STYLE else v
+    given = orders
     orders = [list(o) for o in orders] if orders is not None else rank_orders(schedule, pp, v, n_microbatches)
     owned = placement(schedule, pp, v)
     chunk_of = {s: k for chunks in owned for k, s in enumerate(chunks)}
     raw = simulate(orders, pp * v)
     rows = [[None if c is None else Cell(c[0].kind, c[0].mb, c[0].stage, chunk_of.get(c[0].stage, 0), c[1]) for c in row]
             for row in raw]
-    return ScheduleGrid(schedule, pp, v, n_microbatches, rows, owned, APPROXIMATE.get(schedule, ""), orders)
+    note = APPROXIMATE.get(schedule, "") if given is None else ""
+    return ScheduleGrid(schedule, pp, v, n_microbatches, rows, owned, note, orders)
 
 
 # ---- rendering ----------------------------------------------------------------------------------

@@ -65,12 +65,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     """Everything between init_process_group and destroy_process_group."""
     import torch
 
-    from .models.adapters import get_adapter
-    from .models.build import build_meta_model
-    from .models.init import materialize
-    from .parallel import data_parallel
-    from .parallel.recompute import apply_recompute
-    from .parallel.tensor_parallel import apply_tp
+    from .parallelize import build_engine
     from .runtime.mesh import build_mesh
     from .train.loop import Trainer, peak_rss_bytes
     from .train.metrics import MetricsWriter
@@ -80,21 +75,11 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     device = _device(v, env)
     mesh = build_mesh(v.layout, device.type)
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
-
-    model = build_meta_model(run.model)
-    adapter = get_adapter(model)
-    # Fixed order (as in torchtitan): tensor parallel -> recompute -> FSDP on the meta model, then weights.
-    apply_tp(model, adapter, mesh["tp"], sequence_parallel=run.parallel.tp_sequence_parallel)
-    apply_recompute(model, adapter, run.parallel.recompute, run.parallel.recompute_every)
-    if data_parallel.uses_fsdp(run.parallel.zero_stage):
-        data_parallel.apply_fsdp(model, adapter, mesh, run.parallel.zero_stage)
-    materialize(model, run.model, run.train.seed, device)
-    model.train()
-    dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim)
+    engine = build_engine(v, mesh, device)
 
     batches, evals = _open_data(v, run_dir)
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
-    trainer = Trainer(v, mesh, dp_model, batches, evals, metrics, device, env.is_main)
+    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main)
     state = trainer.run()
     metrics.close()
 

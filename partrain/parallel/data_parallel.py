@@ -76,12 +76,19 @@ def _has_dtensor_params(model: nn.Module) -> bool:
 
 
 def allreduce_gradients(model: nn.Module, group, size: int) -> None:
+    allreduce_gradients_of([model], group, size)
+
+
+def allreduce_gradients_of(modules, group, size: int) -> None:
     """Average local gradients over the data-parallel group in one flat buffer (for layouts DDP
     cannot wrap: tensor-parallel DTensor parameters, pipeline stages)."""
     grads = []
-    for p in model.parameters():
-        if p.grad is not None:
-            grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    seen = set()
+    for module in modules:
+        for p in module.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
     if size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

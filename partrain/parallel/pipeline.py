@@ -8,13 +8,15 @@ Order of use in a worker (see also `PipelineRunner`):
     stages = [build_stage_module(meta, adapter, c, pp * v, plan["ranges"][c]) for c in chunks]
     for s in stages: apply TP to s; fully_shard(layer) for each layer in s.layers(), then fully_shard(s)
     for s in stages: materialize(s, model_cfg, seed, device)  # same FQNs as the full model
-    (DDP instead of FSDP: wrap each materialized stage: DistributedDataParallel(s, process_group=dp))
+    (zero_stage 0/1: DDP(s, process_group=dp) around each materialized stage, except for the
+     zero-bubble schedules: there pass the plain stages and dp_group=mesh["dp_sp"] to the runner)
     optimizer over the parameters of all of this rank's stages
     runner = PipelineRunner(stages, chunks, n_chunks, mesh["pp"], schedule, microbatches,
                             token_loss, device, microbatch_size, seq_len)
-    each step: zero_grad; loss = runner.step(inputs or None, labels or None)   # fwd+bwd, tied sync
+    each step: zero_grad; loss = runner.step(inputs or None, labels or None)   # fwd+bwd, dp, tied sync
                norm = clip_grad_norm_(stages, max_norm, mesh["pp"]); optimizer.step()
                loss = runner.broadcast_loss(loss)                               # then mean over dp
+    eval: runner.eval_step(inputs, labels) (forward only), then broadcast_loss
 
 Stage modules keep the full model's parameter names (`model.layers.5.mlp.up_proj.weight`), so
 `partrain.models.init.materialize` gives every chunk exactly the full model's weights and
@@ -28,14 +30,19 @@ the stage, so materialize (or a checkpoint) fills both copies with the same valu
 owning pp ranks, or added locally when one rank owns both chunks, as in ZBV/DualPipeV) and writes
 the sum into both: exactly the gradient of the one tied weight of the unsplit model, as Megatron's
 embedding-group all-reduce does. Same values + same gradients + same optimizer -> the copies stay
-identical. Gradient-norm clipping must count that weight once (`clip_grad_norm_` does).
+identical. Gradient-norm clipping must count that weight once (`clip_grad_norm_` does). The sync
+exchanges local shards, so with FSDP/TP both copies must be sharded alike (a vocab-parallel
+embedding and a column-parallel head both shard the [vocab, hidden] weight on dim 0).
+
+Measurements: `PipelineRunner.last_timing` (busy = time inside the stages' forward, backward and
+weight-gradient calls and the loss; idle = the rest of the step: waiting for neighbours, sends,
+bubbles) and `saved_activation_bytes` (peak bytes autograd holds during a step).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -44,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.adapters import Adapter
-from .stage_split import SCHEDULE_CLASS, chunk_placement, schedule_problems, schedule_style
+from .stage_split import (SCHEDULE_CLASS, ZERO_BUBBLE_SCHEDULES, chunk_placement, owner_of_chunk, schedule_problems,
+                          schedule_style)
 
 
 # ---- stage modules ------------------------------------------------------------------------------
@@ -216,6 +224,11 @@ def tied_weight_sync(stage_modules: Sequence[nn.Module], pp_group: Optional[dist
     last = next((m.tied_weight() for m in mods if m.is_last and m.tied_weight() is not None), None)
     if first is None and last is None:
         return False
+    for p in (first, last):
+        # A tensor-parallel embedding's gradient can come back Partial/Replicate: bring it to the
+        # parameter's own sharding so both copies exchange equal-sized local shards.
+        if p is not None and p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     if first is not None and last is not None:
         if first is last:  # one chunk holds both: the module itself ties them
             return True
@@ -235,6 +248,37 @@ def tied_weight_sync(stage_modules: Sequence[nn.Module], pp_group: Optional[dist
         work.wait()
     grad.copy_(send + recv if first is not None else recv + send)  # always first + last
     return True
+
+
+@torch.no_grad()
+def all_reduce_grads(modules: Sequence[nn.Module], group: Optional[dist.ProcessGroup],
+                     bucket_elements: int = 1 << 24) -> None:
+    """Average every gradient of `modules` over `group` (SUM then divide: gloo has no AVG), in flat
+    buckets of up to `bucket_elements` elements per dtype. Plain tensors only (no DTensors)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        bucket: List[torch.Tensor] = []
+        count = 0
+        for g in same + [None]:  # type: ignore[list-item]
+            if g is not None and (not bucket or count + g.numel() <= bucket_elements):
+                bucket.append(g)
+                count += g.numel()
+                continue
+            if bucket:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                flat.div_(size)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+            bucket, count = ([g], g.numel()) if g is not None else ([], 0)
 
 
 @torch.no_grad()
@@ -328,6 +372,19 @@ class PipelineRunner:
             when activations are DTensors (sequence parallel) or change dtype (autocast).
         sync_tied: run `tied_weight_sync` at the end of every step (default True).
         measure: time the stages' forward/backward calls (`last_timing`).
+        dp_group: data-parallel group for plain (unwrapped) stage modules: after the schedule the
+            runner all-reduces and averages every gradient over it (`all_reduce_grads`). Use this
+            instead of DDP for zero-bubble schedules (see below); leave None with FSDP or DDP.
+
+    Data parallelism around stages: FSDP2 (`fully_shard` each layer, then the stage module) works
+    with every schedule; torch's stages drive its reduce-scatter after the last microbatch. DDP
+    around each stage module works with gpipe, 1f1b, interleaved-1f1b and looped-bfs, but with
+    the zero-bubble schedules (split input/weight backward) torch 2.13 leaves DDP's gradients
+    wrong (measured at pp=2 x dp=2 on gloo: gradient norm off by 15-35%, loss by ~1e-3 from the
+    second step), so the runner refuses DDP there: pass unwrapped modules and dp_group instead.
+    With tensor parallelism, sequence-parallel (DTensor) activations or vocab-parallel logits
+    need static_shapes=False, the stages' `seq_len` set to the full length (positions), and the
+    step run inside `loss_parallel()` when the loss takes sharded logits.
 
     Gradients: torch divides the accumulated gradients by n_microbatches after the last backward
     (scale_grads=True) and loss_fn returns a microbatch mean, so the stage gradients equal those of
@@ -338,7 +395,7 @@ class PipelineRunner:
                  schedule: str, n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  device: Union[str, torch.device], microbatch_size: Optional[int] = None, seq_len: Optional[int] = None,
                  static_shapes: bool = True, sync_tied: bool = True, measure: bool = True,
-                 activation_dtype: torch.dtype = torch.float32):
+                 activation_dtype: torch.dtype = torch.float32, dp_group: Any = None):
         import torch.distributed.pipelining as pipelining
         from torch.distributed.pipelining import PipelineStage
 
@@ -358,6 +415,14 @@ class PipelineRunner:
         if sorted(chunk_indices) != sorted(placement[self.pp_rank]):
             raise ValueError(f"{schedule} expects pp rank {self.pp_rank} to own chunks {placement[self.pp_rank]}, "
                              f"got {list(chunk_indices)}")
+        ddp = [isinstance(m, nn.parallel.DistributedDataParallel) for m in stage_modules]
+        if any(ddp) and schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(f"{schedule} splits backward into input and weight passes, which torch 2.13 does not "
+                             "synchronise under DistributedDataParallel: pass the unwrapped stage modules and "
+                             "dp_group=<data-parallel group> (or shard them with FSDP)")
+        self.dp_group = _group_of(dp_group) if dp_group is not None else None
+        if self.dp_group is not None and any(ddp):
+            raise ValueError("stage modules are DDP-wrapped and dp_group is set: gradients would be averaged twice")
         self.first_owner = next(r for r, cs in enumerate(placement) if 0 in cs)
         self.last_owner = next(r for r, cs in enumerate(placement) if n_chunks - 1 in cs)
         order = sorted(range(len(chunk_indices)), key=lambda i: chunk_indices[i])
@@ -371,6 +436,9 @@ class PipelineRunner:
         self.last_timing: Optional[StepTiming] = None
         self._measure = measure
         self._user_loss_fn = loss_fn
+        self._activation_dtype = activation_dtype
+        hidden = _unwrap(stage_modules[0]).config.hidden_size
+        self._io_shape = (microbatch_size, seq_len, hidden) if microbatch_size and seq_len else None
 
         self.stages = []
         for module, chunk in zip(self.modules, self.chunk_indices):
@@ -441,6 +509,8 @@ class PipelineRunner:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         self.timing.wall = time.perf_counter() - t0
         self.last_timing = self.timing
+        if self.dp_group is not None:
+            all_reduce_grads(self.modules, self.dp_group)
         if self.sync_tied:
             tied_weight_sync(self.modules, self.group, self.first_owner, self.last_owner)
         if not self.has_last:
@@ -449,15 +519,42 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_step(self, inputs: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[float]:
-        """Forward only (loss on the last chunk's rank, None elsewhere); gradients untouched."""
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = labels.to(self.device) if self.has_last else None
-        losses: List[torch.Tensor] = []
-        with torch.enable_grad():  # torch's eval() checks grad mode only when it has a backward
-            self.schedule.eval(*args, target=target, losses=losses)
-        if not self.has_last:
-            return None
-        return float(torch.stack([l.detach().float() for l in losses]).mean())
+        """Forward only, one microbatch and one chunk at a time (no schedule, no overlap): the mean
+        microbatch loss on the last chunk's rank, None elsewhere. Gradients are untouched.
+
+        torch's `schedule.eval()` fails for the V-shaped and zero-bubble schedules in 2.13, so this
+        walks the chunks itself with blocking send/recv over the pp group. Every rank visits the
+        (microbatch, chunk) pairs in the same order, so sends and receives always match. Needs
+        plain-tensor activations of the static shape (microbatch_size, seq_len, hidden).
+        """
+        if self._io_shape is None:
+            raise ValueError("eval_step needs microbatch_size and seq_len")
+        owner = owner_of_chunk(self.pp_size, self.n_chunks // self.pp_size, self.style)
+        mine = dict(zip(self.chunk_indices, self.modules))
+        if self.has_first:
+            self._check_batch(inputs)
+            xs = inputs.to(self.device).chunk(self.n_microbatches)
+        if self.has_last:
+            self._check_batch(labels)
+            ys = labels.to(self.device).chunk(self.n_microbatches)
+        b, s, hidden = self._io_shape
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in range(self.n_microbatches):
+            h: Optional[torch.Tensor] = None
+            for c in range(self.n_chunks):
+                if c not in mine:
+                    continue
+                if c == 0:
+                    h = xs[mb]
+                elif owner[c - 1] != self.pp_rank:
+                    h = torch.empty(b, s, hidden, dtype=self._activation_dtype, device=self.device)
+                    dist.recv(h, group=self.group, group_src=owner[c - 1])
+                h = mine[c](h)
+                if c == self.n_chunks - 1:
+                    total += float(self._user_loss_fn(h, ys[mb]))
+                elif owner[c + 1] != self.pp_rank:
+                    dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])
+        return float(total) / self.n_microbatches if self.has_last else None
 
     def _check_batch(self, t: torch.Tensor) -> None:
         if t.dim() != 2 or t.shape[0] % self.n_microbatches:

@@ -16,7 +16,8 @@ Cost model (`chunk_costs`)
 --------------------------
 Layers are split so that the most expensive chunk is as cheap as possible (the pipeline runs at the
 pace of its slowest stage); among such splits the one with the smallest sum of squared chunk costs
-wins (the most even), and remaining ties give earlier chunks more layers. Costs are per token, in
+wins (the most even), then the most even layer counts, and remaining ties give earlier chunks
+more layers. Costs are per token, in
 multiply-accumulates (MACs) of one forward pass (backward is ~2x forward for every part alike, so it
 does not change the split):
 
@@ -189,8 +190,8 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
     `layers_per_chunk` (explicit counts, e.g. from `parallel.pp_layers_per_stage`) wins; counts may
     be 0 for a chunk that only holds the embeddings or the head. Otherwise the split minimises the
     largest chunk cost (chunk cost = its layers' costs, plus `embed_cost` for chunk 0, plus
-    `head_cost` for the last chunk), then the sum of squared chunk costs, then gives earlier
-    chunks more layers. `layer_cost` is one number for identical layers or one per layer; any
+    `head_cost` for the last chunk), then the sum of squared chunk costs, then the sum of squared
+    layer counts, then gives earlier chunks more layers. `layer_cost` is one number for identical layers or one per layer; any
     unit works as long as all costs share it (see `chunk_costs`). Every chunk gets >= 1 layer.
     """
     if n_chunks < 1:
@@ -229,20 +230,23 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
                 best = min(best, max(cost(i, e, k), best_max[k + 1][e]))
             best_max[k][i] = best
     bound = best_max[0][0] + eps
-    # Second pass: among splits whose every chunk is <= bound, minimise the sum of squares.
-    best_sq = [[inf] * (n_layers + 1) for _ in range(n_chunks + 1)]
+    # Second pass: among splits whose every chunk is <= bound, minimise the sum of squared chunk
+    # costs, then the sum of squared layer counts (equal costs: prefer even layer counts).
+    best_sq = [[(inf, inf)] * (n_layers + 1) for _ in range(n_chunks + 1)]
     choice = [[-1] * (n_layers + 1) for _ in range(n_chunks + 1)]
-    best_sq[n_chunks][n_layers] = 0.0
+    best_sq[n_chunks][n_layers] = (0.0, 0)
+    tol = 1e-9 * scale * scale
     for k in range(n_chunks - 1, -1, -1):
         remaining = n_chunks - k
         for i in range(n_layers - remaining, -1, -1):
-            best, pick = inf, -1
+            best, pick = (inf, inf), -1
             for e in range(n_layers - (remaining - 1), i, -1):  # larger chunks first: ties keep them
                 c = cost(i, e, k)
-                if c > bound or best_sq[k + 1][e] == inf:
+                rest = best_sq[k + 1][e]
+                if c > bound or rest[0] == inf:
                     continue
-                total = c * c + best_sq[k + 1][e]
-                if total < best - eps * scale:
+                total = (c * c + rest[0], (e - i) ** 2 + rest[1])
+                if total[0] < best[0] - tol or (total[0] <= best[0] + tol and total[1] < best[1]):
                     best, pick = total, e
             best_sq[k][i], choice[k][i] = best, pick
     counts, i = [], 0

@@ -74,7 +74,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rtol", type=float, default=1e-5)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         ref = run_training(reference_overrides(args.overrides), Path(tmp) / "reference", args.steps)
         got = run_training(args.overrides, Path(tmp) / "layout", args.steps)

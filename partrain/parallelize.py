@@ -1,0 +1,76 @@
+"""Build this rank's share of the model and the engine that trains it, in one documented order.
+
+    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> recompute
+    -> FSDP (zero_stage 2/3) -> materialize weights -> DDP / gradient sync -> optimizer -> engine
+
+Everything before `materialize` runs on the meta device, so no rank ever allocates the full model
+when the layout shards it. Every axis exists (size 1 when unused); the code asks the mesh.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from .config.validate import ValidatedRun
+from .models.adapters import get_adapter
+from .models.build import build_meta_model
+from .models.init import materialize
+from .models.loss import token_loss
+from .parallel import data_parallel
+from .parallel.recompute import apply_recompute
+from .parallel.tensor_parallel import apply_tp, loss_context
+from .runtime.mesh import ParallelMesh
+from .train.engine import DirectEngine, PipelineEngine
+from .train.optim import make_adamw, param_groups
+
+
+def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
+    p = v.run.parallel
+    apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    apply_recompute(module, adapter, p.recompute, p.recompute_every)
+    if data_parallel.uses_fsdp(p.zero_stage):
+        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage)
+
+
+def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
+    run = v.run
+    loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
+    model = build_meta_model(run.model)
+    adapter = get_adapter(model)
+    if mesh.size("pp") == 1:
+        _shard(model, v, mesh, adapter)
+        materialize(model, run.model, run.train.seed, device)
+        model.train()
+        dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim)
+        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+    return _pipeline_engine(v, mesh, device, model, adapter, loss_ctx)
+
+
+def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, model: nn.Module, adapter, loss_ctx):
+    from .parallel.pipeline import PipelineRunner, build_stage_module
+    from .parallel.stage_split import plan_chunks
+
+    run, p = v.run, v.run.parallel
+    pp, vstages = mesh.size("pp"), p.pp_virtual_stages
+    plan = plan_chunks(v.facts, pp, vstages, p.pp_schedule, run.train.seq_len, p.pp_layers_per_stage)
+    chunks = plan["placement"][mesh.local("pp")]
+    stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
+    for stage in stages:
+        _shard(stage, v, mesh, adapter)
+    for stage in stages:
+        materialize(stage, run.model, run.train.seed, device)
+        stage.train()
+    groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
+    optimizer = make_adamw(groups, run.optim)
+    fsdp = data_parallel.uses_fsdp(p.zero_stage)
+    dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
+    # DTensor activations (sequence parallel) and autocast change what flows between stages:
+    # let torch infer the shapes then.
+    static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
+    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
+                            microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
+    sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
+    return PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)

@@ -1,0 +1,163 @@
+"""How one optimizer step's forward and backward run: directly (microbatch loop) or through a
+pipeline schedule. The trainer talks to either through the same small interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, List, Optional
+
+import torch
+from torch import nn
+
+from ..models.loss import forward_loss
+from ..parallel.data_parallel import DataParallelModel
+
+
+def autocast_context(precision: str, device_type: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def local_scalar(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (loss parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_gradients(parameters, max_norm: float, not_counted=(), sum_group=None) -> float:
+    """Global gradient norm over every rank's shards; clip to max_norm when > 0.
+
+    Gradients are grouped by kind: plain tensors (replicated, counted once) and DTensors per mesh
+    and placement set (their norms are Partial over shard dims: full_tensor() sums the squares).
+    `not_counted`: parameters whose gradient is clipped but left out of the norm (a second copy of
+    a tied weight on another pipeline stage). `sum_group`: add the squares over this group too
+    (pipeline stages hold disjoint parameters).
+    """
+    skip = {id(p) for p in not_counted}
+    groups, clipped = {}, {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        key = (p.grad.device_mesh, tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
+        clipped.setdefault(key, []).append(p.grad)
+        if id(p) not in skip:
+            groups.setdefault(key, []).append(p.grad)
+    squares = torch.zeros(1, dtype=torch.float64)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares += norm.double().cpu() ** 2
+    if sum_group is not None and torch.distributed.get_world_size(sum_group) > 1:
+        torch.distributed.all_reduce(squares, group=sum_group)
+    total = squares.sqrt().float()[0]
+    if max_norm > 0:
+        for grads in clipped.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
+    return float(total)
+
+
+class DirectEngine:
+    """No pipeline: this rank runs the whole (TP/FSDP/DDP-wrapped) model over its microbatches."""
+
+    def __init__(self, dp: DataParallelModel, micro_batch_size: int, precision: str, device: torch.device,
+                 loss_context: Callable[[], ContextManager]) -> None:
+        self.dp = dp
+        self.optimizer = dp.optimizer
+        self.micro_batch_size = micro_batch_size
+        self.precision = precision
+        self.device = device
+        self.loss_context = loss_context
+
+    @property
+    def model_parts(self) -> List[nn.Module]:
+        return [self.dp.inner]
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+        micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
+        total = torch.zeros((), dtype=torch.float32)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device), y.to(self.device)
+            with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
+                with autocast_context(self.precision, self.device.type):
+                    loss = forward_loss(self.dp.module, x, y)
+                (loss / len(micro)).backward()
+            total += local_scalar(loss.detach()).float().cpu()
+        self.dp.finish_gradients()
+        return float(total) / len(micro)
+
+    def clip(self, max_norm: float) -> float:
+        return clip_gradients(self.dp.inner.parameters(), max_norm)
+
+    def share_loss(self, value: Optional[float]) -> float:
+        return float(value)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+        module = self.dp.module
+        module.eval()
+        total, count = torch.zeros((), dtype=torch.float32), 0
+        for x, y in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)):
+            with autocast_context(self.precision, self.device.type), self.loss_context():
+                total += local_scalar(forward_loss(module, x.to(self.device), y.to(self.device))).float().cpu()
+            count += 1
+        module.train()
+        return float(total) / count
+
+
+class PipelineEngine:
+    """This rank's pipeline chunks, driven by a torch.distributed.pipelining schedule."""
+
+    def __init__(self, runner, optimizer, stage_modules: List[nn.Module], pp_group, precision: str, device: torch.device,
+                 loss_context: Callable[[], ContextManager], sync_gradients: Callable[[], None]) -> None:
+        self.runner = runner
+        self.sync_gradients = sync_gradients
+        """Data-parallel gradient averaging for unwrapped stages (FSDP stages reduce by themselves)."""
+        self.optimizer = optimizer
+        self.stage_modules = stage_modules
+        self.pp_group = pp_group
+        self.precision = precision
+        self.device = device
+        self.loss_context = loss_context
+
+    @property
+    def model_parts(self) -> List[nn.Module]:
+        return list(self.stage_modules)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+        first, last = self.runner.has_first, self.runner.has_last
+        with self.loss_context(), autocast_context(self.precision, self.device.type):
+            loss = self.runner.step(inputs if first else None, labels if last else None)
+        self.sync_gradients()
+        return loss
+
+    def clip(self, max_norm: float) -> float:
+        params = {id(p): p for m in self.stage_modules for p in m.parameters()}.values()
+        return clip_gradients(params, max_norm, not_counted=self._second_tied_copies(), sum_group=self.pp_group)
+
+    def _second_tied_copies(self) -> List[nn.Parameter]:
+        """The last stage's copy of a tied embedding/head weight (its gradient equals the first's)."""
+        copies = []
+        for m in self.stage_modules:
+            inner = getattr(m, "module", m)
+            if getattr(inner, "is_last", False) and not getattr(inner, "is_first", False) and inner.tied_weight() is not None:
+                copies.append(inner.tied_weight())
+        return copies
+
+    def share_loss(self, value: Optional[float]) -> float:
+        return self.runner.broadcast_loss(value)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+        first, last = self.runner.has_first, self.runner.has_last
+        for m in self.stage_modules:
+            m.eval()
+        with self.loss_context(), autocast_context(self.precision, self.device.type):
+            value = self.runner.eval_step(inputs if first else None, labels if last else None)
+        for m in self.stage_modules:
+            m.train()
+        return value
+
+    def timing(self) -> List[dict]:
+        return self.runner.gather_timing()
