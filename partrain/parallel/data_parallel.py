@@ -47,7 +47,8 @@ def apply_fsdp(model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stag
 
     reshard = zero_stage == 3
     dmesh = fsdp_mesh(mesh)
-    layers = list(adapter.layers(model))
+    container = adapter.layers(model)
+    layers = list(container.values() if isinstance(container, nn.ModuleDict) else container)
     for i, layer in enumerate(layers):
         # The last layer is used first in backward; keeping it gathered saves one all-gather.
         fully_shard(layer, mesh=dmesh, reshard_after_forward=reshard and i < len(layers) - 1)

@@ -1,0 +1,27 @@
+"""Distributed checkpoints: DCP save/load under any layout, resume lookup, inspection, HF export.
+
+Trainer-facing API (every function that touches tensors is collective when a process group exists):
+
+    meta = run_meta(validated)                                   # once per run: meta / expect
+    path = find_resume(root, cfg.checkpoint.resume)             # None, newest complete, or the given one
+    record = load_checkpoint(path, parts, optimizer, meta)       # record["extra"] is the trainer's JSON
+    path, extra = load_with_fallback(root, parts, optimizer, meta)   # resume=auto, skips damaged ones
+    step_of(path)                                                # the step in a checkpoint folder's name
+    save_checkpoint(root, step, parts, optimizer, extra, meta, keep_last, async_save)
+    wait_pending_save()                                          # before exit when async_save is on
+    checkpoint_info(path); export_hf(path, out_dir, tokenizer_folder)   # one process, no process group
+
+Modules: folders (names, completeness, lookup, pruning), record (partrain.json), state (FQN-keyed
+state of model parts and optimizers), zero1 (ShardedOptimizer adapter), rng (per-rank generators),
+safe_io (no unpickling of untrusted data), dist_util, save, load, export.
+"""
+
+from .export import checkpoint_info, export_hf, load_model_weights
+from .folders import complete_checkpoints, find_resume, is_complete, step_dir, step_of
+from .load import load_checkpoint, load_with_fallback
+from .record import CorruptCheckpoint, model_record, run_meta
+from .save import save_checkpoint, wait_pending_save
+
+__all__ = ["checkpoint_info", "export_hf", "load_model_weights", "complete_checkpoints", "find_resume", "is_complete",
+           "step_dir", "step_of", "load_checkpoint", "load_with_fallback", "CorruptCheckpoint", "model_record", "run_meta",
+           "save_checkpoint", "wait_pending_save"]
