@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from .errors import ConfigError
+from .errors import ConfigError, Problem
 
 RECIPES_ENV = "PARTRAIN_RECIPES"
 """Colon-separated recipe folders searched after --recipes and before the shipped recipes."""
@@ -38,9 +38,12 @@ def _console() -> Console:
 
 
 def _recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
-    dirs = [str(d) for d in (cli_dirs or [])]
-    dirs += [d for d in environ.get(RECIPES_ENV, "").split(os.pathsep) if d]
-    return dirs
+    given = [("--recipes", str(d)) for d in cli_dirs or []]
+    given += [(RECIPES_ENV, d) for d in environ.get(RECIPES_ENV, "").split(os.pathsep) if d]
+    for source, d in given:  # checked even when no recipe is named: a folder the user gives must exist
+        if not Path(d).expanduser().is_dir():
+            raise ConfigError(Problem(source, d, "not a folder", "pass an existing folder of recipe YAML files"))
+    return [d for _, d in given]
 
 
 def _fail(err: ConfigError, as_json: bool) -> None:

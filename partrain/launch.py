@@ -132,7 +132,7 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
                 continue
             kind = event["event"]
             if kind == "start":
-                task = progress.add_task("train", total=event["steps"], info="starting")
+                task = progress.add_task("train", total=event["steps"], completed=event.get("first_step", 0), info="starting")
             elif kind == "step" and task is not None:
                 info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=event["step"], info=info)

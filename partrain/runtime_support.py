@@ -18,7 +18,7 @@ IMPLEMENTED = {
     "sp": False,
     "ep": False,
     "recompute": True,
-    "checkpoint": False,
+    "checkpoint": True,
     "fp16": False,
     "zero1-tp": False,
     "tp-sp-learned-positions": False,

@@ -78,9 +78,13 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_data(v, run_dir)
+    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0)
+    start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
-    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main)
+    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save)
+    trainer.state.step = start_step
     state = trainer.run()
+    checkpoints.finish()
     metrics.close()
 
     import torch.distributed as dist
@@ -88,13 +92,56 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
-    if env.is_main:
+    if env.is_main and state.history:
         timed = state.history[1:] or state.history
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
         summary = {"steps": state.step, "final_loss": state.history[-1].loss, "eval_loss": state.eval_loss,
                    "tokens_per_s": tokens_per_s, "ranks": gathered, "run_dir": str(run_dir)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         emit("summary", **summary)
+
+
+class Checkpoints:
+    """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
+
+    def __init__(self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool) -> None:
+        from . import checkpoint as ckpt
+
+        self.ckpt = ckpt
+        self.cfg = v.run.checkpoint
+        self.root = Path(self.cfg.dir).expanduser() if self.cfg.dir else run_dir / "checkpoints"
+        self.engine = engine
+        self.batches = batches
+        self.meta = ckpt.run_meta(v)
+        # After torchrun's elastic agent restarts the job, always continue from the newest checkpoint.
+        self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the step to continue after."""
+        parts, optimizer = self.engine.model_parts, self.engine.optimizer
+        if self.resume_spec == "none":
+            return 0
+        if self.resume_spec == "auto":
+            path, extra = self.ckpt.load_with_fallback(self.root, parts, optimizer, self.meta)
+        else:
+            path = self.ckpt.find_resume(self.root, self.resume_spec)
+            extra = self.ckpt.load_checkpoint(path, parts, optimizer, self.meta)["extra"] if path else {}
+        if path is None:
+            return 0
+        self.batches.load_state_dict({k: v for k, v in extra["data"].items() if k != "step"} | {"step": extra["data"]["step"]})
+        log.info("resumed from %s at step %d", path, extra["data"]["step"])
+        return int(extra["data"]["step"])
+
+    def maybe_save(self, step: int) -> None:
+        every = self.cfg.every_steps
+        if every and step % every == 0:
+            extra = {"data": {**self.batches.state_dict(), "step": step}}
+            path = self.ckpt.save_checkpoint(self.root, step, self.engine.model_parts, self.engine.optimizer, extra, self.meta,
+                                             self.cfg.keep_last, self.cfg.async_save)
+            log.info("saved checkpoint %s", path)
+
+    def finish(self) -> None:
+        self.ckpt.wait_pending_save()
 
 
 def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:

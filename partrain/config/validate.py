@@ -226,17 +226,11 @@ def _tp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
         padded = -(-facts.vocab // tp) * tp
         c.add("parallel.tp", tp, f"must divide the vocabulary size ({facts.vocab}) for the vocabulary-parallel embedding and head",
               f"pad it: model.config.vocab_size={padded}, or {fix}")
-    p = run.parallel
-    if p.zero_stage == 1:
-        c.add("parallel.zero_stage", 1, "ZeRO-1 (flat sharded optimizer) is not supported together with tensor parallelism",
-              "use parallel.zero_stage=0 (replicated) or 3 (FSDP, sharded with TP as a 2-D mesh)")
-    if p.tp_sequence_parallel:
-        if facts.learned_positions:
-            c.add("parallel.tp_sequence_parallel", True, f"Megatron sequence parallelism is not supported for {facts.arch} "
-                  "(its learned position embeddings are added outside the embedding layer)", "set parallel.tp_sequence_parallel=false")
-        elif run.train.seq_len % tp:
-            c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over tp={tp} ranks",
-                  f"use a multiple of {tp}, e.g. {-(-run.train.seq_len // tp) * tp}")
+    # ZeRO-1 x TP and Megatron-SP on learned positions are consistent layouts this version cannot train:
+    # runtime_support.unsupported_features says so (the dry run plans them, `train` refuses them).
+    if run.parallel.tp_sequence_parallel and run.train.seq_len % tp:
+        c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over tp={tp} ranks",
+              f"use a multiple of {tp}, e.g. {-(-run.train.seq_len // tp) * tp}")
     if tp > cl.devices_per_node and not cl.allow_tp_across_nodes:
         c.add("parallel.tp", tp, f"a tensor-parallel group must fit in one node (cluster.devices_per_node={cl.devices_per_node})",
               f"use tp <= {cl.devices_per_node}, or set cluster.allow_tp_across_nodes=true")

@@ -208,6 +208,8 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
     costs = [float(layer_cost)] * n_layers if isinstance(layer_cost, (int, float)) else [float(c) for c in layer_cost]
     if len(costs) != n_layers:
         raise ValueError(f"layer_cost has {len(costs)} entries for {n_layers} layers")
+    if min(costs, default=0.0) < 0 or embed_cost < 0 or head_cost < 0:
+        raise ValueError("costs must be >= 0")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -227,7 +229,10 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
         for i in range(n_layers - remaining, -1, -1):
             best = inf
             for e in range(i + 1, n_layers - (remaining - 1) + 1):
-                best = min(best, max(cost(i, e, k), best_max[k + 1][e]))
+                c = cost(i, e, k)
+                if c >= best:  # chunk cost only grows with e (costs are >= 0): no better split ahead
+                    break
+                best = min(best, max(c, best_max[k + 1][e]))
             best_max[k][i] = best
     bound = best_max[0][0] + eps
     # Second pass: among splits whose every chunk is <= bound, minimise the sum of squared chunk
@@ -240,7 +245,10 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
         remaining = n_chunks - k
         for i in range(n_layers - remaining, -1, -1):
             best, pick = (inf, inf), -1
-            for e in range(n_layers - (remaining - 1), i, -1):  # larger chunks first: ties keep them
+            last = i + 1  # chunks within the bound end at i+1 .. last
+            while last < n_layers - (remaining - 1) and cost(i, last + 1, k) <= bound:
+                last += 1
+            for e in range(last, i, -1):  # larger chunks first: ties keep them
                 c = cost(i, e, k)
                 rest = best_sq[k + 1][e]
                 if c > bound or rest[0] == inf:

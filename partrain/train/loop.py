@@ -11,7 +11,7 @@ import math
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,9 @@ def model_state_bytes(parts, optimizer) -> int:
 
 class Trainer:
     def __init__(self, validated: ValidatedRun, mesh: ParallelMesh, engine, batches: TokenBatches,
-                 eval_batches: Optional[EvalBatches], metrics: MetricsWriter, is_main: bool) -> None:
+                 eval_batches: Optional[EvalBatches], metrics: MetricsWriter, is_main: bool,
+                 on_step_end: Callable[[int], None] = lambda step: None) -> None:
+        self.on_step_end = on_step_end
         self.v = validated
         self.cfg = validated.run
         self.mesh = mesh
@@ -97,7 +99,7 @@ class Trainer:
         local_loss = self.engine.forward_backward(inputs, labels)
         grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
         optimizer.step()
-        if step == 0:
+        if not self.state.model_state_bytes:
             # Optimizer state exists only after the first step: measure with it.
             self.state.model_state_bytes = model_state_bytes(self.engine.model_parts, optimizer)
         loss_value = _mean_over(self.engine.share_loss(local_loss), self.loss_group, self.dp_size)
@@ -120,17 +122,18 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> TrainState:
         train = self.cfg.train
-        started = time.perf_counter()
+        started, first_step = time.perf_counter(), self.state.step
         if self.is_main:
-            emit("start", steps=train.steps, world_size=self.v.world_size, tokens_per_step=self.v.tokens_per_step)
+            emit("start", steps=train.steps, first_step=first_step, world_size=self.v.world_size, tokens_per_step=self.v.tokens_per_step)
         while self.state.step < train.steps:
             result = self.train_step()
             self.state.history.append(result)
             elapsed = time.perf_counter() - started
-            eta = elapsed / result.step * (train.steps - result.step)
+            eta = elapsed / (result.step - first_step) * (train.steps - result.step)
             record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                       "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s}
             self.metrics.write(record)
+            self.on_step_end(result.step)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):
                 emit("step", eta_s=eta, total_steps=train.steps, **record)
             at_eval = train.eval_every and result.step % train.eval_every == 0 and result.step < train.steps

@@ -1,0 +1,488 @@
+"""Per-rank memory, FLOPs, communication, pipeline bubble and step time of one layout.
+
+`estimate(v)` takes a `ValidatedRun` and returns the JSON-able "estimate" of the plan report;
+`estimate_spec(spec)` does the same from a `PlanSpec` (the search calls it thousands of times).
+
+Step-time model (documented in every report's "assumptions"):
+
+    t_mb(r)   = compute(r) + TP + SP + EP collectives + pipeline sends + exposed FSDP traffic
+                (one microbatch's forward + backward through pipeline rank r's layers)
+    step time = (m + bubble units) * max_r t_mb(r) + exposed data-parallel traffic
+
+- compute = FLOPs executed (3 passes; + the recomputed forward) / (peak FLOP/s * efficiency).
+  Efficiency on GPUs: 0.70 * h / (h + 900) (achieved matmul throughput grows with the hidden size;
+  fitted to the achieved TFLOP/s of Narayanan et al. 2021, Table 1, A100: 0.50 at h=2304 ... 0.68 at
+  h=25600); on CPUs 0.5 of the stated peak.
+- TP: per layer 2 all-reduces of the activations forward and 2 backward (Megatron's f and g; with
+  sequence parallelism the same bytes as all-gather + reduce-scatter; MoE layers 1 + 1 since their
+  experts are replicated over TP), 2 more forward with full recompute, plus the vocabulary-parallel
+  embedding (forward) and head (backward); never overlapped (as in Megatron-LM 2021).
+- SP (context parallel): Ulysses all-to-all of q, k, v and the attention output, forward and
+  backward; ring passes K and V around the ring (backward also their gradients), hidden behind
+  the attention kernel where it is long enough.
+- EP: dispatch and combine all-to-all per MoE layer, forward and backward.
+- PP: each chunk sends its output forward and its input gradient backward per microbatch, 1/tp of
+  the activation per TP rank (sequence parallel shards, or Megatron's scatter/gather), not overlapped.
+- DP: ZeRO 0 all-reduces the gradients once per step, overlapped with the last microbatch's
+  backward; ZeRO 1 reduce-scatters gradients (partrain today all-reduces them) and all-gathers the
+  updated parameters after the step (not overlapped); ZeRO 2 (FSDP2, parameters kept from forward
+  to backward) all-gathers parameters and reduce-scatters gradients every microbatch, ZeRO 3
+  all-gathers twice; overlapped with that microbatch's compute. Hybrid sharding adds an all-reduce
+  of the shards across replicas.
+- Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
+  link it spans (see comm.py). The optimizer update itself is not timed.
+
+Memory of a rank = model states at rest (params, grads, optimizer: memory.py) + saved activations
+of the microbatches in flight (pipeline.py) + transients: the all-gathered parameters FSDP holds
+(ZeRO 2: the rank's whole unsharded model from forward to backward; ZeRO 3: the root - embeddings,
+final norm, head - plus two layers), one layer's full activations while it is recomputed, and the
+fp32 gradient of the logits on the last stage. It fits when the total is at most
+USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA context, allocator fragmentation,
+communication buffers).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .comm import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups
+from .flops import head_forward_flops, layer_forward_flops, step_flops
+from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations)
+from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, param_count, tied_head_copy
+from .pipeline import bubble_fraction, bubble_overhead, bubble_units, chunk_layer_counts, in_flight, rank_chunks
+from .spec import GB, GIB, PlanSpec, spec_from_validated
+
+USABLE_MEMORY_FRACTION = 0.95
+"""Share of device memory the estimate may fill and still call the layout fitting."""
+
+
+def matmul_efficiency(spec: PlanSpec) -> float:
+    """Achieved fraction of peak FLOP/s for the model's matmuls (see module docstring)."""
+    if spec.cluster.device != "cuda":
+        return 0.5
+    h = spec.facts.hidden
+    return 0.70 * h / (h + 900)
+
+
+# ---- model states, aggregated by kind of tensor group ----------------------------------------------
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_parts(spec_key: Tuple, kind: Tuple, shard_index: int) -> Tuple[int, int, int, int, int]:
+    """(params, grads, fsdp optimizer, zero-1 group >=2-D, zero-1 group 1-D) elements of a tensor group."""
+    facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
+    tensors = _kind_tensors(facts, extras, kind)
+    p = o = g0 = g1 = 0
+    for t in tensors:
+        shape = t.local_shape(tp, ep)
+        numel = math.prod(shape)
+        if zero >= 2:
+            n = n_exp if t.expert else n_dense
+            idx = shard_index % n
+            per = -(-shape[0] // n)
+            rows = max(0, min(per, shape[0] - idx * per))
+            local = numel // shape[0] * rows if shape[0] else 0
+            p += local
+            o += local
+        else:
+            p += numel
+            if len(shape) >= 2:
+                g0 += numel
+            else:
+                g1 += numel
+    return p, p, o, g0, g1
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind_tensors(facts, extras, kind: Tuple) -> List[TensorSpec]:
+    if kind[0] == "layer":
+        sparse = kind[1]
+        index = next((i for i in range(facts.n_layers) if layer_is_sparse(facts, extras, i) == sparse), 0)
+        return layer_tensors(facts, extras, index)
+    if kind[0] == "embed":
+        return embed_tensors(facts)
+    if kind[0] == "final":
+        return final_tensors(facts)
+    if kind[0] == "tied":
+        return [tied_head_copy(facts)]
+    raise ValueError(kind)
+
+
+def _spec_key(spec: PlanSpec) -> Tuple:
+    n_dense = spec.shard
+    n_exp = max(1, n_dense // math.gcd(n_dense, spec.ep))
+    return (spec.facts, spec.extras, spec.tp, spec.ep, n_dense, n_exp, spec.zero_stage)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sparse_prefix(facts, extras) -> Tuple[int, ...]:
+    out = [0]
+    for i in range(facts.n_layers):
+        out.append(out[-1] + (1 if layer_is_sparse(facts, extras, i) else 0))
+    return tuple(out)
+
+
+class _Rank:
+    """What one pipeline rank holds: its chunks, layer counts (dense / sparse), first/last chunk."""
+
+    __slots__ = ("pp_rank", "chunks", "layers", "sparse", "first", "last", "n_chunks")
+
+    def __init__(self, prefix: Sequence[int], n_chunks: int, pp_rank: int, chunks: Sequence[int], counts: Sequence[int],
+                 starts: Sequence[int]):
+        self.pp_rank = pp_rank
+        self.chunks = list(chunks)
+        self.n_chunks = n_chunks
+        self.layers = sum(counts[c] for c in chunks)
+        self.sparse = sum(prefix[starts[c] + counts[c]] - prefix[starts[c]] for c in chunks)
+        self.first = 0 in chunks
+        self.last = self.n_chunks - 1 in chunks
+
+    def kinds(self, spec: PlanSpec) -> List[Tuple[Tuple, int]]:
+        out: List[Tuple[Tuple, int]] = []
+        if self.layers - self.sparse:
+            out.append((("layer", False), self.layers - self.sparse))
+        if self.sparse:
+            out.append((("layer", True), self.sparse))
+        if self.first:
+            out.append((("embed",), 1))
+        if self.last:
+            out.append((("final",), 1))
+            if spec.facts.tied_embeddings and self.n_chunks > 1:
+                out.append((("tied",), 1))
+        return out
+
+
+def rank_state_elements(spec: PlanSpec, rank: _Rank, shard_index: int = 0) -> Tuple[int, int, int, int]:
+    """(params, grads, optimizer, unsharded local params) elements of one rank."""
+    key = _spec_key(spec)
+    p = g = o = g0 = g1 = 0
+    for kind, count in rank.kinds(spec):
+        pp_, gg, oo, a0, a1 = _group_parts(key, kind, shard_index)
+        p += pp_ * count
+        g += gg * count
+        o += oo * count
+        g0 += a0 * count
+        g1 += a1 * count
+    if spec.zero_stage >= 2:
+        unsharded = sum(_group_parts(key[:-1] + (0,), kind, 0)[0] * count for kind, count in rank.kinds(spec))
+        return p, g, o, unsharded
+    n = spec.shard
+    if spec.zero_stage == 1 and n > 1:
+        o = sum(-(-x // n) for x in (g0, g1) if x)
+    else:
+        o = g0 + g1
+    return p, g, o, p
+
+
+def _ranks(spec: PlanSpec) -> List[_Rank]:
+    return _ranks_cached(spec.facts, spec.extras, spec.pp, spec.v, spec.seq, spec.layers_per_chunk, spec.schedule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ranks_cached(facts, extras, pp, v, seq, layers_per_chunk, schedule) -> List[_Rank]:
+    counts = chunk_layer_counts(facts, pp, v, seq, layers_per_chunk)
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    prefix = _sparse_prefix(facts, extras)
+    return [_Rank(prefix, pp * v, r, chunks, counts, starts) for r, chunks in enumerate(rank_chunks(pp, v, schedule))]
+
+
+def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
+    """Predicted parameter + gradient + optimizer-state bytes of every rank (index = global rank),
+    at rest after the first optimizer step, exactly as partrain's runtime holds them
+    (`partrain.train.loop.model_state_bytes` sums the same local shards). `mixed="autocast"` is the
+    runtime's 16-bit mode (fp32 weights); fp32 runs are the same in both modes."""
+    spec = spec_from_validated(v, mixed=mixed)
+    d = dtypes(spec.precision, spec.mixed)
+    ranks = _ranks(spec)
+    lay = v.layout
+    out: List[int] = []
+    cache: Dict[Tuple[int, int], int] = {}
+    dp_sp_first = lay.order.index("dp") < lay.order.index("sp")
+    for rank in range(lay.world_size):
+        c = lay.base_coords(rank)
+        dp_shard_index = c["dp"] % lay.dp_shard
+        shard_index = dp_shard_index + lay.dp_shard * c["sp"] if dp_sp_first else c["sp"] + lay.sp * dp_shard_index
+        key = (c["pp"], shard_index)
+        if key not in cache:
+            p, g, o, _ = rank_state_elements(spec, ranks[c["pp"]], shard_index)
+            cache[key] = p * d.param + g * d.grad + o * d.optim
+        out.append(cache[key])
+    return out
+
+
+# ---- the estimate -------------------------------------------------------------------------------------
+
+
+def _layer_flops_per_rank(spec: PlanSpec, sparse: bool, tokens: float) -> Tuple[float, float]:
+    """(forward FLOPs of one layer on one rank, of which attention core) for one microbatch."""
+    f, x, tp = spec.facts, spec.extras, spec.tp
+    parts = layer_forward_flops(f, x, tokens, spec.seq, sparse)
+    mlp = parts["mlp"]
+    if sparse:
+        shared = 2.0 * tokens * (3 * f.hidden * f.shared_expert_ffn) if f.arch == "qwen2_moe" else 0.0
+        mlp = mlp  # experts, router and shared expert are replicated over TP: every TP rank runs them
+        del shared
+    else:
+        mlp /= tp
+    core = parts["attn_core"] / tp
+    return parts["attn_proj"] / tp + core + mlp, core
+
+
+def _activation_terms(spec: PlanSpec, tokens: float, b: float, dt) -> Dict[bool, Tuple[float, float]]:
+    """For dense and sparse layers: (saved bytes per layer per microbatch on a rank with the run's
+    recompute policy, saved bytes without recompute)."""
+    out = {}
+    k = max(1, spec.recompute_every)
+    for sparse in (False, True):
+        if sparse and not spec.facts.is_moe:
+            continue
+        la: LayerActivations = layer_activations(spec, sparse, tokens, spec.seq, dt)
+        none = la.per_rank(spec.tp, spec.tp_sp, "none")
+        if spec.recompute == "none":
+            kept = none
+        else:
+            policy = la.per_rank(spec.tp, spec.tp_sp, spec.recompute)
+            kept = policy / k + none * (1 - 1 / k)
+        out[sparse] = (kept, none)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _bandwidths(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
+    groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
+    return {name: bandwidth(cl, members) for name, members in groups.items()}
+
+
+def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
+    f, x, cl = spec.facts, spec.extras, spec.cluster
+    dt = dtypes(spec.precision, spec.mixed)
+    m = spec.microbatches
+    tp, pp, sp, v = spec.tp, spec.pp, spec.sp, spec.v
+    b = spec.mbs
+    tokens = b * spec.seq / sp  # tokens of one microbatch on one rank (TP ranks share them)
+    eff = matmul_efficiency(spec)
+    rate = cl.peak_flops * eff
+
+    bw = _bandwidths(cl, spec.order, tp, sp, spec.dp, pp, spec.ep, spec.dp_shard or spec.dp)
+
+    ranks = _ranks(spec)
+    if not detail and pp > 2:
+        most = max(ranks, key=lambda r: r.layers)
+        ranks = [ranks[0], ranks[-1]] + ([most] if most not in (ranks[0], ranks[-1]) else [])
+    acts = _activation_terms(spec, tokens, b, dt)
+    layer_flops = {s: _layer_flops_per_rank(spec, s, tokens) for s in acts}
+
+    act_bytes = dt.compute
+    ar_size = tokens * f.hidden * act_bytes  # one activation tensor of a microbatch on a rank
+    passes_extra = 1.0 / max(1, spec.recompute_every)
+    per_rank = []
+    for r in ranks:
+        dense_layers = r.layers - r.sparse
+        # ---- memory
+        p, g, o, unsharded = rank_state_elements(spec, r)
+        n_if = in_flight(spec.schedule, pp, v, m, r.pp_rank)
+        per_chunk = r.layers / len(r.chunks)
+        avg_kept = (dense_layers * acts[False][0] + r.sparse * acts.get(True, (0, 0))[0]) / max(1, r.layers)
+        saved = n_if * per_chunk * avg_kept
+        chunk_mbs = max(1.0, n_if / len(r.chunks))  # microbatches in flight per chunk
+        ends = end_activations(spec, r.first, r.last, tokens, spec.seq, b, dt)
+        rotary_extra = 0.0
+        if f.arch != "gpt2" and len(r.chunks) > 1:
+            rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq * f.head_dim * dt.resid
+        activations = saved + chunk_mbs * (ends + rotary_extra)
+        transient = 0.0
+        if spec.recompute == "full":
+            transient += max(acts[s][1] for s in acts)
+        if r.last:
+            transient += tokens * f.vocab / tp * 4  # fp32 gradient of the logits
+        param_bytes_gathered = 4 if dt.autocast_copies or spec.precision == "fp32" else 2
+        if spec.zero_stage == 2:
+            transient += (unsharded - p) * param_bytes_gathered
+        elif spec.zero_stage == 3:
+            key = _spec_key(spec)
+            full_key = key[:-1] + (0,)
+            root = sum(_group_parts(full_key, kind, 0)[0] for kind, _ in r.kinds(spec) if kind[0] != "layer")
+            layer_max = max(_group_parts(full_key, kind, 0)[0] for kind, _ in r.kinds(spec) if kind[0] == "layer") \
+                if r.layers else 0
+            transient += (root + 2 * layer_max) * param_bytes_gathered * (1 - 1 / spec.shard)
+        states = {"params": p * dt.param, "grads": g * dt.grad, "optimizer": o * dt.optim}
+        total = sum(states.values()) + activations + transient
+        # ---- compute per microbatch (forward + backward [+ recompute])
+        fwd = dense_layers * layer_flops[False][0] + (r.sparse * layer_flops[True][0] if r.sparse else 0.0)
+        core = dense_layers * layer_flops[False][1] + (r.sparse * layer_flops[True][1] if r.sparse else 0.0)
+        head = head_forward_flops(f, tokens) / tp if r.last else 0.0
+        hw = 3 * (fwd + head)
+        if spec.recompute == "full":
+            hw += fwd * passes_extra
+        elif spec.recompute == "selective":
+            hw += core * passes_extra
+        t_compute = hw / rate
+        # ---- TP
+        tp_bytes = 0.0
+        if tp > 1:
+            per_layer = 4 + (2 * passes_extra if spec.recompute == "full" else 0)
+            per_moe = 2 + (1 * passes_extra if spec.recompute == "full" else 0)
+            n_ar = dense_layers * per_layer + r.sparse * per_moe + (1 if r.first else 0) + (1 if r.last else 0)
+            tp_bytes = n_ar * all_reduce_bytes(ar_size, tp)
+        t_tp = tp_bytes / bw["tp"] if tp_bytes else 0.0
+        # ---- SP (context parallel)
+        sp_bytes = t_sp = 0.0
+        if sp > 1:
+            q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
+            rec = passes_extra if spec.recompute == "full" else 0.0
+            if spec.sp_mode == "ulysses":
+                one = all_to_all_bytes(tokens * (2 * q + 2 * kv) / tp * act_bytes, sp)
+                sp_bytes = r.layers * one * (2 + rec)
+                t_sp = sp_bytes / bw["sp"]
+            else:
+                one = (sp - 1) * tokens * 2 * kv / tp * act_bytes
+                sp_bytes = r.layers * one * (3 + rec)
+                core_time = 3 * core / rate
+                t_sp = max(0.0, sp_bytes / bw["sp"] - core_time)
+        # ---- EP
+        ep_bytes = t_ep = 0.0
+        if spec.ep > 1 and r.sparse:
+            per_tok = tokens / (tp if spec.tp_sp else 1) * f.experts_per_token * f.hidden * act_bytes
+            rec = passes_extra if spec.recompute == "full" else 0.0
+            ep_bytes = r.sparse * (4 + 2 * rec) * all_to_all_bytes(per_tok, spec.ep)
+            t_ep = ep_bytes / bw["ep"]
+        # ---- PP point-to-point
+        pp_bytes = t_pp = 0.0
+        if pp > 1:
+            sends = sum((0 if c == r.n_chunks - 1 else 1) + (0 if c == 0 else 1) for c in r.chunks)
+            pp_bytes = sends * ar_size / tp
+            t_pp = pp_bytes / bw["pp"]
+        # ---- DP / ZeRO traffic
+        n_dense = spec.shard
+        grad_elems = unsharded
+        dp_step_bytes = dp_mb_bytes = 0.0
+        dp_link = bw["dp_sp"]
+        replicas = (spec.dp // (spec.dp_shard or spec.dp))
+        if spec.zero_stage <= 1:
+            n = spec.dp * sp
+            if n > 1:
+                if spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32":
+                    dp_step_bytes = all_gather_bytes(grad_elems * dt.grad, n) + all_gather_bytes(grad_elems * dt.param, n_dense)
+                else:
+                    dp_step_bytes = all_reduce_bytes(grad_elems * dt.grad, n)
+                    if spec.zero_stage == 1:
+                        dp_step_bytes += all_gather_bytes(grad_elems * dt.param, n_dense)
+        else:
+            gathered = param_bytes_gathered * grad_elems
+            n_ag = 1 if spec.zero_stage == 2 else 2
+            dp_mb_bytes = n_ag * all_gather_bytes(gathered, n_dense) + all_gather_bytes(grad_elems * dt.grad, n_dense)
+            if replicas > 1:
+                dp_mb_bytes += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
+            dp_link = bw["dp_shard"] if replicas == 1 else min(bw["dp_shard"], bw["dp_sp"])
+        t_dp_mb = dp_mb_bytes / dp_link if dp_mb_bytes else 0.0
+        t_dp_mb_exposed = max(0.0, t_dp_mb - t_compute) if spec.dp_overlap else t_dp_mb
+        t_mb = t_compute + t_tp + t_sp + t_ep + t_pp + t_dp_mb_exposed
+        per_rank.append({
+            "pp_rank": r.pp_rank, "chunks": r.chunks, "layers": r.layers, "in_flight_microbatches": n_if,
+            **states, "activations": activations, "transient": transient, "total": total,
+            "hardware_flops_per_microbatch": hw, "t_compute": t_compute, "t_tp": t_tp, "t_sp": t_sp, "t_ep": t_ep,
+            "t_pp": t_pp, "t_dp_mb_exposed": t_dp_mb_exposed, "t_mb": t_mb,
+            "comm": {"tp": tp_bytes * m, "sp": sp_bytes * m, "ep": ep_bytes * m, "pp": pp_bytes * m,
+                     "dp": dp_step_bytes + dp_mb_bytes * m},
+            "dp_step_bytes": dp_step_bytes, "dp_link": dp_link,
+            "t_bwd_last": (2 * (fwd + head) + (hw - 3 * (fwd + head))) / rate,
+            "zero1_gather": all_gather_bytes(grad_elems * dt.param, n_dense) if spec.zero_stage == 1 else 0.0,
+        })
+
+    slowest = max(per_rank, key=lambda e: e["t_mb"])
+    worst = max(per_rank, key=lambda e: e["total"])
+    units = bubble_units(spec.schedule, pp, v)
+    t_pipe = (m + units) * slowest["t_mb"]
+    # Exposed data-parallel traffic of ZeRO 0/1: the all-reduce (or reduce-scatter) overlaps the
+    # last microbatch's backward; ZeRO-1's parameter all-gather follows the optimizer step.
+    t_dp_exposed = 0.0
+    for e in per_rank:
+        if e["dp_step_bytes"]:
+            gather = e["zero1_gather"] / e["dp_link"]
+            reduce_t = e["dp_step_bytes"] / e["dp_link"] - gather
+            hidden = e["t_bwd_last"] if spec.dp_overlap else 0.0
+            t_dp_exposed = max(t_dp_exposed, max(0.0, reduce_t - hidden) + gather)
+    step = t_pipe + t_dp_exposed
+    flops = step_flops(f, x, spec.global_batch, spec.seq, spec.recompute, spec.recompute_every)
+    world = spec.world
+    mfu = flops["model"] / (step * world * cl.peak_flops) if step > 0 else 0.0
+    capacity = cl.device_memory_bytes * USABLE_MEMORY_FRACTION
+    fits = worst["total"] <= capacity
+    comm = {k: max(e["comm"][k] for e in per_rank) for k in ("tp", "dp", "pp", "ep", "sp")}
+    out = {
+        "memory_bytes": {k: int(round(worst[k])) for k in ("params", "grads", "optimizer", "activations", "transient", "total")},
+        "flops_per_step": flops["model"],
+        "hardware_flops_per_step": flops["hardware"],
+        "pipeline_bubble_fraction": bubble_fraction(spec.schedule, pp, v, m),
+        "pipeline_bubble_overhead": bubble_overhead(spec.schedule, pp, v, m),
+        "comm_bytes_per_step": {k: float(vv) for k, vv in comm.items()},
+        "step_time_s": step,
+        "tokens_per_s": spec.tokens_per_step / step if step > 0 else 0.0,
+        "mfu": mfu,
+        "fits": fits,
+        "time_breakdown_s": {
+            "compute": m * slowest["t_compute"],
+            "tp": m * slowest["t_tp"], "sp": m * slowest["t_sp"], "ep": m * slowest["t_ep"], "pp": m * slowest["t_pp"],
+            "dp_exposed": t_dp_exposed + m * slowest["t_dp_mb_exposed"],
+            "bubble": units * slowest["t_mb"],
+        },
+        "worst_memory_pp_rank": worst["pp_rank"],
+        "capacity_bytes": capacity,
+    }
+    if not detail:
+        return out
+    out["params_total"] = param_count(f, x)
+    out["memory_bytes_per_stage"] = [
+        {"pp_rank": e["pp_rank"], "chunks": e["chunks"], "layers": e["layers"], "in_flight_microbatches": e["in_flight_microbatches"],
+         **{k: int(round(e[k])) for k in ("params", "grads", "optimizer", "activations", "transient", "total")}}
+        for e in per_rank]
+    out["device_memory_bytes"] = cl.device_memory_bytes
+    out["memory_gib"] = {k: vv / GIB for k, vv in out["memory_bytes"].items()}
+    out["links"] = {name: f"{'inter' if bw[name] == cl.inter_bw and cl.inter_bw != cl.intra_bw else 'intra'}-node "
+                          f"{bw[name] / GB:g} GB/s" for name in ("tp", "sp", "dp_sp", "pp", "ep")}
+    out["assumptions"] = {
+        "matmul_efficiency": eff,
+        "mixed_precision": spec.mixed if spec.precision != "fp32" else "fp32",
+        "bytes_per_param": {"params": dt.param, "grads": dt.grad, "optimizer": dt.optim},
+        "usable_memory_fraction": USABLE_MEMORY_FRACTION,
+        "activation_model": "counted saved tensors of the HF modules (memory.py)",
+        "units": "bytes (memory_gib: GiB = 2**30 bytes); bandwidths GB/s = 10**9 bytes/s; FLOPs per step",
+    }
+    if f.arch == "gpt2":
+        out["korthikanti_layer_bytes"] = korthikanti_layer_bytes(spec.seq, b, f.hidden, f.heads, tp, spec.tp_sp, spec.recompute)
+        out["counted_layer_bytes"] = acts[False][0] * sp
+    out["notes"] = _notes(spec, out, worst, eff)
+    return out
+
+
+def _notes(spec: PlanSpec, est: dict, worst: dict, eff: float) -> List[str]:
+    cl = spec.cluster
+    notes = [f"memory in bytes and GiB (2**30); worst rank is pipeline rank {worst['pp_rank']} "
+             f"({worst['total'] / GIB:.2f} GiB of {cl.device_memory_bytes / GIB:.2f} GiB, "
+             f"{USABLE_MEMORY_FRACTION:.0%} usable)"]
+    if spec.precision != "fp32":
+        d = dtypes(spec.precision, "autocast")
+        if spec.mixed == "zero":
+            notes.append("16-bit states counted as ZeRO/Megatron do (2+2+12 bytes/param); partrain's runtime today keeps fp32 "
+                         "weights under torch.autocast (4+4+8, plus 16-bit weight copies per in-flight microbatch): "
+                         "estimate(v, mixed='autocast') counts that")
+        else:
+            notes.append(f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit copy of each "
+                         "weight saved per in-flight microbatch")
+    if spec.sp > 1:
+        notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
+    if spec.ep > 1:
+        notes.append("expert parallel: experts split over ep, their states sharded over the remaining dp x sp ranks")
+    notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; communication at the cluster's link speeds")
+    if not est["fits"]:
+        notes.append(f"does not fit: needs {worst['total'] / GIB:.2f} GiB, usable {est['capacity_bytes'] / GIB:.2f} GiB")
+    return notes
+
+
+def estimate(v, mixed: str = "zero", dp_overlap: bool = True) -> dict:
+    """The "estimate" block of the plan report for a validated run (see module docstring)."""
+    return estimate_spec(spec_from_validated(v, mixed=mixed, dp_overlap=dp_overlap), detail=True)

@@ -1,0 +1,110 @@
+"""Shared fixtures: the `partrain` command run as a user runs it, in an empty folder, with process
+starts blocked and recorded (so a test can prove that no worker was ever launched)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+import pytest
+
+PARTRAIN = Path(sys.executable).with_name("partrain")
+"""The console script installed beside this interpreter."""
+
+_SPAWN_GUARD = '''\
+import os, subprocess
+_log = os.environ.get("PARTRAIN_TEST_SPAWN_LOG")
+if _log:
+    def _blocked(*args, **kwargs):
+        with open(_log, "a") as f:
+            f.write(repr(args[1:3]) + "\\n")
+        raise RuntimeError("partrain tests: starting a process is not allowed here")
+    subprocess.Popen.__init__ = _blocked
+    os.fork = os.posix_spawn = os.posix_spawnp = os.execv = os.execve = _blocked
+'''
+
+
+@dataclass
+class Ran:
+    code: int
+    stdout: str
+    stderr: str
+    cwd: Path
+    home: Path
+    spawned: List[str]
+    """Processes the command tried to start (each was refused)."""
+
+    def created(self) -> List[str]:
+        """Files and folders that appeared in the working folder or the home folder."""
+        return sorted(str(p) for d in (self.cwd, self.home) for p in d.rglob("*"))
+
+
+def _sandbox(tmp_path: Path):
+    n = len(list(tmp_path.glob("run-*")))
+    base = tmp_path / f"run-{n}"
+    cwd, home = base / "cwd", base / "home"
+    cwd.mkdir(parents=True)
+    home.mkdir()
+    return cwd, home, base / "spawned.log"
+
+
+@pytest.fixture
+def run_partrain(tmp_path):
+    """Run the installed `partrain` console script in a fresh empty folder with an empty HOME."""
+    guard = tmp_path / "spawn-guard"
+    guard.mkdir(exist_ok=True)
+    (guard / "sitecustomize.py").write_text(_SPAWN_GUARD)
+
+    def run(*args: str, env: dict | None = None, timeout: float = 60, program: str = str(PARTRAIN)) -> Ran:
+        cwd, home, log = _sandbox(tmp_path)
+        full_env = {k: v for k, v in os.environ.items() if k != "PARTRAIN_RECIPES"}
+        full_env.update(HOME=str(home), PYTHONPATH=str(guard), PARTRAIN_TEST_SPAWN_LOG=str(log), COLUMNS="200")
+        full_env.update(env or {})
+        proc = subprocess.run([program, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        spawned = log.read_text().splitlines() if log.exists() else []
+        return Ran(proc.returncode, proc.stdout, proc.stderr, cwd, home, spawned)
+
+    return run
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    """Invoke the CLI in-process (typer's CliRunner): same code path, no interpreter start-up.
+
+    Runs in a fresh empty folder with an empty HOME; process starts and `partrain.launch.launch`
+    are refused and recorded in `Ran.spawned`.
+    """
+    from typer.testing import CliRunner
+
+    from partrain.cli import app
+
+    spawned: List[str] = []
+
+    def blocked(*args, **kwargs):
+        spawned.append(repr(args[1:3]))
+        raise RuntimeError("partrain tests: starting a process is not allowed here")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", blocked)
+    for name in ("fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
+        monkeypatch.setattr(os, name, blocked)
+    monkeypatch.setitem(sys.modules, "partrain.launch", types.SimpleNamespace(launch=blocked))
+    monkeypatch.delenv("PARTRAIN_RECIPES", raising=False)
+
+    def run(*args: str, env: dict | None = None) -> Ran:
+        cwd, home, _ = _sandbox(tmp_path)
+        monkeypatch.chdir(cwd)
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.setenv("COLUMNS", "250")  # rich wraps tables at 80 columns otherwise
+        result = CliRunner().invoke(app, list(args), env=env, catch_exceptions=True)
+        stderr = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(result.exception))
+        return Ran(result.exit_code, result.stdout, stderr, cwd, home, list(spawned))
+
+    return run
