@@ -190,6 +190,49 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
     _console().print(table)
 
 
+@checkpoint_app.command("info")
+def checkpoint_info_cmd(path: Path = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-NNNNNNNN)."),
+                        as_json: bool = JSON) -> None:
+    """Show a checkpoint's step, layout it was saved under, model, size and tensor count."""
+    from .checkpoint import checkpoint_info
+
+    try:
+        info = checkpoint_info(path)
+    except ConfigError as err:
+        _fail(err, as_json)
+    if as_json:
+        print(json.dumps(info, default=str))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"checkpoint {path}", show_header=False, title_justify="left")
+    for key in ("step", "time", "world_size", "layout", "model", "size_bytes", "n_tensors", "n_parameters", "version"):
+        if key in info:
+            value = info[key]
+            if key == "model" and isinstance(value, dict):
+                value = f"{value.get('arch')} {value.get('name', '')}".strip()
+            table.add_row(key, str(value))
+    _console().print(table)
+
+
+@checkpoint_app.command("export")
+def checkpoint_export_cmd(path: Path = typer.Argument(..., help="A checkpoint folder."),
+                          hf: Path = typer.Option(..., "--hf", help="Output folder for an HF save_pretrained model."),
+                          tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."),
+                          as_json: bool = JSON) -> None:
+    """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
+    from .checkpoint import export_hf
+
+    try:
+        out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
+    except ConfigError as err:
+        _fail(err, as_json)
+    if as_json:
+        print(json.dumps({"exported": str(out)}))
+    else:
+        _console().print(f"exported to [cyan]{out}[/cyan] (AutoModelForCausalLM.from_pretrained loads it offline)")
+
+
 app.add_typer(checkpoint_app, name="checkpoint")
 
 
