@@ -67,14 +67,30 @@ def _validated(overrides, recipes, as_json: bool):
         _fail(err, as_json)
 
 
-def _print_layout(validated, as_json: bool, all_ranks: bool) -> dict:
-    from .report import layout_report, render_layout
+SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
+
+
+def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None) -> dict:
+    from .report import SCHEDULE_PICTURE_LIMIT, layout_report, render_layout, schedule_grid_of
 
     report = layout_report(validated)
+    drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
+    if schedule_svg is not None and drawable:
+        from .schedule_picture import to_svg
+
+        to_svg(schedule_grid_of(validated), schedule_svg)
+        report["pipeline"]["svg"] = str(schedule_svg)
     if as_json:
         print(json.dumps(report, default=str))
     else:
-        render_layout(report, _console(), all_ranks=all_ranks)
+        picture = None
+        if drawable:
+            from .schedule_picture import render_text
+
+            picture = render_text(schedule_grid_of(validated), max_slots=120)
+        render_layout(report, _console(), all_ranks=all_ranks, picture=picture)
+        if schedule_svg is not None and not drawable:
+            _console().print(f"no schedule picture: pp=1 or more than {SCHEDULE_PICTURE_LIMIT} pipeline slots")
     return report
 
 
@@ -85,11 +101,12 @@ def train(
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
+    schedule_svg: Optional[Path] = SCHEDULE_SVG,
 ) -> None:
     """Compose, validate and train (launches workers with torchrun)."""
     validated = _validated(overrides, recipes, as_json)
     if dry_run:
-        _print_layout(validated, as_json, all_ranks)
+        _print_layout(validated, as_json, all_ranks, schedule_svg)
         return
     from .runtime_support import unsupported_features
 
@@ -120,9 +137,10 @@ def plan(
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
+    schedule_svg: Optional[Path] = SCHEDULE_SVG,
 ) -> None:
     """Validate a layout and show its report (rank table, groups, verdict) without starting anything."""
-    _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks)
+    _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks, schedule_svg)
 
 
 @app.command()

@@ -45,7 +45,32 @@ def layout_report(v: ValidatedRun) -> dict:
         "notes": notes,
         "verdict": _verdict(v, notes),
     }
+    if layout.pp > 1:
+        report["pipeline"] = pipeline_summary(v)
     return report
+
+
+SCHEDULE_PICTURE_LIMIT = 4096
+"""Largest pp x virtual stages x microbatches drawn by the dry run (bigger ones report numbers only)."""
+
+
+def schedule_grid_of(v: ValidatedRun):
+    from .schedule_picture import schedule_grid
+
+    p = v.run.parallel
+    return schedule_grid(p.pp_schedule, v.layout.pp, p.pp_virtual_stages, v.microbatches)
+
+
+def pipeline_summary(v: ValidatedRun) -> dict:
+    """Schedule facts for the report: formula bubble, simulated bubble (unit costs) when cheap to draw."""
+    from .schedule_picture import formula_bubble
+
+    p = v.run.parallel
+    out = {"schedule": p.pp_schedule, "pp": v.layout.pp, "virtual_stages": p.pp_virtual_stages, "microbatches": v.microbatches,
+           "bubble_fraction_formula": formula_bubble(p.pp_schedule, v.layout.pp, p.pp_virtual_stages, v.microbatches)}
+    if v.layout.pp * p.pp_virtual_stages * v.microbatches <= SCHEDULE_PICTURE_LIMIT:
+        out["bubble_fraction_simulated"] = schedule_grid_of(v).bubble_fraction
+    return out
 
 
 def _verdict(v: ValidatedRun, notes: List[str]) -> str:
@@ -61,7 +86,7 @@ def error_report(err: ConfigError) -> dict:
     return {"valid": False, "errors": [p.to_json() for p in err.problems]}
 
 
-def render_layout(report: dict, console, all_ranks: bool = False) -> None:
+def render_layout(report: dict, console, all_ranks: bool = False, picture=None) -> None:
     from rich.table import Table
 
     deg = report["degrees"]
@@ -103,6 +128,14 @@ def render_layout(report: dict, console, all_ranks: bool = False) -> None:
             text += f" ... ({len(members) - len(shown)} more)"
         groups.add_row(family, str(len(members)), text)
     console.print(groups)
+    if "pipeline" in report:
+        pipe = report["pipeline"]
+        line = f"pipeline schedule {pipe['schedule']}: formula bubble {pipe['bubble_fraction_formula']}"
+        if "bubble_fraction_simulated" in pipe:
+            line += f", simulated {pipe['bubble_fraction_simulated']:.3f} of the step (unit costs F=1, B=2)"
+        console.print(line, markup=False)
+        if picture is not None:
+            console.print(picture)
     style = "yellow" if report["notes"] else "green"
     console.print(f"[bold {style}]verdict:[/bold {style}] {report['verdict']}")
 
