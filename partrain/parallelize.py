@@ -21,10 +21,10 @@ from .models.init import materialize
 from .models.loss import token_loss
 from .parallel import data_parallel
 from .parallel.recompute import apply_recompute
-from .parallel.tensor_parallel import apply_tp, loss_context
+from .parallel.tensor_parallel import apply_tp, loss_context, shard_embedding_gradient
 from .runtime.mesh import ParallelMesh
 from .train.engine import DirectEngine, PipelineEngine
-from .train.optim import make_adamw, param_groups
+from .train.optim import param_groups
 
 
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
@@ -43,6 +43,7 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
     if mesh.size("pp") == 1:
         _shard(model, v, mesh, adapter)
         materialize(model, run.model, run.train.seed, device)
+        shard_embedding_gradient(model, adapter)
         model.train()
         dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim)
         return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
@@ -62,9 +63,10 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
         _shard(stage, v, mesh, adapter)
     for stage in stages:
         materialize(stage, run.model, run.train.seed, device)
+        shard_embedding_gradient(stage, adapter)
         stage.train()
     groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
-    optimizer = make_adamw(groups, run.optim)
+    optimizer = data_parallel.make_optimizer(groups, mesh, p.zero_stage, run.optim)
     fsdp = data_parallel.uses_fsdp(p.zero_stage)
     dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
     # DTensor activations (sequence parallel) and autocast change what flows between stages:

@@ -101,6 +101,13 @@ def allreduce_gradients_of(modules, group, size: int) -> None:
         offset += g.numel()
 
 
+def make_optimizer(groups, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig):
+    """AdamW; for ZeRO-1 with its state sharded over the dp_shard ranks."""
+    if zero_stage == 1 and mesh.size("dp_shard") > 1:
+        return ShardedOptimizer(groups, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
+    return make_adamw(groups, optim_cfg)
+
+
 def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig) -> DataParallelModel:
     """After materialize: DDP for stages 0/1, and the optimizer for every stage."""
     groups = param_groups(model, optim_cfg.weight_decay)
@@ -108,10 +115,7 @@ def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: Optim
     if uses_fsdp(zero_stage):
         return DataParallelModel(model, model, make_adamw(groups, optim_cfg), lambda last: contextlib.nullcontext())
     # The sharded optimizer re-homes parameters into its flat buffers: build it before DDP.
-    if zero_stage == 1 and mesh.size("dp_shard") > 1:
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
-    else:
-        optimizer = make_adamw(groups, optim_cfg)
+    optimizer = make_optimizer(groups, mesh, zero_stage, optim_cfg)
     module: nn.Module = model
     microbatch: Callable[[bool], ContextManager] = lambda last: contextlib.nullcontext()
     if dp_group_size > 1 and _has_dtensor_params(model):

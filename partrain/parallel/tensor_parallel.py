@@ -183,6 +183,38 @@ def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter) -> Dict[st
     return plan
 
 
+def _replicated_block_inputs(layer: nn.Module, adapter: Adapter) -> Dict[str, object]:
+    """Enter each attention / dense MLP block once as a replicated DTensor.
+
+    Without this every column-parallel projection (q, k, v; gate, up) turns the plain input into
+    a DTensor itself and all-reduces its own input gradient in backward: 5 all-reduces per layer
+    where 2 suffice (measured: 68 -> 44 all-reduces per step, about 8% less CPU per step).
+    """
+    plan: Dict[str, object] = {adapter.attention_attr: PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Replicate()}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=False)}
+    if adapter.experts(layer) is None:  # replicated experts compute on plain tensors
+        plan[adapter.mlp_attr] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                                    use_local_output=False)
+    return plan
+
+
+def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:
+    """Keep the vocabulary-parallel embedding's gradient sharded like its weight.
+
+    DTensor's embedding backward returns a Replicate [vocab, hidden] gradient on every rank: a full
+    copy per rank (2 GiB of fp32 for Llama-3-8B at any tp). Call after materialize (to_empty
+    replaces parameters and would drop the hook).
+    """
+    path = adapter.embedding_paths[0]
+    if not _has(module, path):
+        return
+    weight = module.get_submodule(path).weight
+    if isinstance(weight, DTensor) and any(not isinstance(p, Replicate) for p in weight.placements):
+        mesh, placements = weight.device_mesh, weight.placements
+        weight.register_hook(lambda g: g.redistribute(mesh, placements) if g.placements != placements else g)
+
+
 def _parallelize_layers(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     layers = adapter.layers(model)
     entries = layers.values() if isinstance(layers, nn.ModuleDict) else layers
@@ -204,6 +236,8 @@ def _parallelize_layers(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, se
         if sequence_parallel:
             # Module-input preparation first, then the projections inside.
             plan = {**_sequence_parallel_layer_plan(layer, adapter), **plan}
+        else:
+            plan = {**_replicated_block_inputs(layer, adapter), **plan}
         for key, style in plan.items():
             for s in style if isinstance(style, list) else [style]:
                 parallelize_module(layer, mesh, {key: s})

@@ -14,11 +14,11 @@ measurement for tests and benchmarks; imports torch).
 
 from .estimate import estimate, estimate_spec, model_state_bytes_per_rank
 from .params import param_count, param_tensors
-from .search import SearchSpace, search
+from .search import SearchSpace, base_spec, search
 from .spec import PlanSpec, spec_from_validated
 
 __all__ = ["estimate", "estimate_spec", "model_state_bytes_per_rank", "param_count", "param_tensors", "search", "SearchSpace",
-           "PlanSpec", "spec_from_validated", "plan_report"]
+           "PlanSpec", "spec_from_validated", "plan_report", "base_spec"]
 
 
 def plan_report(v, search_layouts: bool = False, top_k: int = 10) -> dict:

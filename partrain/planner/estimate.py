@@ -221,13 +221,10 @@ def _layer_flops_per_rank(spec: PlanSpec, sparse: bool, tokens: float) -> Tuple[
     """(forward FLOPs of one layer on one rank, of which attention core) for one microbatch."""
     f, x, tp = spec.facts, spec.extras, spec.tp
     parts = layer_forward_flops(f, x, tokens, spec.seq, sparse)
-    mlp = parts["mlp"]
-    if sparse:
-        shared = 2.0 * tokens * (3 * f.hidden * f.shared_expert_ffn) if f.arch == "qwen2_moe" else 0.0
-        mlp = mlp  # experts, router and shared expert are replicated over TP: every TP rank runs them
-        del shared
-    else:
-        mlp /= tp
+    # A MoE block (router, experts, shared expert) is replicated over TP: every TP rank runs all of
+    # it for its tokens; with expert parallelism a rank runs its experts for the tokens routed to
+    # them, on average the same amount.
+    mlp = parts["mlp"] if sparse else parts["mlp"] / tp
     core = parts["attn_core"] / tp
     return parts["attn_proj"] / tp + core + mlp, core
 

@@ -18,6 +18,16 @@ def _bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def verdict_text(est: dict) -> str:
+    """One line for the report's verdict: fits or not, in GiB."""
+    total, device = est["memory_bytes"]["total"] / GIB, est["device_memory_bytes"] / GIB
+    usable = est["assumptions"]["usable_memory_fraction"]
+    if est["fits"]:
+        return (f"fits in memory: {total:.1f} of {device:.1f} GiB on the worst rank; predicted {est['step_time_s']:.3g} s/step, "
+                f"MFU {est['mfu']:.0%}")
+    return f"does not fit: the worst rank needs {total:.1f} GiB, {device * usable:.1f} of {device:.1f} GiB usable"
+
+
 def render_estimate(est: dict, console) -> None:
     """Per-rank memory (GiB), FLOPs, communication (GB, 10**9 bytes), bubble, time, verdict."""
     from rich.table import Table

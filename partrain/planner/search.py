@@ -146,8 +146,32 @@ def enumerate_specs(base: PlanSpec, space: SearchSpace = SearchSpace(), allow_tp
                             break  # a larger micro batch needs more memory still
 
 
-def _run_config(v, spec: PlanSpec):
-    run = v.run
+def base_spec(v_or_run, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
+    """What the search keeps of a run: model, cluster, sequence length, context-parallel degree and
+    mode, precision and global batch. Accepts a ValidatedRun, or a RunConfig whose own layout need
+    not be valid (say, degrees written for another cluster); then the global batch must be stated."""
+    if hasattr(v_or_run, "layout"):
+        return spec_from_validated(v_or_run, mixed=mixed, dp_overlap=dp_overlap)
+    from ..errors import ConfigError, Problem
+    from ..models.facts import model_facts
+    from .spec import cluster_spec, model_extras
+
+    run = v_or_run
+    if run.train.global_batch_size <= 0:
+        raise ConfigError(Problem("train.global_batch_size", run.train.global_batch_size,
+                                  "the layout search keeps the global batch fixed, so it must be stated",
+                                  "set train.global_batch_size (sequences per optimizer step)"))
+    facts = model_facts(run.model.arch, run.model.config, run.model.pretrained)
+    cl = run.cluster
+    sp = max(1, run.parallel.sp)
+    world = cl.nodes * cl.devices_per_node
+    return PlanSpec(facts=facts, extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
+                    cluster=cluster_spec(cl), tp=1, pp=1, dp=max(1, world // sp), sp=sp, order=tuple(run.parallel.order),
+                    sp_mode=run.parallel.sp_mode, seq=run.train.seq_len, mbs=1, global_batch=run.train.global_batch_size,
+                    precision=run.train.precision, mixed=mixed, dp_overlap=dp_overlap)
+
+
+def _run_config(run, spec: PlanSpec):
     p = dataclasses.replace(run.parallel, tp=spec.tp, pp=spec.pp, dp=spec.dp, sp=spec.sp, ep=spec.ep, zero_stage=spec.zero_stage,
                             dp_shard=-1, pp_schedule=spec.schedule, pp_virtual_stages=spec.v, pp_layers_per_stage=None,
                             tp_sequence_parallel=spec.tp_sp, recompute=spec.recompute, recompute_every=1)
@@ -201,7 +225,9 @@ def why(spec: PlanSpec, est: dict, best: Optional[dict]) -> str:
 
 def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchSpace(), runnable_only: bool = False,
            dp_overlap: bool = True) -> List[dict]:
-    """The best `top_k` fitting layouts for v.run's model, cluster and global batch, best first.
+    """The best `top_k` fitting layouts for the run's model, cluster and global batch, best first.
+
+    `v` is a ValidatedRun, or a RunConfig whose own layout may be invalid (see `base_spec`).
 
     Each candidate: {"rank", "layout" (degrees, zero stage, recompute, micro batch, schedule, v),
     "overrides" (to paste after `partrain train recipe=...`), "estimate" (as `estimate`), "why",
@@ -214,9 +240,10 @@ def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchS
     from ..runtime_support import unsupported_features
 
     started = time.perf_counter()
-    base = spec_from_validated(v, mixed=mixed, dp_overlap=dp_overlap)
+    run = getattr(v, "run", v)
+    base = base_spec(v, mixed=mixed, dp_overlap=dp_overlap)
     stats = {"evaluated": 0}
-    found = list(enumerate_specs(base, space, v.run.cluster.allow_tp_across_nodes, stats))
+    found = list(enumerate_specs(base, space, run.cluster.allow_tp_across_nodes, stats))
     found.sort(key=lambda item: (item[1]["step_time_s"], item[1]["memory_bytes"]["total"]))
     picked: List[dict] = []
     seen = set()
@@ -230,7 +257,7 @@ def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchS
             continue
         seen.add(key)
         try:
-            validated = validate(_run_config(v, spec))
+            validated = validate(_run_config(run, spec))
         except ConfigError:
             continue
         missing = unsupported_features(validated)
