@@ -250,70 +250,36 @@ def tied_weight_sync(stage_modules: Sequence[nn.Module], pp_group: Optional[dist
     return True
 
 
-@torch.no_grad()
-def all_reduce_grads(modules: Sequence[nn.Module], group: Optional[dist.ProcessGroup],
-                     bucket_elements: int = 1 << 24) -> None:
-    """Average every gradient of `modules` over `group` (SUM then divide: gloo has no AVG), in flat
-    buckets of up to `bucket_elements` elements per dtype. Plain tensors only (no DTensors)."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if size == 1:
-        return
-    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        bucket: List[torch.Tensor] = []
-        count = 0
-        for g in same + [None]:  # type: ignore[list-item]
-            if g is not None and (not bucket or count + g.numel() <= bucket_elements):
-                bucket.append(g)
-                count += g.numel()
-                continue
-            if bucket:
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-                flat.div_(size)
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
-            bucket, count = ([g], g.numel()) if g is not None else ([], 0)
+def all_reduce_grads(modules: Sequence[nn.Module], group: Optional[dist.ProcessGroup]) -> None:
+    """Average every gradient of `modules` over `group` (see data_parallel.allreduce_gradients_of)."""
+    from .data_parallel import allreduce_gradients_of
+
+    allreduce_gradients_of(modules, group, dist.get_world_size(group) if group is not None else 1)
 
 
 @torch.no_grad()
 def clip_grad_norm_(stage_modules: Sequence[nn.Module], max_norm: float,
-                    pp_group: Optional[dist.ProcessGroup] = None, norm_type: float = 2.0) -> float:
+                    pp_group: Optional[dist.ProcessGroup] = None) -> float:
     """Global gradient norm of the whole pipelined model; clips to max_norm when > 0.
 
-    Each rank takes the norm of its stages' gradients (DTensor shards of FSDP/TP are combined over
-    their own meshes by `full_tensor`), the last chunk's tied-weight copy left out (it equals the
-    first chunk's), then the squares are summed over the pp group. Every pp rank gets the same norm.
+    Each rank takes the norm of its stages' gradients (plain, and DTensor shards of FSDP/TP combined
+    over their own meshes), the last chunk's tied-weight copy left out (it equals the first chunk's),
+    then the squares are summed over the pp group. Every pp rank gets the same norm.
     """
-    grads, all_grads = [], []
+    from .grad_norm import clip_gradients
+
+    params = {id(p): p for m in stage_modules for p in m.parameters()}.values()
+    return clip_gradients(params, max_norm, not_counted=second_tied_copies(stage_modules), sum_group=pp_group)
+
+
+def second_tied_copies(stage_modules: Sequence[nn.Module]) -> List[nn.Parameter]:
+    """The last chunk's copy of a tied embedding/head weight (its gradient equals the first chunk's)."""
+    copies = []
     for m in stage_modules:
         inner = _unwrap(m)
-        skip = inner.tied_weight() if (inner.is_last and not inner.is_first) else None
-        for p in m.parameters():
-            if p.grad is None:
-                continue
-            all_grads.append(p.grad)
-            if p is not skip:
-                grads.append(p.grad)
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if hasattr(local, "full_tensor"):
-            local = local.full_tensor()
-        local = local.detach().double().cpu() ** norm_type
-    else:
-        local = torch.zeros((), dtype=torch.float64)
-    local = local.reshape(1)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pp_group)
-    total = float(local.item()) ** (1.0 / norm_type)
-    if max_norm > 0 and all_grads:
-        torch.nn.utils.clip_grads_with_norm_(all_grads, max_norm, torch.tensor(total))
-    return total
+        if inner.is_last and not inner.is_first and inner.tied_weight() is not None:
+            copies.append(inner.tied_weight())
+    return copies
 
 
 # ---- the runner ---------------------------------------------------------------------------------

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .comm import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups
 from .flops import head_forward_flops, layer_forward_flops, step_flops
-from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations)
+from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, tensor_state_elements,
+                     zero1_optimizer_elements)
 from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, param_count, tied_head_copy
 from .pipeline import bubble_fraction, bubble_overhead, bubble_units, chunk_layer_counts, in_flight, rank_chunks
 from .spec import GB, GIB, PlanSpec, spec_from_validated
@@ -70,29 +71,10 @@ def matmul_efficiency(spec: PlanSpec) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def _group_parts(spec_key: Tuple, kind: Tuple, shard_index: int) -> Tuple[int, int, int, int, int]:
-    """(params, grads, fsdp optimizer, zero-1 group >=2-D, zero-1 group 1-D) elements of a tensor group."""
+def _group_parts(spec_key: Tuple, kind: Tuple, shard_index: int) -> Tuple[int, int, int, int]:
+    """tensor_state_elements of one kind of tensor group (a dense or MoE layer, embeddings, ...)."""
     facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
-    tensors = _kind_tensors(facts, extras, kind)
-    p = o = g0 = g1 = 0
-    for t in tensors:
-        shape = t.local_shape(tp, ep)
-        numel = math.prod(shape)
-        if zero >= 2:
-            n = n_exp if t.expert else n_dense
-            idx = shard_index % n
-            per = -(-shape[0] // n)
-            rows = max(0, min(per, shape[0] - idx * per))
-            local = numel // shape[0] * rows if shape[0] else 0
-            p += local
-            o += local
-        else:
-            p += numel
-            if len(shape) >= 2:
-                g0 += numel
-            else:
-                g1 += numel
-    return p, p, o, g0, g1
+    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -157,23 +139,17 @@ class _Rank:
 def rank_state_elements(spec: PlanSpec, rank: _Rank, shard_index: int = 0) -> Tuple[int, int, int, int]:
     """(params, grads, optimizer, unsharded local params) elements of one rank."""
     key = _spec_key(spec)
-    p = g = o = g0 = g1 = 0
+    p = o = g2 = g1 = 0
     for kind, count in rank.kinds(spec):
-        pp_, gg, oo, a0, a1 = _group_parts(key, kind, shard_index)
+        pp_, oo, a2, a1 = _group_parts(key, kind, shard_index)
         p += pp_ * count
-        g += gg * count
         o += oo * count
-        g0 += a0 * count
+        g2 += a2 * count
         g1 += a1 * count
     if spec.zero_stage >= 2:
         unsharded = sum(_group_parts(key[:-1] + (0,), kind, 0)[0] * count for kind, count in rank.kinds(spec))
-        return p, g, o, unsharded
-    n = spec.shard
-    if spec.zero_stage == 1 and n > 1:
-        o = sum(-(-x // n) for x in (g0, g1) if x)
-    else:
-        o = g0 + g1
-    return p, g, o, p
+        return p, p, o, unsharded
+    return p, p, zero1_optimizer_elements(g2, g1, spec.shard, spec.zero_stage), p
 
 
 def _ranks(spec: PlanSpec) -> List[_Rank]:

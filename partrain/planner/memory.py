@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from ..models.facts import ModelFacts
-from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, tied_head_copy
+from .params import TensorSpec, layer_is_sparse, layer_tensors
 from .spec import ModelExtras, PlanSpec
 
 # ---- published formulas ---------------------------------------------------------------------------
@@ -55,7 +55,8 @@ def zero_model_state_bytes(psi: float, n_d: int, stage: int, k: int = 12) -> flo
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                             recompute: str = "none") -> float:
-    """Activation bytes of one transformer layer (Korthikanti et al. 2022, Table 2 / eqs. 1-6)."""
+    """Activation bytes of one transformer layer (Korthikanti et al. 2022, section 4 and their table of
+    per-layer activation memory for each technique)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
     attn = 0.0 if recompute == "selective" else 5 * a * s / h
@@ -102,74 +103,46 @@ def dtypes(precision: str, mixed: str = "zero") -> Dtypes:
 # ---- model states -----------------------------------------------------------------------------------
 
 
-def rank_tensors(spec: PlanSpec, chunks: Sequence[int], counts: Sequence[int]) -> List[TensorSpec]:
-    """The parameters one pipeline rank holds (before TP/EP/ZeRO), chunk by chunk."""
-    f, x = spec.facts, spec.extras
-    n_chunks = spec.pp * spec.v
-    starts = [sum(counts[:c]) for c in range(n_chunks)]
-    out: List[TensorSpec] = []
-    for c in chunks:
-        if c == 0:
-            out += embed_tensors(f)
-        for i in range(starts[c], starts[c] + counts[c]):
-            out += layer_tensors(f, x, i)
-        if c == n_chunks - 1:
-            out += final_tensors(f)
-            if f.tied_embeddings and n_chunks > 1:
-                out.append(tied_head_copy(f))
-    return out
+def tensor_state_elements(tensors: Sequence[TensorSpec], tp: int, ep: int, n_dense: int, n_expert: int, zero_stage: int,
+                          shard_index: int = 0) -> Tuple[int, int, int, int]:
+    """(parameter elements, FSDP optimizer elements, ZeRO-1 group of >= 2-D tensors, ZeRO-1 group of
+    the rest) that the rank at position `shard_index` of its shard group holds of `tensors`.
+
+    Gradients have the parameters' shape. Optimizer elements count Adam's moments once (multiply by
+    the optimizer bytes per parameter); for ZeRO 0/1 they follow from the two groups
+    (`zero1_optimizer_elements`). FSDP (ZeRO 2/3) cuts dim 0 of each local tensor as torch.chunk does;
+    position 0 holds the largest shards (the worst rank); experts shard over n_expert ranks.
+    """
+    params = optim = group2 = group1 = 0
+    for t in tensors:
+        shape = t.local_shape(tp, ep)
+        numel = math.prod(shape)
+        if zero_stage >= 2:
+            n = n_expert if t.expert else n_dense
+            local = numel // shape[0] * _chunk_rows(shape[0], n, shard_index % n) if shape[0] else 0
+            params += local
+            optim += local
+        else:
+            params += numel
+            if len(shape) >= 2:
+                group2 += numel
+            else:
+                group1 += numel
+    return params, optim, group2, group1
+
+
+def zero1_optimizer_elements(group2: int, group1: int, n: int, zero_stage: int) -> int:
+    """Adam state elements of ZeRO 0 (everything) or partrain's ZeRO-1 (each parameter group - decayed
+    >= 2-D tensors, and the rest - flattened and cut into n equal slices of ceil(numel / n))."""
+    if zero_stage == 1 and n > 1:
+        return sum(-(-g // n) for g in (group2, group1) if g)
+    return group2 + group1
 
 
 def _chunk_rows(d0: int, n: int, index: int) -> int:
     """Rows of dim 0 that rank `index` of n holds under torch.chunk (FSDP2's split)."""
     per = -(-d0 // n)
     return max(0, min(per, d0 - index * per))
-
-
-def _expert_shard(spec: PlanSpec) -> int:
-    """Ranks sharing (ZeRO/FSDP) one copy of the experts: the shard group divided by ep."""
-    return max(1, spec.shard // math.gcd(spec.shard, spec.ep))
-
-
-def state_elements(spec: PlanSpec, tensors: Sequence[TensorSpec], shard_index: int = 0) -> Tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) elements on the rank at position `shard_index` of
-    its shard group. Optimizer elements count Adam's two moments as one (multiply by the
-    optimizer bytes per parameter). Position 0 holds the largest FSDP shards (the worst rank)."""
-    n_dense = spec.shard
-    n_exp = _expert_shard(spec)
-    local_total = 0
-    params = grads = optim = 0
-    groups = [0, 0]  # ZeRO-1 parameter groups: decayed (>= 2-D) and the rest, of this rank
-    for t in tensors:
-        shape = t.local_shape(spec.tp, spec.ep)
-        numel = 1
-        for d in shape:
-            numel *= d
-        local_total += numel
-        if spec.zero_stage >= 2:
-            n = n_exp if t.expert else n_dense
-            idx = shard_index % n
-            rows = _chunk_rows(shape[0], n, idx)
-            local = numel // shape[0] * rows if shape[0] else 0
-            params += local
-            grads += local
-            optim += local
-        else:
-            params += numel
-            grads += numel
-            groups[0 if len(shape) >= 2 else 1] += numel
-    if spec.zero_stage == 1:
-        n = n_dense
-        optim = sum(-(-g // n) for g in groups if g) if n > 1 else sum(groups)
-    elif spec.zero_stage == 0:
-        optim = sum(groups)
-    return params, grads, optim
-
-
-def model_state_bytes(spec: PlanSpec, tensors: Sequence[TensorSpec], shard_index: int = 0) -> Dict[str, int]:
-    d = dtypes(spec.precision, spec.mixed)
-    p, g, o = state_elements(spec, tensors, shard_index)
-    return {"params": p * d.param, "grads": g * d.grad, "optimizer": o * d.optim}
 
 
 # ---- activations --------------------------------------------------------------------------------------

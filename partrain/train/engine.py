@@ -12,6 +12,7 @@ from torch import nn
 
 from ..models.loss import forward_loss
 from ..parallel.data_parallel import DataParallelModel
+from ..parallel.grad_norm import clip_gradients
 
 
 def autocast_context(precision: str, device_type: str):
@@ -24,39 +25,6 @@ def autocast_context(precision: str, device_type: str):
 def local_scalar(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor scalar (loss parallel) as a plain tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def clip_gradients(parameters, max_norm: float, not_counted=(), sum_group=None) -> float:
-    """Global gradient norm over every rank's shards; clip to max_norm when > 0.
-
-    Gradients are grouped by kind: plain tensors (replicated, counted once) and DTensors per mesh
-    and placement set (their norms are Partial over shard dims: full_tensor() sums the squares).
-    `not_counted`: parameters whose gradient is clipped but left out of the norm (a second copy of
-    a tied weight on another pipeline stage). `sum_group`: add the squares over this group too
-    (pipeline stages hold disjoint parameters).
-    """
-    skip = {id(p) for p in not_counted}
-    groups, clipped = {}, {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        key = (p.grad.device_mesh, tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
-        clipped.setdefault(key, []).append(p.grad)
-        if id(p) not in skip:
-            groups.setdefault(key, []).append(p.grad)
-    squares = torch.zeros(1, dtype=torch.float64)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        squares += norm.double().cpu() ** 2
-    if sum_group is not None and torch.distributed.get_world_size(sum_group) > 1:
-        torch.distributed.all_reduce(squares, group=sum_group)
-    total = squares.sqrt().float()[0]
-    if max_norm > 0:
-        for grads in clipped.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
-    return float(total)
 
 
 class DirectEngine:
@@ -134,17 +102,9 @@ class PipelineEngine:
         return loss
 
     def clip(self, max_norm: float) -> float:
-        params = {id(p): p for m in self.stage_modules for p in m.parameters()}.values()
-        return clip_gradients(params, max_norm, not_counted=self._second_tied_copies(), sum_group=self.pp_group)
+        from ..parallel.pipeline import clip_grad_norm_
 
-    def _second_tied_copies(self) -> List[nn.Parameter]:
-        """The last stage's copy of a tied embedding/head weight (its gradient equals the first's)."""
-        copies = []
-        for m in self.stage_modules:
-            inner = getattr(m, "module", m)
-            if getattr(inner, "is_last", False) and not getattr(inner, "is_first", False) and inner.tied_weight() is not None:
-                copies.append(inner.tied_weight())
-        return copies
+        return clip_grad_norm_(self.stage_modules, max_norm, self.pp_group)
 
     def share_loss(self, value: Optional[float]) -> float:
         return self.runner.broadcast_loss(value)

@@ -1,0 +1,38 @@
+"""The global gradient norm of a model spread over ranks, and clipping to it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def clip_gradients(parameters, max_norm: float, not_counted=(), sum_group=None) -> float:
+    """Global gradient norm over every rank's shards; clip to max_norm when > 0.
+
+    Gradients are grouped by kind: plain tensors (replicated, counted once) and DTensors per mesh
+    and placement set (their norms are Partial over shard dims: full_tensor() sums the squares).
+    `not_counted`: parameters whose gradient is clipped but left out of the norm (a second copy of
+    a tied weight on another pipeline stage). `sum_group`: add the squares over this group too
+    (pipeline stages hold disjoint parameters).
+    """
+    skip = {id(p) for p in not_counted}
+    groups, clipped = {}, {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        key = (p.grad.device_mesh, tuple(p.grad.placements)) if hasattr(p.grad, "device_mesh") else None
+        clipped.setdefault(key, []).append(p.grad)
+        if id(p) not in skip:
+            groups.setdefault(key, []).append(p.grad)
+    squares = torch.zeros(1, dtype=torch.float64)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares += norm.double().cpu() ** 2
+    if sum_group is not None and torch.distributed.get_world_size(sum_group) > 1:
+        torch.distributed.all_reduce(squares, group=sum_group)
+    total = squares.sqrt().float()[0]
+    if max_norm > 0:
+        for grads in clipped.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
+    return float(total)
