@@ -70,10 +70,20 @@ def _validated(overrides, recipes, as_json: bool):
 SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
 
 
-def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None) -> dict:
+def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None,
+                  search_top: int = 0) -> dict:
+    from .planner import estimate, search
+    from .planner.render import render_candidates, render_estimate, verdict_text
     from .report import SCHEDULE_PICTURE_LIMIT, layout_report, render_layout, schedule_grid_of
 
     report = layout_report(validated)
+    report["estimate"] = estimate(validated)
+    report["verdict"] += "; " + verdict_text(report["estimate"])
+    if search_top:
+        try:
+            report["candidates"] = search(validated, top_k=search_top)
+        except ConfigError as err:
+            _fail(err, as_json)
     drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
     if schedule_svg is not None and drawable:
         from .schedule_picture import to_svg
@@ -89,6 +99,9 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
 
             picture = render_text(schedule_grid_of(validated), max_slots=120)
         render_layout(report, _console(), all_ranks=all_ranks, picture=picture)
+        render_estimate(report["estimate"], _console())
+        if "candidates" in report:
+            render_candidates(report["candidates"], _console())
         if schedule_svg is not None and not drawable:
             _console().print(f"no schedule picture: pp=1 or more than {SCHEDULE_PICTURE_LIMIT} pipeline slots")
     return report
@@ -138,9 +151,15 @@ def plan(
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
+    search_layouts: bool = typer.Option(False, "--search", help="Rank every valid layout of this model, cluster and global batch by predicted step time; show the fastest that fit."),
+    top: int = typer.Option(10, "--top", min=1, help="How many layouts --search shows."),
 ) -> None:
-    """Validate a layout and show its report (rank table, groups, verdict) without starting anything."""
-    _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks, schedule_svg)
+    """Validate a layout and show its report: rank table, groups, schedule, per-rank memory, FLOPs,
+    communication, bubble, predicted step time, tokens/s, MFU and whether it fits."""
+    report = _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks, schedule_svg,
+                           search_top=top if search_layouts else 0)
+    if search_layouts and not report.get("candidates"):
+        raise typer.Exit(2)
 
 
 @app.command()

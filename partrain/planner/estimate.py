@@ -24,13 +24,17 @@ Step-time model (documented in every report's "assumptions"):
 - PP: each chunk sends its output forward and its input gradient backward per microbatch, 1/tp of
   the activation per TP rank (sequence parallel shards, or Megatron's scatter/gather), not overlapped.
 - DP: ZeRO 0 all-reduces the gradients once per step, overlapped with the last microbatch's
-  backward; ZeRO 1 reduce-scatters gradients (partrain today all-reduces them) and all-gathers the
-  updated parameters after the step (not overlapped); ZeRO 2 (FSDP2, parameters kept from forward
+  backward (dp_overlap=False: after it, as Megatron-LM 2021's local DDP did); ZeRO 1 reduce-scatters
+  the gradients (mixed="zero"; partrain's fp32/autocast runtime all-reduces them) and all-gathers
+  the updated parameters after the step (not overlapped); ZeRO 2 (FSDP2, parameters kept from forward
   to backward) all-gathers parameters and reduce-scatters gradients every microbatch, ZeRO 3
   all-gathers twice; overlapped with that microbatch's compute. Hybrid sharding adds an all-reduce
   of the shards across replicas.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
   link it spans (see comm.py). The optimizer update itself is not timed.
+
+Reported communication (`comm_bytes_per_step`) is the volume one rank moves per step in each group
+family (ring volumes, see comm.py), for the busiest pipeline rank; "dp" includes ZeRO/FSDP traffic.
 
 Memory of a rank = model states at rest (params, grads, optimizer: memory.py) + saved activations
 of the microbatches in flight (pipeline.py) + transients: the all-gathered parameters FSDP holds
@@ -423,7 +427,8 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         "bytes_per_param": {"params": dt.param, "grads": dt.grad, "optimizer": dt.optim},
         "usable_memory_fraction": USABLE_MEMORY_FRACTION,
         "activation_model": "counted saved tensors of the HF modules (memory.py)",
-        "units": "bytes (memory_gib: GiB = 2**30 bytes); bandwidths GB/s = 10**9 bytes/s; FLOPs per step",
+        "units": "memory in bytes (memory_gib: GiB = 2**30 bytes); comm_bytes_per_step: bytes one rank moves per step; "
+                 "bandwidths GB/s = 10**9 bytes/s; FLOPs per step (whole cluster)",
     }
     if f.arch == "gpt2":
         out["korthikanti_layer_bytes"] = korthikanti_layer_bytes(spec.seq, b, f.hidden, f.heads, tp, spec.tp_sp, spec.recompute)

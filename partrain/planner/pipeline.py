@@ -33,12 +33,9 @@ from __future__ import annotations
 
 import functools
 import heapq
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from ..parallel.stage_split import chunk_costs, chunk_placement, schedule_style
-
-INTERLEAVED = ("interleaved-1f1b", "interleaved-zero-bubble", "looped-bfs")
-
 
 def greedy_counts(n_layers: int, n_chunks: int, embed_cost: float, head_cost: float) -> List[int]:
     """Layers per chunk for identical layers (the runtime's rule; see module docstring)."""
@@ -114,7 +111,3 @@ def bubble_fraction(schedule: str, pp: int, v: int, m: int) -> float:
 def bubble_overhead(schedule: str, pp: int, v: int, m: int) -> float:
     """Idle time relative to the ideal step (Narayanan et al.: (p-1)/m, interleaved (p-1)/(v*m))."""
     return bubble_units(schedule, pp, v) / m
-
-
-def rank_layers(counts: Sequence[int], chunks: Sequence[int]) -> int:
-    return sum(counts[c] for c in chunks)

@@ -14,10 +14,12 @@ Enumerated (the global batch, sequence length, context-parallel degree and preci
   microbatches a multiple of the rounds).
 - zero stage 0..3 (sharding over all of dp x sp) and recompute none / selective / full.
 
-Pruning that never drops a better layout under the model: for one (layout, micro batch, schedule,
-zero stage) only the lightest recompute policy that fits is kept (heavier ones only add compute),
-and once a micro batch size does not fit even with full recompute at ZeRO-3, larger ones are not
-tried (memory grows with it). Candidates are estimated from plain `PlanSpec`s; only the ones
+Pruning that never drops a better layout under the model: a (layout, micro batch, schedule) that
+does not fit even at ZeRO-3 with full recompute is skipped whole, and then so are larger micro
+batches (memory grows with them); for each ZeRO stage only the lightest recompute policy that fits
+is kept (heavier ones only add compute), and a higher ZeRO stage is tried only with a lighter
+recompute than a lower stage already fitted with (it only adds traffic). `prune=False` lists every
+fitting layout (tests check that set against the validator). Candidates are estimated from plain `PlanSpec`s; only the ones
 reported are rebuilt as RunConfigs (`dataclasses.replace`) and passed through
 `partrain.config.validate.validate`, then estimated again from the validated run, so every
 reported layout is one `partrain train` accepts as consistent.

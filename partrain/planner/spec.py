@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from ..models.facts import ModelFacts, load_snapshot, merged_kwargs
@@ -163,7 +163,6 @@ class PlanSpec:
     dp_overlap: bool = True
     """Data-parallel gradient reduction overlaps the backward pass (DDP/FSDP buckets, as partrain
     runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
-    extra: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def world(self) -> int:
