@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,34 +58,41 @@ def test_3d_checkpoint_resumes_under_any_layout(layout, straight_3d, tmp_path, d
 
 
 def test_dp_resume_is_exact_and_survives_a_killed_worker(tmp_path, data_cache):
-    base = DP + COMMON + [f"data.cache_dir={data_cache}", "checkpoint.every_steps=10"]
+    base = DP + COMMON + [f"data.cache_dir={data_cache}", "checkpoint.every_steps=10", "checkpoint.keep_last=0"]
     straight = tmp_path / "straight"
-    run_training(base, straight, 20)
+    run_training(base, straight, 40)
 
     resumed = tmp_path / "resumed"
-    run_training(base + [f"checkpoint.resume={straight / 'checkpoints' / 'step-00000010'}"], resumed, 20)
+    run_training(base + [f"checkpoint.resume={straight / 'checkpoints' / 'step-00000010'}"], resumed, 40)
     a, b = _losses(straight), _losses(resumed)
-    assert sorted(b) == list(range(11, 21))
+    assert sorted(b) == list(range(11, 41))
     assert max_relative_difference([a[s] for s in b], [b[s] for s in b]) <= 1e-6
 
-    # kill -9 one worker after the step-10 checkpoint: torchrun restarts the job, which resumes by itself.
+    # kill -9 one worker after the step-10 checkpoint (before the last step). max_restarts=2, not 1:
+    # now and then the restarted attempt's gloo connectFullMesh is refused once on this machine (seen
+    # about 1 run in 4); the next attempt then succeeds. The note on the issue records this.: torchrun restarts the job, which resumes by itself.
     killed = tmp_path / "killed"
-    args = [*base, "train.steps=20", f"train.run_dir={killed}", "train.max_restarts=1", "train.eval_batches=0"]
+    args = [*base, "train.steps=40", f"train.run_dir={killed}", "train.max_restarts=2", "train.eval_batches=0"]
     proc = subprocess.Popen([sys.executable, "-m", "partrain.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 240
     victim = None
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
         if (killed / "checkpoints" / "step-00000010").exists() and (killed / "metrics.jsonl").exists():
             steps = _losses(killed)
-            if steps and max(steps) >= 11:
-                pids = subprocess.run(["pgrep", "-f", f"partrain.worker {killed}"], capture_output=True, text=True).stdout.split()
+            if steps and max(steps) < 40:
+                # Workers only ("-u -m partrain.worker DIR"), never torchrun's agent, whose command line names it too.
+                pids = subprocess.run(["pgrep", "-f", "--", f"-u -m partrain.worker {killed}"], capture_output=True, text=True).stdout.split()
                 if pids:
                     victim = pids[-1]
                     subprocess.run(["kill", "-9", victim])
         time.sleep(0.05)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert victim is not None, "the run ended before a worker could be killed"
     assert proc.returncode == 0, out[-3000:]
     final_killed = json.loads((killed / "summary.json").read_text())["final_loss"]
-    assert abs(final_killed - a[20]) / a[20] <= 1e-6
+    assert abs(final_killed - a[40]) / a[40] <= 1e-6
