@@ -144,6 +144,21 @@ class Checkpoints:
         self.ckpt.wait_pending_save()
 
 
+def _restart_store(env: DistEnv, timeout):
+    """After an elastic restart, a store namespace of this attempt's own.
+
+    torchrun --standalone keeps its agent's TCPStore across restarts, so a restarted rank could
+    read the dead attempt's gloo addresses and fail connecting ("Connection refused"); seen about
+    one restart in four here. None (the default env:// store) on a first attempt.
+    """
+    import torch.distributed as dist
+
+    if env.restart_count == 0 or not env.agent_store:
+        return None
+    base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"partrain/attempt-{env.restart_count}", base)
+
+
 def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:
     errors = run_dir / "errors"
     errors.mkdir(parents=True, exist_ok=True)
@@ -161,8 +176,9 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
     try:
         v = validated or validate(load_resolved(run_dir / "config.yaml"))
         torch.set_num_threads(_threads(v, env))
+        timeout = datetime.timedelta(seconds=v.run.train.timeout_s)
         dist.init_process_group(backend=v.run.cluster.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=v.run.train.timeout_s))
+                                timeout=timeout, store=_restart_store(env, timeout))
         if env.world_size != v.world_size:
             raise RuntimeError(f"the layout needs {v.world_size} processes but the launcher started {env.world_size}")
         train_process(v, env, run_dir)

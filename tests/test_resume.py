@@ -68,11 +68,9 @@ def test_dp_resume_is_exact_and_survives_a_killed_worker(tmp_path, data_cache):
     assert sorted(b) == list(range(11, 41))
     assert max_relative_difference([a[s] for s in b], [b[s] for s in b]) <= 1e-6
 
-    # kill -9 one worker after the step-10 checkpoint (before the last step). max_restarts=2, not 1:
-    # now and then the restarted attempt's gloo connectFullMesh is refused once on this machine (seen
-    # about 1 run in 4); the next attempt then succeeds. The note on the issue records this.: torchrun restarts the job, which resumes by itself.
+    # kill -9 one worker after the step-10 checkpoint (before the last step).: torchrun restarts the job, which resumes by itself.
     killed = tmp_path / "killed"
-    args = [*base, "train.steps=40", f"train.run_dir={killed}", "train.max_restarts=2", "train.eval_batches=0"]
+    args = [*base, "train.steps=40", f"train.run_dir={killed}", "train.max_restarts=1", "train.eval_batches=0"]
     proc = subprocess.Popen([sys.executable, "-m", "partrain.cli", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 240

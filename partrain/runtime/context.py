@@ -20,6 +20,8 @@ class DistEnv:
     master_port: int
     restart_count: int = 0
     """How many times torchrun's elastic agent restarted this job (TORCHELASTIC_RESTART_COUNT)."""
+    agent_store: bool = False
+    """The elastic agent hosts the TCPStore at master_addr:master_port (TORCHELASTIC_USE_AGENT_STORE)."""
 
     @property
     def is_main(self) -> bool:
@@ -37,6 +39,7 @@ def from_environ(environ: Mapping[str, str]) -> Optional[DistEnv]:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(environ.get("MASTER_PORT", 29500)),
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and int(environ["SLURM_NTASKS"]) > 1:
         nodelist = environ.get("SLURM_LAUNCH_NODE_IPADDR") or environ.get("MASTER_ADDR", "127.0.0.1")
