@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError, Problem
+from ..data.atomic import fsync_dir  # one implementation of durable renames
 
 RECORD_FILE = "partrain.json"
 METADATA_FILE = ".metadata"
@@ -96,20 +97,6 @@ def find_resume(root: Path, resume: str) -> Optional[Path]:
     if step_of(path) is None:
         raise _resume_problem(resume, "a checkpoint folder is named step-NNNNNNNN (renamed copies are not resumed)", hint)
     return path
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file inside `path` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: Path, text: str) -> None:
