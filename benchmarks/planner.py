@@ -57,21 +57,17 @@ def model_states(quick: bool) -> None:
 
     rows = []
     if quick:
-        from partrain.planner.estimate import _ranks, rank_state_elements
-        from partrain.planner.measure import local_shard_elements
-        from partrain.planner.spec import spec_from_validated
+        from partrain.planner.simulate import simulate
 
         print("== 1. parameter elements per rank: planner vs TP/FSDP-sharded meta models (fake process group)")
         for label, overrides in LAYOUTS + [("qwen2-moe tp2 x dp4 hybrid(2) zero3", ["model=qwen2-moe-tiny", "cluster.devices_per_node=8",
                                            "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=3",
                                            "train.global_batch_size=8", "train.micro_batch_size=2"])]:
             v = validate(compose(overrides))
-            spec = spec_from_validated(v, mixed="autocast")
-            ranks = _ranks(spec)
             lay = v.layout
-            pred = [rank_state_elements(spec, ranks[lay.base_coords(r)["pp"]], lay.base_coords(r)["dp"] % lay.dp_shard)[0]
-                    for r in range(lay.world_size)]
-            meas = local_shard_elements(v.run.model, lay, v.run.parallel.zero_stage, v.run.parallel.tp_sequence_parallel)
+            sim = simulate(v, range(lay.world_size))
+            pred = [r.analytic["param_elements"] for r in sim.ranks]
+            meas = [r.simulated["param_elements"] for r in sim.ranks]
             worst = max(abs(p / m - 1) for p, m in zip(pred, meas))
             rows.append([label, lay.world_size, min(meas), max(meas), min(pred), max(pred), f"{1 + worst:.4f}"])
         table(rows, ["layout", "ranks", "measured min", "measured max", "predicted min", "predicted max", "worst ratio"])

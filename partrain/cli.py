@@ -71,7 +71,7 @@ SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipelin
 
 
 def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None,
-                  search_top: int = 0) -> dict:
+                  search_top: int = 0, simulate_ranks: Optional[List[int]] = None) -> dict:
     from .planner import estimate, search
     from .planner.render import render_candidates, render_estimate, verdict_text
     from .report import SCHEDULE_PICTURE_LIMIT, layout_report, render_layout, schedule_grid_of
@@ -84,6 +84,8 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
             report["candidates"] = search(validated, top_k=search_top)
         except ConfigError as err:
             _fail(err, as_json)
+    if simulate_ranks is not None:
+        report["simulation"] = _simulation(validated, simulate_ranks, as_json)
     drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
     if schedule_svg is not None and drawable:
         from .schedule_picture import to_svg
@@ -102,6 +104,10 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
         render_estimate(report["estimate"], _console())
         if "candidates" in report:
             render_candidates(report["candidates"], _console())
+        if "simulation" in report:
+            from .planner.render import render_simulation
+
+            render_simulation(report["simulation"], _console(), all_ranks=all_ranks)
         if schedule_svg is not None and not drawable:
             _console().print(f"no schedule picture: pp=1 or more than {SCHEDULE_PICTURE_LIMIT} pipeline slots")
     return report
@@ -144,6 +150,26 @@ def _unsupported_problem(text: str):
                    "remove it from the layout (see `partrain train ... --dry-run` for what runs now)")
 
 
+def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
+    world = validated.layout.world_size
+    for rank in ranks:
+        if not 0 <= rank < world:
+            _fail(ConfigError(Problem("--simulate-rank", rank, f"must be a rank of this layout (0 to {world - 1})",
+                                      "pass a rank below the world size, or omit it for one rank per pipeline stage")), as_json)
+    from .runtime_support import IMPLEMENTED
+
+    # These two change where parameters live (experts over ep, FSDP shards over dp x sp): until
+    # the runtime builds them, a simulation would report a different model than the estimate.
+    for axis, what in (("sp", "sequence/context parallelism"), ("ep", "expert parallelism")):
+        degree = getattr(validated.layout, axis)
+        if degree > 1 and not IMPLEMENTED[axis]:
+            _fail(ConfigError(Problem(f"parallel.{axis}", degree, f"--simulate builds what `partrain train` builds, and {what} is not built yet",
+                                      f"simulate with parallel.{axis}=1, or drop --simulate (the estimate covers parallel.{axis})")), as_json)
+    from .planner.simulate import simulate
+
+    return simulate(validated, ranks).to_json()
+
+
 @app.command()
 def plan(
     overrides: Optional[List[str]] = OVERRIDES,
@@ -153,11 +179,14 @@ def plan(
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
     search_layouts: bool = typer.Option(False, "--search", help="Rank every valid layout of this model, cluster and global batch by predicted step time; show the fastest that fit."),
     top: int = typer.Option(10, "--top", min=1, help="How many layouts --search shows."),
+    simulate: bool = typer.Option(False, "--simulate", help="Build the real model on meta and apply partrain's real parallel wrappers under torch's fake process group at the full world size; report each simulated rank's parameter shapes and bytes next to the estimate (one rank per pipeline stage unless --simulate-rank)."),
+    simulate_rank: Optional[List[int]] = typer.Option(None, "--simulate-rank", help="Simulate this global rank (repeatable; implies --simulate)."),
 ) -> None:
     """Validate a layout and show its report: rank table, groups, schedule, per-rank memory, FLOPs,
     communication, bubble, predicted step time, tokens/s, MFU and whether it fits."""
+    simulate_ranks = list(simulate_rank or []) if (simulate or simulate_rank) else None
     report = _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks, schedule_svg,
-                           search_top=top if search_layouts else 0)
+                           search_top=top if search_layouts else 0, simulate_ranks=simulate_ranks)
     if search_layouts and not report.get("candidates"):
         raise typer.Exit(2)
 
@@ -271,6 +300,66 @@ def checkpoint_export_cmd(path: Path = typer.Argument(..., help="A checkpoint fo
 
 
 app.add_typer(checkpoint_app, name="checkpoint")
+
+bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_help=True)
+
+
+@bench_app.command("comm")
+def bench_comm_cmd(
+    overrides: Optional[List[str]] = OVERRIDES,
+    sizes: Optional[str] = typer.Option(None, "--sizes", help="Message sizes in bytes, comma-separated; K, M, G = 2**10, 2**20, 2**30 "
+                                        "(default 1K,64K,1M,16M on CPU, plus 256M on CUDA). The planner uses the largest."),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed calls before timing."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Profile file to write (default runs/bench-comm/<cluster>-<time>.json)."),
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+) -> None:
+    """Measure all-reduce, all-gather, reduce-scatter, all-to-all and send/recv bandwidth over the cluster's process
+    groups (nccl-tests' algbw/busbw by size) and save a profile for `cluster.comm_profile`."""
+    from .bench.launch import bench_problems, bench_settings, launch as bench_launch, render_profile
+    from .config.compose import compose
+    from .config.validate import validate
+    from .runtime.context import cpu_count, from_environ
+
+    try:  # composed as plan/train do; only problems of the cluster (and timeouts) stop a measurement
+        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
+        try:
+            validate(run)
+        except ConfigError as err:
+            if bench_problems(err.problems):
+                raise ConfigError(bench_problems(err.problems)) from None
+        dist_env = from_environ(dict(os.environ))
+        settings = bench_settings(run, sizes, iters, warmup, out, dist_env)
+    except ConfigError as err:
+        _fail(err, as_json)
+    if dist_env is not None:  # under torchrun / srun (multi-node): this process is a worker
+        from .bench.comm import run as bench_run
+
+        code, profile = bench_run(settings, dist_env, show_progress=False)
+        if code == 0 and dist_env.is_main:
+            if as_json:
+                print(json.dumps({"path": settings.out, **profile}))
+            else:
+                render_profile(profile, Path(settings.out), _console())
+        sys.stdout.flush()
+        os._exit(code)  # gloo may abort at a normal interpreter exit
+    threads = run.train.threads_per_process or max(1, cpu_count() // settings.devices_per_node)
+    code, cause, tail = bench_launch(settings, Console(stderr=True, highlight=False), dict(os.environ), threads)
+    if code != 0:
+        err = Console(stderr=True, highlight=False)
+        err.print(tail, markup=False)
+        err.print(f"[bold red]bench comm failed[/bold red] (torchrun exit code {code}): ", end="")
+        err.print(cause or "see the output above", markup=False)
+        raise typer.Exit(1)
+    profile = json.loads(Path(settings.out).read_text())
+    if as_json:
+        print(json.dumps({"path": settings.out, **profile}))
+    else:
+        render_profile(profile, Path(settings.out), _console())
+
+
+app.add_typer(bench_app, name="bench")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

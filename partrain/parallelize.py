@@ -9,6 +9,7 @@ when the layout shards it. Every axis exists (size 1 when unused); the code asks
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import List
 
 import torch
@@ -35,23 +36,28 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> N
         data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage)
 
 
-def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
-    run = v.run
-    loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
-    model = build_meta_model(run.model)
+@dataclass
+class RankModules:
+    """This rank's share of the model, sharded but still on the meta device (no weights yet)."""
+
+    model: nn.Module
+    """The whole meta model (with pp == 1 it is also the one module this rank trains)."""
+    adapter: object
+    modules: List[nn.Module]
+    """What this rank holds: [model], or its pipeline stage modules in chunk order."""
+    chunks: List[int] = field(default_factory=list)
+    """Pipeline chunks (virtual stages) of this rank; empty without pipeline parallelism."""
+
+
+def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
+    """Every step of the order above that runs before weights exist. `partrain plan --simulate`
+    runs exactly this under the fake process group, so what it reports is what a rank builds."""
+    model = build_meta_model(v.run.model)
     adapter = get_adapter(model)
     if mesh.size("pp") == 1:
         _shard(model, v, mesh, adapter)
-        materialize(model, run.model, run.train.seed, device)
-        shard_embedding_gradient(model, adapter)
-        model.train()
-        dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim)
-        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
-    return _pipeline_engine(v, mesh, device, model, adapter, loss_ctx)
-
-
-def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, model: nn.Module, adapter, loss_ctx):
-    from .parallel.pipeline import PipelineRunner, build_stage_module
+        return RankModules(model, adapter, [model])
+    from .parallel.pipeline import build_stage_module
     from .parallel.stage_split import plan_chunks
 
     run, p = v.run, v.run.parallel
@@ -61,9 +67,32 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
     for stage in stages:
         _shard(stage, v, mesh, adapter)
+    return RankModules(model, adapter, stages, list(chunks))
+
+
+def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
+    run = v.run
+    loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
+    held = shard_on_meta(v, mesh)
+    if mesh.size("pp") == 1:
+        model = held.model
+        materialize(model, run.model, run.train.seed, device)
+        shard_embedding_gradient(model, held.adapter)
+        model.train()
+        dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
+        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+    return _pipeline_engine(v, mesh, device, held, loss_ctx)
+
+
+def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, held: RankModules, loss_ctx):
+    from .parallel.pipeline import PipelineRunner
+
+    run, p = v.run, v.run.parallel
+    pp, vstages = mesh.size("pp"), p.pp_virtual_stages
+    stages, chunks = held.modules, held.chunks
     for stage in stages:
         materialize(stage, run.model, run.train.seed, device)
-        shard_embedding_gradient(stage, adapter)
+        shard_embedding_gradient(stage, held.adapter)
         stage.train()
     groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
     optimizer = data_parallel.make_optimizer(groups, mesh, p.zero_stage, run.optim)

@@ -29,6 +29,8 @@ LAYOUTS = {
     "dp4-zero1": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=1"],
     "dp4-zero2": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=2"],
     "dp4-zero3": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=3"],
+    "dp2-zero3-sync-last": ["parallel.dp=2", "cluster.devices_per_node=2", "parallel.zero_stage=3",
+                            "parallel.fsdp_grad_sync=last_microbatch"],
     "hybrid-2x2": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=3", "parallel.dp_shard=2"],
 }
 

@@ -17,6 +17,7 @@ AXES = ("tp", "sp", "dp", "pp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev")
 SP_MODES = ("ulysses", "ring")
 RECOMPUTE = ("none", "selective", "full")
+FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -56,6 +57,9 @@ class ClusterConfig:
     """Bandwidth between two devices of one node, GB/s (10**9 bytes/s) per direction (planner)."""
     inter_node_gbps: float = 10.0
     """Bandwidth between nodes, GB/s (10**9 bytes/s) per device per direction (planner)."""
+    comm_profile: str = ""
+    """A communication profile (JSON) written by `partrain bench comm`; when set, the planner times each
+    collective with the bus bandwidth measured there instead of intra_node_gbps/inter_node_gbps."""
     allow_tp_across_nodes: bool = False
     """Permit a tensor-parallel group to span nodes (normally a mistake: TP talks every layer)."""
 
@@ -78,6 +82,11 @@ class ParallelConfig:
     """0 = replicate (DDP); 1 = shard optimizer state; 2 = FSDP, keep params after forward; 3 = FSDP full shard."""
     dp_shard: int = -1
     """Hybrid sharding: shard within groups of this many dp ranks, replicate across them; -1 = shard over all of dp."""
+    fsdp_grad_sync: str = "every_microbatch"
+    """FSDP (zero_stage 2/3) with several microbatches: every_microbatch reduce-scatters each microbatch's
+    gradients at once (gradient memory stays sharded, 1/N); last_microbatch accumulates unsharded gradients
+    and reduce-scatters once per step (less communication, as DDP/Accelerate do; holds full-size gradients
+    of this rank's layers until the step ends)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv, dualpipev."""
     pp_virtual_stages: int = 1

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import ConfigError, Problem
 from ..layout import Layout, divisors, factorizations, resolve_degrees
 from ..models.facts import ModelFacts, model_facts
-from .schema import AXES, BACKENDS, DEVICES, PP_SCHEDULES, PRECISIONS, RECOMPUTE, SP_MODES, RunConfig
+from .schema import AXES, BACKENDS, DEVICES, FSDP_GRAD_SYNC, PP_SCHEDULES, PRECISIONS, RECOMPUTE, SP_MODES, RunConfig
 
 INTERLEAVED = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
 V_SHAPED = ("zbv", "dualpipev")
@@ -64,6 +64,7 @@ def _check_choices(c: _Collector, run: RunConfig) -> None:
         ("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES),
         ("parallel.sp_mode", p.sp_mode, SP_MODES),
         ("parallel.recompute", p.recompute, RECOMPUTE),
+        ("parallel.fsdp_grad_sync", p.fsdp_grad_sync, FSDP_GRAD_SYNC),
         ("train.precision", t.precision, PRECISIONS),
         ("cluster.device", cl.device, DEVICES),
         ("cluster.backend", cl.backend, BACKENDS),
@@ -105,6 +106,27 @@ def _check_ranges(c: _Collector, run: RunConfig) -> None:
     if resume not in ("none", "auto"):
         c.check(Path(resume).expanduser().exists(), "checkpoint.resume", resume, "is neither none, auto nor an existing checkpoint path",
                 "use checkpoint.resume=auto to pick the newest complete checkpoint")
+
+
+def _comm_profile_problems(c: _Collector, run: RunConfig) -> None:
+    """cluster.comm_profile must be a readable profile of this partrain's format, measured with the
+    cluster's backend on its device type: a gloo/CPU profile would make a GPU plan wrong by orders
+    of magnitude, so a mismatch is an error, not a warning. Other differences (node count, cluster
+    name) are allowed: measuring a few nodes to plan many is the point."""
+    path = run.cluster.comm_profile
+    if not path:
+        return
+    from ..bench.profile import ProfileError, load_profile, mismatch
+
+    fix = "run `partrain bench comm` with this cluster to write one (then cluster.comm_profile=FILE), or unset cluster.comm_profile"
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:
+        c.add("cluster.comm_profile", path, str(exc), fix)
+        return
+    why = mismatch(profile, run.cluster.backend, run.cluster.device)
+    if why:
+        c.add("cluster.comm_profile", path, why, fix)
 
 
 def _data_problems(c: _Collector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
@@ -366,6 +388,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _check_ranges(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
+    _comm_profile_problems(c, run)
     degrees = _degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     if facts is not None:
         c.check(run.train.seq_len <= facts.max_positions, "train.seq_len", run.train.seq_len,

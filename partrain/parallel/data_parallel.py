@@ -24,7 +24,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from ..config.schema import OptimConfig
+from ..config.schema import FSDP_GRAD_SYNC, OptimConfig
 from ..models.adapters import Adapter
 from ..runtime.mesh import ParallelMesh
 from ..train.optim import adamw_kwargs, make_adamw, param_groups
@@ -108,12 +108,31 @@ def make_optimizer(groups, mesh: ParallelMesh, zero_stage: int, optim_cfg: Optim
     return make_adamw(groups, optim_cfg)
 
 
-def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig) -> DataParallelModel:
+@contextlib.contextmanager
+def _fsdp_sync_only_if(model: nn.Module, last: bool):
+    """Skip FSDP's reduce-scatter for all but the last microbatch: gradients accumulate unsharded in
+    each FSDP unit and are reduce-scattered once (what DDP's no_sync and Accelerate do)."""
+    model.set_requires_gradient_sync(last)
+    try:
+        yield
+    finally:
+        # Leave the module syncing, so a forward/backward outside the step loop (a test, an eval
+        # with gradients) never silently keeps unsharded gradients.
+        model.set_requires_gradient_sync(True)
+
+
+def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig,
+         fsdp_grad_sync: str = "every_microbatch") -> DataParallelModel:
     """After materialize: DDP for stages 0/1, and the optimizer for every stage."""
     groups = param_groups(model, optim_cfg.weight_decay)
     dp_group_size = mesh.size("dp_sp")
     if uses_fsdp(zero_stage):
-        return DataParallelModel(model, model, make_adamw(groups, optim_cfg), lambda last: contextlib.nullcontext())
+        if fsdp_grad_sync not in FSDP_GRAD_SYNC:
+            raise ValueError(f"fsdp_grad_sync must be one of {FSDP_GRAD_SYNC}, not {fsdp_grad_sync!r}")
+        microbatch = lambda last: contextlib.nullcontext()
+        if fsdp_grad_sync == "last_microbatch":
+            microbatch = lambda last: _fsdp_sync_only_if(model, last)
+        return DataParallelModel(model, model, make_adamw(groups, optim_cfg), microbatch)
     # The sharded optimizer re-homes parameters into its flat buffers: build it before DDP.
     optimizer = make_optimizer(groups, mesh, zero_stage, optim_cfg)
     module: nn.Module = model

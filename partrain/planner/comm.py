@@ -6,7 +6,10 @@ size); all-to-all (n-1)/n X of the X bytes a rank holds; point-to-point X.
 
 Links: a group whose members all sit in one node talks at the intra-node bandwidth, otherwise at
 the inter-node bandwidth (the slowest link it spans; both per device per direction, as the cluster
-config states them). Time = volume / bandwidth; latency is ignored (large messages).
+config states them). Time = volume / bandwidth; latency is ignored (large messages). With
+`cluster.comm_profile` the bandwidth is the bus bandwidth `partrain bench comm` measured for that op
+(all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on that link class: nccl-tests
+define busbw with the same ring factors as above, so volume / busbw is the measured time.
 
 Group membership is computed from the axis order without listing the world (rank 0's group of
 each family; layouts are regular, so every group of a family has the same shape).
@@ -18,6 +21,9 @@ import functools
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 from .spec import ClusterSpec
+
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""The collectives the planner times (and `partrain bench comm` measures)."""
 
 
 def all_reduce_bytes(size: float, n: int) -> float:
@@ -60,8 +66,15 @@ def spans_nodes(members: Sequence[int], devices_per_node: int) -> bool:
     return any(m // devices_per_node != node for m in members)
 
 
-def bandwidth(cluster: ClusterSpec, members: Sequence[int]) -> float:
-    return cluster.inter_bw if spans_nodes(members, cluster.devices_per_node) else cluster.intra_bw
+def link_of(cluster: ClusterSpec, members: Sequence[int]) -> str:
+    """"inter" when the group spans nodes, else "intra" (the link classes of a comm profile)."""
+    return "inter" if spans_nodes(members, cluster.devices_per_node) else "intra"
+
+
+def bandwidth(cluster: ClusterSpec, members: Sequence[int], op: str = "all_reduce") -> float:
+    """Bytes/s of `op` in this group: nominal link speed, or the measured bus bandwidth of that op
+    on that link class when the cluster has a comm profile (ClusterSpec.bw)."""
+    return cluster.bw(link_of(cluster, members), op)
 
 
 def family_groups(order: Sequence[str], degrees: Dict[str, int], ep: int, dp_shard: int) -> Dict[str, List[int]]:

@@ -32,6 +32,11 @@ Step-time model (documented in every report's "assumptions"):
   of the shards across replicas.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
   link it spans (see comm.py). The optimizer update itself is not timed.
+- Bandwidths: the cluster's nominal link speeds, or with `cluster.comm_profile` the bus bandwidth
+  `partrain bench comm` measured for each op on that link class: TP all-reduce (Megatron-SP:
+  all-gather + reduce-scatter), Ulysses and EP all-to-all, ring attention and PP send/recv, DP
+  all-reduce / all-gather / reduce-scatter by ZeRO stage (one bandwidth per step, weighted by the
+  collectives' rough volume shares). "bandwidth_source" in the report says which.
 
 Reported communication (`comm_bytes_per_step`) is the volume one rank moves per step in each group
 family (ring volumes, see comm.py), for the busiest pipeline rank; "dp" includes ZeRO/FSDP traffic.
@@ -51,7 +56,7 @@ import functools
 import math
 from typing import Dict, List, Sequence, Tuple
 
-from .comm import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups
+from .comm import COMM_OPS, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups, link_of
 from .flops import head_forward_flops, layer_forward_flops, step_flops
 from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, tensor_state_elements,
                      zero1_optimizer_elements)
@@ -177,21 +182,32 @@ def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
     runtime's 16-bit mode (fp32 weights); fp32 runs are the same in both modes."""
     spec = spec_from_validated(v, mixed=mixed)
     d = dtypes(spec.precision, spec.mixed)
-    ranks = _ranks(spec)
     lay = v.layout
     out: List[int] = []
     cache: Dict[Tuple[int, int], int] = {}
-    dp_sp_first = lay.order.index("dp") < lay.order.index("sp")
     for rank in range(lay.world_size):
-        c = lay.base_coords(rank)
-        dp_shard_index = c["dp"] % lay.dp_shard
-        shard_index = dp_shard_index + lay.dp_shard * c["sp"] if dp_sp_first else c["sp"] + lay.sp * dp_shard_index
-        key = (c["pp"], shard_index)
+        key = (lay.base_coords(rank)["pp"], _shard_index(lay, rank))
         if key not in cache:
-            p, g, o, _ = rank_state_elements(spec, ranks[c["pp"]], shard_index)
+            p, g, o = predicted_rank_elements(spec, lay, rank)
             cache[key] = p * d.param + g * d.grad + o * d.optim
         out.append(cache[key])
     return out
+
+
+def _shard_index(lay, rank: int) -> int:
+    """Position of `rank` in its FSDP shard group (dp_shard x sp, in the order the axes have)."""
+    c = lay.base_coords(rank)
+    dp_shard_index = c["dp"] % lay.dp_shard
+    if lay.order.index("dp") < lay.order.index("sp"):
+        return dp_shard_index + lay.dp_shard * c["sp"]
+    return c["sp"] + lay.sp * dp_shard_index
+
+
+def predicted_rank_elements(spec: PlanSpec, lay, rank: int) -> Tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) elements that global `rank` of layout `lay` holds;
+    optimizer elements count each Adam moment's element once (multiply by the optimizer bytes)."""
+    p, g, o, _ = rank_state_elements(spec, _ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank))
+    return p, g, o
 
 
 # ---- the estimate -------------------------------------------------------------------------------------
@@ -230,8 +246,29 @@ def _activation_terms(spec: PlanSpec, tokens: float, b: float, dt) -> Dict[bool,
 
 @functools.lru_cache(maxsize=4096)
 def _bandwidths(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
+    """Bytes/s of each group family: "tp" (its all-reduce) and "tp/<op>" for every op (these differ
+    only with a measured comm profile)."""
     groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
-    return {name: bandwidth(cl, members) for name, members in groups.items()}
+    out = {name: bandwidth(cl, members) for name, members in groups.items()}
+    out.update({f"{name}/{op}": bandwidth(cl, members, op) for name, members in groups.items() for op in COMM_OPS})
+    return out
+
+
+def _mixed_bw(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
+    """Bandwidth of traffic split over ops in these volume proportions: total / sum(volume / bw)."""
+    rates = {op: bw[f"{family}/{op}"] for op in volumes}
+    if len(set(rates.values())) == 1:  # nominal speeds: one bandwidth for every op
+        return next(iter(rates.values()))
+    return sum(volumes.values()) / sum(vol / rates[op] for op, vol in volumes.items())
+
+
+def _dp_volumes(spec: PlanSpec, reduce_scatter: bool) -> Dict[str, float]:
+    """Rough volume shares of the data-parallel collectives (ring volumes, per parameter)."""
+    if spec.zero_stage == 0:
+        return {"all_reduce": 1.0}
+    if spec.zero_stage == 1:
+        return {"reduce_scatter": 1.0, "all_gather": 1.0} if reduce_scatter else {"all_reduce": 2.0, "all_gather": 1.0}
+    return {"all_gather": 1.0 if spec.zero_stage == 2 else 2.0, "reduce_scatter": 1.0}
 
 
 def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
@@ -245,6 +282,9 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     rate = cl.peak_flops * eff
 
     bw = _bandwidths(cl, spec.order, tp, sp, spec.dp, pp, spec.ep, spec.dp_shard or spec.dp)
+    # Megatron-SP moves the all-reduce's bytes as all-gather + reduce-scatter, half each.
+    tp_bw = _mixed_bw(bw, "tp", {"all_gather": 1.0, "reduce_scatter": 1.0}) if spec.tp_sp else bw["tp"]
+    dp_ops = _dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32")
 
     ranks = _ranks(spec)
     if not detail and pp > 2:
@@ -286,6 +326,8 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
             layer_max = max(_group_parts(full_key, kind, 0)[0] for kind, _ in r.kinds(spec) if kind[0] == "layer") \
                 if r.layers else 0
             transient += (root + 2 * layer_max) * param_bytes_gathered * (1 - 1 / spec.shard)
+        if spec.fsdp_sync_once:
+            transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
         states = {"params": p * dt.param, "grads": g * dt.grad, "optimizer": o * dt.optim}
         total = sum(states.values()) + activations + transient
         # ---- compute per microbatch (forward + backward [+ recompute])
@@ -305,7 +347,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
             per_moe = 2 + (1 * passes_extra if spec.recompute == "full" else 0)
             n_ar = dense_layers * per_layer + r.sparse * per_moe + (1 if r.first else 0) + (1 if r.last else 0)
             tp_bytes = n_ar * all_reduce_bytes(ar_size, tp)
-        t_tp = tp_bytes / bw["tp"] if tp_bytes else 0.0
+        t_tp = tp_bytes / tp_bw if tp_bytes else 0.0
         # ---- SP (context parallel)
         sp_bytes = t_sp = 0.0
         if sp > 1:
@@ -314,30 +356,30 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
             if spec.sp_mode == "ulysses":
                 one = all_to_all_bytes(tokens * (2 * q + 2 * kv) / tp * act_bytes, sp)
                 sp_bytes = r.layers * one * (2 + rec)
-                t_sp = sp_bytes / bw["sp"]
+                t_sp = sp_bytes / bw["sp/all_to_all"]
             else:
                 one = (sp - 1) * tokens * 2 * kv / tp * act_bytes
                 sp_bytes = r.layers * one * (3 + rec)
                 core_time = 3 * core / rate
-                t_sp = max(0.0, sp_bytes / bw["sp"] - core_time)
+                t_sp = max(0.0, sp_bytes / bw["sp/send_recv"] - core_time)
         # ---- EP
         ep_bytes = t_ep = 0.0
         if spec.ep > 1 and r.sparse:
             per_tok = tokens / (tp if spec.tp_sp else 1) * f.experts_per_token * f.hidden * act_bytes
             rec = passes_extra if spec.recompute == "full" else 0.0
             ep_bytes = r.sparse * (4 + 2 * rec) * all_to_all_bytes(per_tok, spec.ep)
-            t_ep = ep_bytes / bw["ep"]
+            t_ep = ep_bytes / bw["ep/all_to_all"]
         # ---- PP point-to-point
         pp_bytes = t_pp = 0.0
         if pp > 1:
             sends = sum((0 if c == r.n_chunks - 1 else 1) + (0 if c == 0 else 1) for c in r.chunks)
             pp_bytes = sends * ar_size / tp
-            t_pp = pp_bytes / bw["pp"]
+            t_pp = pp_bytes / bw["pp/send_recv"]
         # ---- DP / ZeRO traffic
         n_dense = spec.shard
         grad_elems = unsharded
         dp_step_bytes = dp_mb_bytes = 0.0
-        dp_link = bw["dp_sp"]
+        dp_link = _mixed_bw(bw, "dp_sp", dp_ops)
         replicas = (spec.dp // (spec.dp_shard or spec.dp))
         if spec.zero_stage <= 1:
             n = spec.dp * sp
@@ -351,10 +393,16 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         else:
             gathered = param_bytes_gathered * grad_elems
             n_ag = 1 if spec.zero_stage == 2 else 2
-            dp_mb_bytes = n_ag * all_gather_bytes(gathered, n_dense) + all_gather_bytes(grad_elems * dt.grad, n_dense)
+            dp_mb_bytes = n_ag * all_gather_bytes(gathered, n_dense)
+            grad_sync = all_gather_bytes(grad_elems * dt.grad, n_dense)
             if replicas > 1:
-                dp_mb_bytes += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
-            dp_link = bw["dp_shard"] if replicas == 1 else min(bw["dp_shard"], bw["dp_sp"])
+                grad_sync += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
+            if spec.fsdp_sync_once:
+                dp_step_bytes = grad_sync
+            else:
+                dp_mb_bytes += grad_sync
+            dp_link = _mixed_bw(bw, "dp_shard", dp_ops) if replicas == 1 else \
+                min(_mixed_bw(bw, "dp_shard", dp_ops), _mixed_bw(bw, "dp_sp", dp_ops))
         t_dp_mb = dp_mb_bytes / dp_link if dp_mb_bytes else 0.0
         t_dp_mb_exposed = max(0.0, t_dp_mb - t_compute) if spec.dp_overlap else t_dp_mb
         t_mb = t_compute + t_tp + t_sp + t_ep + t_pp + t_dp_mb_exposed
@@ -419,10 +467,14 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         for e in per_rank]
     out["device_memory_bytes"] = cl.device_memory_bytes
     out["memory_gib"] = {k: vv / GIB for k, vv in out["memory_bytes"].items()}
-    out["links"] = {name: f"{'inter' if bw[name] == cl.inter_bw and cl.inter_bw != cl.intra_bw else 'intra'}-node "
-                          f"{bw[name] / GB:g} GB/s" for name in ("tp", "sp", "dp_sp", "pp", "ep")}
+    groups = family_groups(spec.order, {"tp": tp, "sp": sp, "dp": spec.dp, "pp": pp}, spec.ep, spec.dp_shard or spec.dp)
+    used = {"tp": tp_bw, "sp": bw["sp/all_to_all" if spec.sp_mode == "ulysses" else "sp/send_recv"],
+            "dp_sp": _mixed_bw(bw, "dp_sp", dp_ops), "pp": bw["pp/send_recv"], "ep": bw["ep/all_to_all"]}
+    out["links"] = {name: f"{link_of(cl, groups[name])}-node {used[name] / GB:g} GB/s" for name in ("tp", "sp", "dp_sp", "pp", "ep")}
+    out["bandwidth_source"] = cl.bandwidth_source
     out["assumptions"] = {
         "matmul_efficiency": eff,
+        "link_bandwidths_gbps": {link: {op: cl.bw(link, op) / GB for op in COMM_OPS} for link in ("intra", "inter")},
         "mixed_precision": spec.mixed if spec.precision != "fp32" else "fp32",
         "bytes_per_param": {"params": dt.param, "grads": dt.grad, "optimizer": dt.optim},
         "usable_memory_fraction": USABLE_MEMORY_FRACTION,
@@ -455,7 +507,14 @@ def _notes(spec: PlanSpec, est: dict, worst: dict, eff: float) -> List[str]:
         notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
     if spec.ep > 1:
         notes.append("expert parallel: experts split over ep, their states sharded over the remaining dp x sp ranks")
-    notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; communication at the cluster's link speeds")
+    if cl.measured:
+        comm_note = f"communication at the bus bandwidths measured per op in {cl.bandwidth_source.split(':', 1)[1]}"
+        if cl.nodes > 1 and not any(key.startswith("inter/") for key, _ in cl.measured):
+            comm_note += (f"; inter-node links at the nominal cluster.inter_node_gbps ({cl.inter_bw / GB:g} GB/s): "
+                          "the profile has no inter-node measurement (measured on one node)")
+    else:
+        comm_note = "communication at the cluster's link speeds"
+    notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")
     if not est["fits"]:
         notes.append(f"does not fit: needs {worst['total'] / GIB:.2f} GiB, usable {est['capacity_bytes'] / GIB:.2f} GiB")
     return notes

@@ -42,6 +42,14 @@ def narayanan_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = Tr
     return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
+def korthikanti_selective_hardware_flops(B: int, s: int, l: int, h: int, V: int) -> float:
+    """Hardware FLOPs per iteration with selective recomputation as Korthikanti et al. 2022 count
+    them for their HFU (Table 5): 72 B s l h^2 (1 + s/(3h) + V/(12 l h)), i.e. the attention-score
+    term counted twice. partrain's counted hardware FLOPs add only the recomputed forward of the
+    attention core (4 B s^2 h per layer, a third of that extra): `step_flops`."""
+    return 72 * B * s * l * h * h * (1 + s / (3 * h) + V / (12 * l * h))
+
+
 def narayanan_training_days(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
     """End-to-end training time 8 T P / (n X) in days (with activation recomputation)."""
     return 8 * tokens * params / (gpus * flops_per_gpu) / 86400

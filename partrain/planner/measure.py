@@ -3,8 +3,7 @@
 - `saved_activation_bytes`: bytes autograd keeps for backward during one microbatch's forward and
   loss, counted with `torch.autograd.graph.saved_tensors_hooks`: every saved tensor once by storage,
   parameters excluded (autocast's 16-bit weight copies are not parameters and do count).
-- `local_shard_elements`: per-rank parameter elements of a TP/FSDP-sharded meta model, built for
-  each rank in turn on torch's fake process group (no weights, no processes).
+(Per-rank parameter shards of the real wrappers: `partrain.planner.simulate`, also `plan --simulate`.)
 """
 
 from __future__ import annotations
@@ -73,39 +72,6 @@ def saved_activation_bytes(model_cfg: ModelConfig, batch: int, seq: int, precisi
         loss = forward_loss(model, x, y)
     loss.backward()  # proves the graph was complete
     return sum(seen.values())
-
-
-def local_shard_elements(model_cfg: ModelConfig, layout, zero_stage: int, tp_sequence_parallel: bool = False) -> List[int]:
-    """Parameter elements each rank holds after partrain's TP and FSDP (zero_stage 2/3) on meta.
-
-    Uses torch's fake process group, one rank at a time, so world sizes far beyond this machine work.
-    """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ..models.adapters import get_adapter
-    from ..models.build import build_meta_model
-    from ..parallel import data_parallel
-    from ..parallel.tensor_parallel import apply_tp
-    from ..runtime.mesh import build_mesh
-
-    out = []
-    for rank in range(layout.world_size):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-        try:
-            mesh = build_mesh(layout, "cpu")
-            model = build_meta_model(model_cfg)
-            adapter = get_adapter(model)
-            apply_tp(model, adapter, mesh["tp"], sequence_parallel=tp_sequence_parallel)
-            if data_parallel.uses_fsdp(zero_stage):
-                data_parallel.apply_fsdp(model, adapter, mesh, zero_stage)
-            total = 0
-            for p in model.parameters():
-                total += (p.to_local() if hasattr(p, "to_local") else p).numel()
-            out.append(total)
-        finally:
-            dist.destroy_process_group()
-    return out
 
 
 def model_config(name: str, **overrides) -> ModelConfig:

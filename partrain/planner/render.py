@@ -57,6 +57,9 @@ def render_estimate(est: dict, console) -> None:
     comm = est["comm_bytes_per_step"]
     perf.add_row("communication per rank per step", ", ".join(f"{k} {_bytes(v)}" for k, v in comm.items() if v) or "none")
     perf.add_row("links", ", ".join(f"{k}: {v}" for k, v in est["links"].items()))
+    source = est.get("bandwidth_source", "nominal")
+    perf.add_row("bandwidths", "nominal (cluster.intra_node_gbps / inter_node_gbps)" if source == "nominal" else
+                 f"measured bus bandwidths, {source}")
     perf.add_row("pipeline bubble", f"{est['pipeline_bubble_fraction']:.1%} of the step idle ({est['pipeline_bubble_overhead']:.1%} over ideal)")
     tb = est["time_breakdown_s"]
     perf.add_row("step time", f"{est['step_time_s']:.4g} s = " + ", ".join(f"{k} {v:.3g}" for k, v in tb.items() if v))
@@ -93,3 +96,33 @@ def render_candidates(candidates: List[dict], console) -> None:
                       f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.1%}", why)
     console.print(table)
     console.print("[dim]apply #1: partrain train ... " + " ".join(candidates[0]["overrides"]) + "[/dim]", highlight=False, soft_wrap=True)
+
+
+def render_simulation(sim: dict, console, all_ranks: bool = False) -> None:
+    """`plan --simulate`: per simulated rank, what the real wrappers built next to the planner's count,
+    then the parameter shapes (layer index folded) of the first rank (of every rank with all_ranks)."""
+    from rich.table import Table
+
+    from .simulate import SimulatedParam, grouped_params
+
+    table = Table(title=f"simulated ranks: real wrappers on meta, fake process group, world {sim['world_size']}, "
+                        f"{sim['seconds']:.1f} s (GiB, as the runtime holds them)", title_justify="left")
+    for col in ("rank", "coords", "chunks", "param elements", "params sim / planner", "states sim / planner", "exact"):
+        table.add_column(col, justify="left" if col in ("coords", "chunks") else "right")
+    for r in sim["ranks"]:
+        s, a, c = r["simulated"], r["analytic"], r["coords"]
+        coords = " ".join(f"{k}{c[k]}" for k in ("pp", "tp", "sp", "dp") if k in c)
+        table.add_row(str(r["rank"]), coords, ",".join(map(str, r["chunks"])), f"{s['param_elements']:,}",
+                      f"{_gib(s['params'])} / {_gib(a['params'])}", f"{_gib(s['total'])} / {_gib(a['total'])}",
+                      "[green]yes[/green]" if r["exact"] else f"[red]no ({s['param_elements'] - a['param_elements']:+,})[/red]")
+    console.print(table)
+    for r in sim["ranks"] if all_ranks else sim["ranks"][:1]:
+        shapes = Table(title=f"rank {r['rank']}: parameters (global -> local shape)", title_justify="left")
+        for col in ("parameter", "x", "global shape", "local shape", "placements", "dtype", "local bytes"):
+            shapes.add_column(col, justify="right" if col in ("x", "local bytes") else "left")
+        for g in grouped_params([SimulatedParam(**p) for p in r["params"]]):
+            shapes.add_row(g["name"], str(g["count"]), str(tuple(g["shape"])), str(tuple(g["local_shape"])),
+                           g["placements"], g["dtype"], _bytes(g["bytes"]))
+        console.print(shapes)
+    if len(sim["ranks"]) > 1 and not all_ranks:
+        console.print("(other ranks' shapes: --all-ranks, or --json)")

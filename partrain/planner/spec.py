@@ -127,6 +127,21 @@ class ClusterSpec:
     """Bytes/s between two devices of a node, per direction."""
     inter_bw: float
     """Bytes/s per device between nodes, per direction."""
+    measured: Tuple[Tuple[str, float], ...] = ()
+    """Bus bandwidths (bytes/s) measured by `partrain bench comm`, keyed "link/op" (e.g.
+    "intra/all_gather"); empty = nominal link speeds. See `bw`."""
+    bandwidth_source: str = "nominal"
+    """Where the bandwidths come from: "nominal" (the cluster config) or "profile:<path>"."""
+
+    def bw(self, link: str, op: str = "all_reduce") -> float:
+        """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
+        profile has it, else the link's bandwidth (intra_bw / inter_bw; with a profile these are
+        its all-reduce figures, or the nominal speed for a link class it did not measure)."""
+        if self.measured:
+            for key, value in self.measured:
+                if key == f"{link}/{op}":
+                    return value
+        return self.inter_bw if link == "inter" else self.intra_bw
 
 
 @dataclass(frozen=True)
@@ -160,6 +175,8 @@ class PlanSpec:
     precision: str = "fp32"
     mixed: str = "zero"
     """Mixed-precision accounting for bf16/fp16 (see MIXED_PRECISION_STYLES)."""
+    fsdp_grad_sync: str = "every_microbatch"
+    """FSDP gradient reduce-scatter each microbatch, or once per step (parallel.fsdp_grad_sync)."""
     dp_overlap: bool = True
     """Data-parallel gradient reduction overlaps the backward pass (DDP/FSDP buckets, as partrain
     runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
@@ -171,6 +188,13 @@ class PlanSpec:
     @property
     def microbatches(self) -> int:
         return self.global_batch // (self.mbs * self.dp)
+
+    @property
+    def fsdp_sync_once(self) -> bool:
+        """FSDP reduce-scatters gradients once per step and holds unsharded gradients until then:
+        parallel.fsdp_grad_sync=last_microbatch, or any pipeline (torch's schedules do it themselves)."""
+        return (self.zero_stage >= 2 and self.microbatches > 1
+                and (self.fsdp_grad_sync == "last_microbatch" or self.pp > 1))
 
     @property
     def shard(self) -> int:
@@ -186,9 +210,21 @@ class PlanSpec:
 
 
 def cluster_spec(cl) -> ClusterSpec:
+    intra, inter = cl.intra_node_gbps * GB, cl.inter_node_gbps * GB
+    measured: Tuple[Tuple[str, float], ...] = ()
+    source = "nominal"
+    if getattr(cl, "comm_profile", ""):
+        # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
+        # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
+        from ..bench.profile import planner_bandwidths
+
+        measured = planner_bandwidths(cl.comm_profile)
+        by_key = dict(measured)
+        intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
+        source = f"profile:{cl.comm_profile}"
     return ClusterSpec(nodes=cl.nodes, devices_per_node=cl.devices_per_node, device=cl.device,
                        device_memory_bytes=cl.device_memory_gib * GIB, peak_flops=cl.peak_tflops * 1e12,
-                       intra_bw=cl.intra_node_gbps * GB, inter_bw=cl.inter_node_gbps * GB)
+                       intra_bw=intra, inter_bw=inter, measured=measured, bandwidth_source=source)
 
 
 def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
@@ -206,4 +242,5 @@ def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> Plan
         layers_per_chunk=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
         tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1, sp_mode=p.sp_mode, seq=t.seq_len, mbs=t.micro_batch_size,
         global_batch=v.global_batch_size, precision=t.precision, mixed=mixed, dp_overlap=dp_overlap,
+        fsdp_grad_sync=p.fsdp_grad_sync,
     )

@@ -1,0 +1,179 @@
+"""`partrain plan --simulate`: build what a rank really holds, at the full world size, on one CPU.
+
+For each simulated rank, this process joins torch's fake process group (every collective returns
+at once, no peers exist) as that rank of the full world, builds the DeviceMesh of the layout and
+runs `partrain.parallelize.shard_on_meta`: the same code a training rank runs before weights
+exist (meta model -> pipeline split -> tensor parallel -> recompute -> FSDP). The sharded
+parameters' local shapes are then read off the module tree, so the shapes and bytes reported are
+the ones the real wrappers produce, not a formula. Next to them: the planner's analytic count for
+the same rank (`predicted_rank_elements`), which must agree exactly on parameter elements.
+
+Which ranks: by default one per pipeline stage (tp, sp, dp coordinates 0: the rank holding the
+largest FSDP shards of its stage), or the ranks the user names. Bytes are those of partrain's
+runtime (fp32 weights and gradients, Adam m and v in fp32; bf16/fp16 runs use autocast), i.e. the
+planner's "autocast" accounting; the fake backend never allocates them (everything stays on meta).
+
+Imports torch: only `plan --simulate` loads this module.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from .estimate import predicted_rank_elements
+from .memory import dtypes
+from .spec import spec_from_validated
+
+
+@dataclass
+class SimulatedParam:
+    name: str
+    """Fully qualified parameter name, as in the HF model (pipeline stages keep full names)."""
+    shape: List[int]
+    """Global (logical) shape."""
+    local_shape: List[int]
+    """Shape of this rank's shard."""
+    placements: str
+    """How the DTensor is laid out over its mesh (empty for a plain tensor)."""
+    dtype: str
+    bytes: int
+    """Bytes of the local shard."""
+
+
+@dataclass
+class SimulatedRank:
+    rank: int
+    coords: Dict[str, int]
+    chunks: List[int]
+    """Pipeline chunks (virtual stages) this rank runs; [0] without pipeline parallelism."""
+    params: List[SimulatedParam]
+    simulated: Dict[str, int]
+    """Elements and bytes the wrappers produced: param_elements, params, grads, optimizer, total."""
+    analytic: Dict[str, int]
+    """The planner's count for the same rank, same keys."""
+    seconds: float
+    """Wall time to build and shard this rank's model on meta."""
+
+    @property
+    def exact(self) -> bool:
+        return self.simulated["param_elements"] == self.analytic["param_elements"]
+
+
+@dataclass
+class Simulation:
+    world_size: int
+    ranks: List[SimulatedRank] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return all(r.exact for r in self.ranks)
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size, "seconds": self.seconds, "exact": self.exact,
+            "accounting": "runtime: fp32 parameters and gradients, AdamW m and v in fp32",
+            "ranks": [{**asdict(r), "exact": r.exact} for r in self.ranks],
+        }
+
+
+def default_ranks(layout) -> List[int]:
+    """One rank per pipeline stage, with every other coordinate 0."""
+    return [layout.rank_of({"tp": 0, "sp": 0, "dp": 0, "pp": k}) for k in range(layout.pp)]
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _optimizer_elements(modules, zero_stage: int, shard_size: int, weight_decay: float) -> int:
+    """AdamW state elements (one per moment) exactly as partrain builds the optimizer: every local
+    element for DDP/FSDP; for ZeRO-1 each parameter group flattened and cut into shard_size equal
+    slices (`ShardedOptimizer`: ceil(numel / n) per rank)."""
+    from ..train.optim import param_groups
+
+    groups = [g for m in modules for g in param_groups(m, weight_decay)]
+    if zero_stage == 1 and shard_size > 1:
+        return sum(-(-sum(_local(p).numel() for p in g["params"]) // shard_size) for g in groups)
+    return sum(_local(p).numel() for g in groups for p in g["params"])
+
+
+def simulate_rank(v, rank: int) -> SimulatedRank:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..parallelize import shard_on_meta
+    from ..runtime.mesh import build_mesh
+
+    lay = v.layout
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+    try:
+        mesh = build_mesh(lay, "cpu")
+        held = shard_on_meta(v, mesh)
+        seen, params = set(), []
+        # A tied weight a rank holds in two stages is one tensor: count it once, like the runtime.
+        for module in held.modules:
+            for name, p in module.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                local = _local(p)
+                placements = ", ".join(str(x) for x in p.placements) if hasattr(p, "placements") else ""
+                params.append(SimulatedParam(name, list(p.shape), list(local.shape), placements,
+                                             str(local.dtype).replace("torch.", ""), local.numel() * local.element_size()))
+        zero = v.run.parallel.zero_stage
+        opt_elems = _optimizer_elements(held.modules, zero, mesh.size("dp_shard"), v.run.optim.weight_decay)
+        chunks = held.chunks or [0]
+    finally:
+        dist.destroy_process_group()
+    elapsed = time.perf_counter() - started
+
+    spec = spec_from_validated(v, mixed="autocast")
+    d = dtypes(spec.precision, spec.mixed)
+    p_el, g_el, o_el = predicted_rank_elements(spec, lay, rank)
+    param_bytes = sum(p.bytes for p in params)
+    param_elements = sum(_numel(p.local_shape) for p in params)
+    element_size = param_bytes // param_elements if param_elements else 4
+    simulated = {"param_elements": param_elements, "params": param_bytes, "grads": param_bytes,
+                 "optimizer": opt_elems * 2 * element_size}
+    simulated["total"] = simulated["params"] + simulated["grads"] + simulated["optimizer"]
+    analytic = {"param_elements": p_el, "params": p_el * d.param, "grads": g_el * d.grad, "optimizer": o_el * d.optim}
+    analytic["total"] = analytic["params"] + analytic["grads"] + analytic["optimizer"]
+    return SimulatedRank(rank, lay.coords(rank), chunks, params, simulated, analytic, elapsed)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def simulate(v, ranks: Optional[Sequence[int]] = None) -> Simulation:
+    """Simulate `ranks` (default: one per pipeline stage) of the validated run `v`."""
+    started = time.perf_counter()
+    out = Simulation(v.layout.world_size)
+    for rank in (list(ranks) if ranks else default_ranks(v.layout)):
+        out.ranks.append(simulate_rank(v, rank))
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def grouped_params(params: Sequence[SimulatedParam]) -> List[dict]:
+    """Parameters with the layer index folded (`layers.*.mlp.up_proj.weight` x 20) when every
+    folded tensor has the same local shape: what a terminal table can show for an 80-layer model."""
+    groups: Dict[tuple, dict] = {}
+    for p in params:
+        key = (_LAYER_INDEX.sub(".*.", p.name, count=1), tuple(p.shape), tuple(p.local_shape), p.placements, p.dtype)
+        g = groups.setdefault(key, {"name": key[0], "shape": p.shape, "local_shape": p.local_shape,
+                                    "placements": p.placements, "dtype": p.dtype, "count": 0, "bytes": 0})
+        g["count"] += 1
+        g["bytes"] += p.bytes
+    return list(groups.values())
