@@ -155,7 +155,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     for rank in ranks:
         if not 0 <= rank < world:
             _fail(ConfigError(Problem("--simulate-rank", rank, f"must be a rank of this layout (0 to {world - 1})",
-                                      "pass a rank below the world size, or omit it for one rank per pipeline stage")), as_json)
+                                      "pass a rank below the world size, or omit it for the first and last rank of each pipeline stage")), as_json)
     from .runtime_support import IMPLEMENTED
 
     # These two change where parameters live (experts over ep, FSDP shards over dp x sp): until
@@ -179,7 +179,7 @@ def plan(
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
     search_layouts: bool = typer.Option(False, "--search", help="Rank every valid layout of this model, cluster and global batch by predicted step time; show the fastest that fit."),
     top: int = typer.Option(10, "--top", min=1, help="How many layouts --search shows."),
-    simulate: bool = typer.Option(False, "--simulate", help="Build the real model on meta and apply partrain's real parallel wrappers under torch's fake process group at the full world size; report each simulated rank's parameter shapes and bytes next to the estimate (one rank per pipeline stage unless --simulate-rank)."),
+    simulate: bool = typer.Option(False, "--simulate", help="Build the real model on meta and apply partrain's real parallel wrappers under torch's fake process group at the full world size; report each simulated rank's parameter shapes and bytes next to the estimate (the first and last rank of each pipeline stage unless --simulate-rank)."),
     simulate_rank: Optional[List[int]] = typer.Option(None, "--simulate-rank", help="Simulate this global rank (repeatable; implies --simulate)."),
 ) -> None:
     """Validate a layout and show its report: rank table, groups, schedule, per-rank memory, FLOPs,

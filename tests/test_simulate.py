@@ -19,17 +19,17 @@ from partrain.planner.simulate import default_ranks, grouped_params, simulate
 LLAMA_70B_1024 = ["model=llama3-70b", "cluster=h100x1024", "train.seq_len=4096", "train.precision=bf16",
                   "train.micro_batch_size=1", "train.global_batch_size=1024"]
 
-# (name, overrides, extra ranks to simulate beside one per pipeline stage)
+# (name, overrides, extra ranks to simulate beside the first and last rank of each pipeline stage)
 LAYOUTS = {
     # FSDP over all 1024 ranks: Llama-3's 128256-row embedding splits unevenly (126 rows, the last
     # ranks fewer), so the last rank differs from rank 0.
-    "fsdp-1024": (["parallel.zero_stage=3", "parallel.dp=1024"], [1, 511, 1023]),
-    "tp8-fsdp128": (["parallel.tp=8", "parallel.zero_stage=3", "parallel.dp=128"], [7, 1023]),
-    "tp8-pp8-zero2": (["parallel.tp=8", "parallel.pp=8", "parallel.zero_stage=2", "parallel.dp=16"], [1023]),
+    "fsdp-1024": (["parallel.zero_stage=3", "parallel.dp=1024"], [1, 511]),
+    "tp8-fsdp128": (["parallel.tp=8", "parallel.zero_stage=3", "parallel.dp=128"], [7, 8]),
+    "tp8-pp8-zero2": (["parallel.tp=8", "parallel.pp=8", "parallel.zero_stage=2", "parallel.dp=16"], []),
     "tp8-pp4x2-zero1": (["parallel.tp=8", "parallel.pp=4", "parallel.dp=32", "parallel.zero_stage=1",
-                         "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2"], [1023]),
+                         "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2"], []),
     "tp4-pp16-hybrid": (["parallel.tp=4", "parallel.pp=16", "parallel.dp=16", "parallel.dp_shard=4",
-                         "parallel.zero_stage=3", "parallel.tp_sequence_parallel=true"], [1023]),
+                         "parallel.zero_stage=3", "parallel.tp_sequence_parallel=true"], []),
     "pp2-zbv-ddp": (["parallel.tp=8", "parallel.pp=2", "parallel.dp=64", "parallel.pp_schedule=zbv",
                      "parallel.pp_virtual_stages=2"], []),
 }
@@ -70,7 +70,7 @@ def test_gpt2_tied_weights_and_fused_qkv_over_pipeline_and_tp():
                        "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"]):
         v = validate(compose(["model=gpt2-small", "cluster.devices_per_node=64", "train.global_batch_size=64",
                               "train.micro_batch_size=1"] + overrides))
-        sim = simulate(v, default_ranks(v.layout) + [v.world_size - 1])
+        sim = simulate(v, default_ranks(v.layout))
         assert sim.exact, [(r.rank, r.simulated, r.analytic) for r in sim.ranks]
         names = {p.name for p in sim.ranks[0].params}
         assert "transformer.wte.weight" in names
@@ -95,7 +95,7 @@ def test_cli_simulates_llama3_70b_on_1024_ranks_in_under_a_minute(run_partrain):
     report = json.loads(ran.stdout)
     sim = report["simulation"]
     assert sim["world_size"] == 1024 and sim["exact"]
-    assert [r["coords"]["pp"] for r in sim["ranks"]] == [0, 1, 2, 3]
+    assert [r["coords"]["pp"] for r in sim["ranks"]] == [0, 0, 1, 1, 2, 2, 3, 3]  # first and last rank of each stage
     for r in sim["ranks"]:
         assert r["exact"] and r["simulated"]["params"] == r["analytic"]["params"]
         assert all(len(p["local_shape"]) == len(p["shape"]) for p in r["params"])

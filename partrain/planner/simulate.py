@@ -8,8 +8,9 @@ parameters' local shapes are then read off the module tree, so the shapes and by
 the ones the real wrappers produce, not a formula. Next to them: the planner's analytic count for
 the same rank (`predicted_rank_elements`), which must agree exactly on parameter elements.
 
-Which ranks: by default one per pipeline stage (tp, sp, dp coordinates 0: the rank holding the
-largest FSDP shards of its stage), or the ranks the user names. Bytes are those of partrain's
+Which ranks: by default the first and the last rank of each pipeline stage (coordinates 0, and
+every coordinate at its maximum: the largest and the smallest FSDP shards, the first and last TP
+slice), or the ranks the user names. Bytes are those of partrain's
 runtime (fp32 weights and gradients, Adam m and v in fp32; bf16/fp16 runs use autocast), i.e. the
 planner's "autocast" accounting; the fake backend never allocates them (everything stays on meta).
 
@@ -81,8 +82,15 @@ class Simulation:
 
 
 def default_ranks(layout) -> List[int]:
-    """One rank per pipeline stage, with every other coordinate 0."""
-    return [layout.rank_of({"tp": 0, "sp": 0, "dp": 0, "pp": k}) for k in range(layout.pp)]
+    """The distinct rank roles: for each pipeline stage its first rank (tp, sp, dp coordinates 0:
+    the largest FSDP shards) and its last (every coordinate at its maximum: the smallest shards
+    when rows do not divide evenly, the last TP slice)."""
+    out: List[int] = []
+    for k in range(layout.pp):
+        first = layout.rank_of({"tp": 0, "sp": 0, "dp": 0, "pp": k})
+        last = layout.rank_of({"tp": layout.tp - 1, "sp": layout.sp - 1, "dp": layout.dp - 1, "pp": k})
+        out += [first] if first == last else [first, last]
+    return out
 
 
 def _local(t):
