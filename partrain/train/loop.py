@@ -43,11 +43,23 @@ class TrainState:
 
 
 def _mean_over(value: float, group, size: int) -> float:
+    return _start_mean_over(value, group, size)()
+
+
+def _start_mean_over(value: float, group, size: int) -> Callable[[], float]:
+    """Start averaging `value` over the group; the returned function waits for the result.
+    Started before the gradient clipping and optimizer step, the all-reduce's latency (a
+    millisecond or more on gloo) hides behind them."""
     # gloo has no AVG reduction: sum, then divide.
     t = torch.tensor([value], dtype=torch.float64)
-    if size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return float(t.item()) / size
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) if size > 1 else None
+
+    def result() -> float:
+        if work is not None:
+            work.wait()
+        return float(t.item()) / size
+
+    return result
 
 
 def model_state_bytes(parts, optimizer) -> int:
@@ -97,12 +109,13 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
         local_loss = self.engine.forward_backward(inputs, labels)
+        loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.dp_size)
         grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
         optimizer.step()
+        loss_value = loss_mean()
         if not self.state.model_state_bytes:
             # Optimizer state exists only after the first step: measure with it.
             self.state.model_state_bytes = model_state_bytes(self.engine.model_parts, optimizer)
-        loss_value = _mean_over(self.engine.share_loss(local_loss), self.loss_group, self.dp_size)
         if self.cfg.train.stop_on_nan and not math.isfinite(loss_value):
             raise FloatingPointError(f"loss became {loss_value} at step {step + 1} (train.stop_on_nan=true)")
         dt = time.perf_counter() - t0
