@@ -167,7 +167,10 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
                                       f"simulate with parallel.{axis}=1, or drop --simulate (the estimate covers parallel.{axis})")), as_json)
     from .planner.simulate import simulate
 
-    return simulate(validated, ranks).to_json()
+    try:
+        return simulate(validated, ranks).to_json()
+    except ConfigError as err:  # a wrapper refusing this layout, as `partrain train` would
+        _fail(err, as_json)
 
 
 @app.command()

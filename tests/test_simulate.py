@@ -76,6 +76,14 @@ def test_gpt2_tied_weights_and_fused_qkv_over_pipeline_and_tp():
         assert "transformer.wte.weight" in names
 
 
+def test_shipped_gpt3_recipe_simulates_without_megatron_sp():
+    """GPT-2-style Megatron-SP is not built (train refuses it); it moves no parameter, so the
+    simulation builds plain TP and says so."""
+    v = validate(compose(["recipe=gpt3-175b-h100"]))
+    sim = simulate(v, [0])
+    assert sim.exact and sim.notes and "sequence parallelism" in sim.notes[0]
+
+
 def test_grouped_params_fold_layer_indices():
     v = validate(compose(["recipe=gpt-3d"]))
     sim = simulate(v, [0])

@@ -126,3 +126,5 @@ def render_simulation(sim: dict, console, all_ranks: bool = False) -> None:
         console.print(shapes)
     if len(sim["ranks"]) > 1 and not all_ranks:
         console.print("(other ranks' shapes: --all-ranks, or --json)")
+    for note in sim.get("notes", []):
+        console.print(f"note: {note}")

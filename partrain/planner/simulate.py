@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 from .estimate import predicted_rank_elements
@@ -68,6 +68,7 @@ class Simulation:
     world_size: int
     ranks: List[SimulatedRank] = field(default_factory=list)
     seconds: float = 0.0
+    notes: List[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -77,7 +78,7 @@ class Simulation:
         return {
             "world_size": self.world_size, "seconds": self.seconds, "exact": self.exact,
             "accounting": "runtime: fp32 parameters and gradients, AdamW m and v in fp32",
-            "ranks": [{**asdict(r), "exact": r.exact} for r in self.ranks],
+            "notes": list(self.notes), "ranks": [{**asdict(r), "exact": r.exact} for r in self.ranks],
         }
 
 
@@ -162,9 +163,17 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def simulate(v, ranks: Optional[Sequence[int]] = None) -> Simulation:
-    """Simulate `ranks` (default: one per pipeline stage) of the validated run `v`."""
+    """Simulate `ranks` (default: `default_ranks`) of the validated run `v`."""
+    from ..runtime_support import IMPLEMENTED
+
     started = time.perf_counter()
     out = Simulation(v.layout.world_size)
+    p = v.run.parallel
+    if p.tp_sequence_parallel and v.layout.tp > 1 and v.facts.learned_positions and not IMPLEMENTED["tp-sp-learned-positions"]:
+        # Megatron-SP moves activations, not parameters: the shards are those of plain TP.
+        v = replace(v, run=replace(v.run, parallel=replace(p, tp_sequence_parallel=False)))
+        out.notes.append(f"Megatron sequence parallelism is not built for {v.facts.arch} yet: simulated without it "
+                         "(it changes activations, not where parameters live)")
     for rank in (list(ranks) if ranks else default_ranks(v.layout)):
         out.ranks.append(simulate_rank(v, rank))
     out.seconds = time.perf_counter() - started
