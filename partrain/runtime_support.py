@@ -19,7 +19,7 @@ IMPLEMENTED = {
     "ep": False,
     "recompute": True,
     "checkpoint": True,
-    "fp16": False,
+    "fp16": True,
     "zero1-tp": False,
     "tp-sp-learned-positions": False,
 }

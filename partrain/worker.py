@@ -68,6 +68,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     from .parallelize import build_engine
     from .runtime.mesh import build_mesh
     from .train.loop import Trainer, peak_rss_bytes
+    from .train.loss_scale import DynamicLossScale
     from .train.metrics import MetricsWriter
 
     run = v.run
@@ -78,10 +79,12 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_data(v, run_dir)
-    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0)
+    loss_scale = DynamicLossScale.for_run(run.train)
+    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
-    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save)
+    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save,
+                      loss_scale=loss_scale)
     trainer.state.step = start_step
     state = trainer.run()
     checkpoints.finish()
@@ -104,10 +107,12 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
 class Checkpoints:
     """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
 
-    def __init__(self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool) -> None:
+    def __init__(self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, loss_scale=None) -> None:
         from . import checkpoint as ckpt
 
         self.ckpt = ckpt
+        self.loss_scale = loss_scale
+        """fp16's DynamicLossScale (saved and restored with the data position), or None."""
         self.cfg = v.run.checkpoint
         self.root = Path(self.cfg.dir).expanduser() if self.cfg.dir else run_dir / "checkpoints"
         self.engine = engine
@@ -129,6 +134,8 @@ class Checkpoints:
         if path is None:
             return 0
         self.batches.load_state_dict({k: v for k, v in extra["data"].items() if k != "step"} | {"step": extra["data"]["step"]})
+        if self.loss_scale is not None and "loss_scale" in extra:
+            self.loss_scale.load_state_dict(extra["loss_scale"])
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
         return int(extra["data"]["step"])
 
@@ -136,6 +143,8 @@ class Checkpoints:
         every = self.cfg.every_steps
         if every and step % every == 0:
             extra = {"data": {**self.batches.state_dict(), "step": step}}
+            if self.loss_scale is not None:
+                extra["loss_scale"] = self.loss_scale.state_dict()
             path = self.ckpt.save_checkpoint(self.root, step, self.engine.model_parts, self.engine.optimizer, extra, self.meta,
                                              self.cfg.keep_last, self.cfg.async_save)
             log.info("saved checkpoint %s", path)

@@ -91,6 +91,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
     if len(optimizers) == len(parts):  # one optimizer per part (or one part): torch's own function
         merged: Dict[str, Any] = {}
         for part, opt in zip(parts, optimizers):
+            _ensure_adam_state(opt)
             for key, value in get_optimizer_state_dict(part, opt, options=_FLAT).items():
                 merged.setdefault(key, value)
         return merged
@@ -105,6 +106,7 @@ def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[
         zero1.load_full_state(parts, optimizers[0], state)
     elif len(optimizers) == len(parts):
         for part, opt in zip(parts, optimizers):
+            _ensure_adam_state(opt)
             set_optimizer_state_dict(part, opt, state, options=_FLAT)
     else:
         _load_optimizer_state_by_fqn(parts, optimizers[0], state)
@@ -131,11 +133,28 @@ def _groups_by_fqn(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> L
     return out
 
 
+@torch.no_grad()
+def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter AdamW state before its first step: zero moments and step 0, exactly
+    what AdamW creates lazily, so the next real step computes the same update.
+
+    torch's `_init_optim_state` instead runs a step with zero gradients and lr 0, which leaves
+    step = 1 (changing Adam's bias correction) and does nothing while gradients exist: a
+    checkpoint taken before the first real step (fp16 skips overflowing steps) would then lack
+    the optimizer keys a resume asks for."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state.get(p):
+                state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p] = state
+
+
 def _optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """One optimizer over several parts: what get_optimizer_state_dict(flatten=True) gives for one part."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state  # same lazy state init as torch's path
-
-    _init_optim_state(optimizer)
+    _ensure_adam_state(optimizer)
     flat: Dict[str, Any] = {}
     for hyper, params in _groups_by_fqn(optimizer, param_fqns(parts)):
         for fqn, p in params:
@@ -147,9 +166,7 @@ def _optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.O
 
 
 def _load_optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, flat: Dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-    _init_optim_state(optimizer)
+    _ensure_adam_state(optimizer)
     groups, state, index = [], {}, 0
     for hyper, params in _groups_by_fqn(optimizer, param_fqns(parts)):
         ids = []

@@ -171,6 +171,10 @@ class TrainConfig:
     """Restarts torchrun's elastic agent makes after a worker dies (resuming from the newest checkpoint)."""
     stop_on_nan: bool = True
     """Stop with an error when the loss becomes NaN or infinite."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: starting dynamic loss scale; a step whose gradients overflow is skipped and the scale halved."""
+    loss_scale_window: int = 1000
+    """fp16 only: steps in a row without overflow before the loss scale doubles."""
     timeout_s: int = 120
     """Collective timeout in seconds: a hung or dead rank fails the job after this long."""
 

@@ -91,10 +91,13 @@ def _check_ranges(c: _Collector, run: RunConfig) -> None:
         ("train.timeout_s", t.timeout_s, 1), ("checkpoint.every_steps", ck.every_steps, 0), ("checkpoint.keep_last", ck.keep_last, 0),
         ("optim.warmup_steps", o.warmup_steps, 0), ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
         ("parallel.recompute_every", p.recompute_every, 1), ("data.max_bytes", d.max_bytes, 0),
+        ("train.loss_scale_window", t.loss_scale_window, 1),
     ]
     for key, value, low in at_least:
         c.check(value >= low, key, value, f"must be >= {low}", f"set {key} to {low} or more")
     c.check(o.lr > 0, "optim.lr", o.lr, "must be > 0", "e.g. optim.lr=3e-4")
+    c.check(1 <= t.loss_scale_init <= 2.0 ** 64, "train.loss_scale_init", t.loss_scale_init,
+            "must be within [1, 2**64] (a loss multiplier for fp16)", "e.g. train.loss_scale_init=65536")
     c.check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be within [0, 1]", "e.g. 0.1")
     for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         c.check(0 <= value < 1, key, value, "must be within [0, 1)", "e.g. 0.9 / 0.95")

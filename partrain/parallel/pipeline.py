@@ -402,6 +402,8 @@ class PipelineRunner:
         self.last_timing: Optional[StepTiming] = None
         self._measure = measure
         self._user_loss_fn = loss_fn
+        self.loss_scale = 1.0
+        """Multiplier of the loss before backward (fp16 dynamic loss scaling); step() returns the unscaled loss."""
         self._activation_dtype = activation_dtype
         hidden = _unwrap(stage_modules[0]).config.hidden_size
         self._io_shape = (microbatch_size, seq_len, hidden) if microbatch_size and seq_len else None
@@ -424,12 +426,16 @@ class PipelineRunner:
                             loss_fn=self._loss, scale_grads=True)
 
     # -- instrumentation --------------------------------------------------------------------------
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._user_loss_fn(output, target)
+        return loss if self.loss_scale == 1.0 else loss * self.loss_scale
+
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if not self._measure:
-            return self._user_loss_fn(output, target)
+            return self._scaled_loss(output, target)
         t0 = time.perf_counter()
         try:
-            return self._user_loss_fn(output, target)
+            return self._scaled_loss(output, target)
         finally:
             self.timing.loss += time.perf_counter() - t0
             self.timing.calls["loss"] = self.timing.calls.get("loss", 0) + 1
@@ -481,7 +487,7 @@ class PipelineRunner:
             tied_weight_sync(self.modules, self.group, self.first_owner, self.last_owner)
         if not self.has_last:
             return None
-        return float(torch.stack([l.detach().float() for l in losses]).mean())
+        return float(torch.stack([l.detach().float() for l in losses]).mean()) / self.loss_scale
 
     @torch.no_grad()
     def eval_step(self, inputs: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[float]:

@@ -43,7 +43,8 @@ class DirectEngine:
     def model_parts(self) -> List[nn.Module]:
         return [self.dp.inner]
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
+        """Gradients of the step's mean loss times `loss_scale` (fp16); returns the unscaled mean loss."""
         micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
         total = torch.zeros((), dtype=torch.float32)
         for i, (x, y) in enumerate(micro):
@@ -51,7 +52,7 @@ class DirectEngine:
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(self.precision, self.device.type):
                     loss = forward_loss(self.dp.module, x, y)
-                (loss / len(micro)).backward()
+                (loss * (loss_scale / len(micro))).backward()
             total += local_scalar(loss.detach()).float().cpu()
         self.dp.finish_gradients()
         return float(total) / len(micro)
@@ -94,8 +95,9 @@ class PipelineEngine:
     def model_parts(self) -> List[nn.Module]:
         return list(self.stage_modules)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
+        self.runner.loss_scale = loss_scale
         with self.loss_context(), autocast_context(self.precision, self.device.type):
             loss = self.runner.step(inputs if first else None, labels if last else None)
         self.sync_gradients()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..config.validate import ValidatedRun
 from ..data import EvalBatches, TokenBatches
 from ..runtime.mesh import ParallelMesh
+from .loss_scale import DynamicLossScale, unscale_gradients
 from .metrics import MetricsWriter, emit, log
 from .optim import lr_at, set_lr
 
@@ -31,6 +32,10 @@ class StepResult:
     grad_norm: float
     step_time_s: float
     tokens_per_s: float
+    loss_scale: Optional[float] = None
+    """fp16: the loss scale this step ran with."""
+    skipped: bool = False
+    """fp16: the gradients overflowed, the optimizer did not step."""
 
 
 @dataclass
@@ -85,8 +90,10 @@ def model_state_bytes(parts, optimizer) -> int:
 class Trainer:
     def __init__(self, validated: ValidatedRun, mesh: ParallelMesh, engine, batches: TokenBatches,
                  eval_batches: Optional[EvalBatches], metrics: MetricsWriter, is_main: bool,
-                 on_step_end: Callable[[int], None] = lambda step: None) -> None:
+                 on_step_end: Callable[[int], None] = lambda step: None,
+                 loss_scale: Optional[DynamicLossScale] = None) -> None:
         self.on_step_end = on_step_end
+        self.loss_scale = loss_scale
         self.v = validated
         self.cfg = validated.run
         self.mesh = mesh
@@ -108,12 +115,18 @@ class Trainer:
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
-        local_loss = self.engine.forward_backward(inputs, labels)
+        scale = self.loss_scale.scale if self.loss_scale else 1.0
+        local_loss = self.engine.forward_backward(inputs, labels, scale)
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.dp_size)
+        if self.loss_scale:
+            unscale_gradients(self.engine.model_parts, scale)
         grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
-        optimizer.step()
+        # The norm is global (every shard, stage and replica): all ranks take the same decision.
+        stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
+        if stepped:
+            optimizer.step()
         loss_value = loss_mean()
-        if not self.state.model_state_bytes:
+        if not self.state.model_state_bytes and stepped:
             # Optimizer state exists only after the first step: measure with it.
             self.state.model_state_bytes = model_state_bytes(self.engine.model_parts, optimizer)
         if self.cfg.train.stop_on_nan and not math.isfinite(loss_value):
@@ -121,7 +134,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.state.step += 1
         return StepResult(step=self.state.step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=dt,
-                          tokens_per_s=self.v.tokens_per_step / dt)
+                          tokens_per_s=self.v.tokens_per_step / dt, loss_scale=scale if self.loss_scale else None,
+                          skipped=not stepped)
 
     def evaluate(self) -> Optional[float]:
         if self.eval_batches is None:
@@ -145,6 +159,8 @@ class Trainer:
             eta = elapsed / (result.step - first_step) * (train.steps - result.step)
             record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                       "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s}
+            if result.loss_scale is not None:
+                record.update(loss_scale=result.loss_scale, skipped=result.skipped)
             self.metrics.write(record)
             self.on_step_end(result.step)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):
