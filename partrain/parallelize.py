@@ -33,7 +33,7 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> N
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
     if data_parallel.uses_fsdp(p.zero_stage):
-        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage)
+        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
 
 
 @dataclass

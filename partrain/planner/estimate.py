@@ -316,7 +316,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
             transient += max(acts[s][1] for s in acts)
         if r.last:
             transient += tokens * f.vocab / tp * 4  # fp32 gradient of the logits
-        param_bytes_gathered = 4 if dt.autocast_copies or spec.precision == "fp32" else 2
+        param_bytes_gathered = 4 if spec.precision == "fp32" else 2  # FSDP gathers 16-bit params (MixedPrecisionPolicy)
         if spec.zero_stage == 2:
             transient += (unsharded - p) * param_bytes_gathered
         elif spec.zero_stage == 3:

@@ -221,7 +221,9 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
         else:
             sharded += tokens * 4 * (x.dense_ffn or f.ffn) * c  # gate, up, act(gate), product
     weights = 0.0
-    if d.autocast_copies:
+    # FSDP (zero 2/3) runs 16-bit training with a MixedPrecisionPolicy: its layers compute with
+    # 16-bit parameters, so autocast has no weight copies to keep.
+    if d.autocast_copies and spec.zero_stage < 2:
         weights = sum(_local_numel(t, spec.tp, spec.ep) for t in layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
                       if len(t.shape) >= 2) * c
     return LayerActivations(resid=resid, gathered=gathered, sharded=sharded, replicated=replicated, scores=scores,
@@ -264,6 +266,6 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
         else:
             out += tokens * (2 * h * d.resid + 4) / div
         out += tokens * h * d.compute + tokens * f.vocab / tp * 4 + tokens * 8 + 4
-        if d.autocast_copies:
+        if d.autocast_copies and spec.zero_stage < 2:
             out += f.vocab / tp * h * d.compute  # autocast's 16-bit copy of the head weight
     return out
