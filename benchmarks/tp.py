@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from _machine_load import ForeignLoad, settle  # noqa: E402 - sibling module (scripts run from benchmarks/)
 
 HERE = Path(__file__).resolve().parent
 BASELINE_SCRIPT = HERE / "_baselines" / "hf_tp.py"
@@ -217,48 +218,6 @@ def run_hf(args, spec_path: Path, run_dir: Path) -> RunResult:
     r = json.loads(out.read_text())
     extra = {k: r[k] for k in ("mode", "sharded_params", "params", "threads") if k in r}
     return RunResult(r["step_time_s"], wall, r["ranks"], r["losses"], cpu_ms=cpu_ms, extra=extra)
-
-
-# -- load on the machine (other processes make every figure noisier) ---------------------------------
-def _busy_cpu_s() -> float:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        r = resource.getrusage(who)
-        total += r.ru_utime + r.ru_stime
-    return total
-
-
-class ForeignLoad:
-    """Average cores used by processes other than this benchmark's over an interval."""
-
-    def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        self.cores = max(0.0, (_busy_cpu_s() - self.busy0) - (_own_cpu_s() - self.own0)) / max(wall, 1e-9)
-        return False
-
-
-def settle(max_wait_s: float, threshold: float = 0.25, window_s: float = 1.0) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < max_wait_s:
-        with ForeignLoad() as load:
-            time.sleep(window_s)
-        if not load.cores >= threshold:
-            break
-    return time.perf_counter() - t0
 
 
 def _mib(n: float) -> str:

@@ -200,28 +200,14 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(result, f)
         return
-    import torch.distributed as dist
+    from _rank_exit import run_rank_and_exit  # sibling module (torchrun runs this file as a script)
 
-    code = 0
-    try:
+    def work() -> dict:
         result = run_accelerate(spec, fsdp=(mode == "accelerate-fsdp"))
         result["threads"] = torch.get_num_threads()
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - report, then leave without hanging at exit
-        print(f"rank {os.environ.get('RANK')}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        import traceback
+        return result
 
-        traceback.print_exc()
-        code = 1
-    # gloo aborts at interpreter exit unless the group is destroyed, and now and then even then.
-    if code == 0 and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_rank_and_exit(work, out_path)
 
 
 if __name__ == "__main__":

@@ -198,29 +198,16 @@ def main() -> None:
     progress_path = sys.argv[4] if len(sys.argv) > 4 else ""
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    code = 0
-    try:
+    from _rank_exit import run_rank_and_exit  # sibling module (torchrun runs this file as a script)
+
+    def work() -> dict:
         if not dist.is_initialized():
             import datetime
 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 120)))
-        result = run(spec, mode, progress_path)
-        if dist.get_rank() == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - report, then leave without hanging at exit
-        print(f"rank {os.environ.get('RANK')}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        import traceback
+        return run(spec, mode, progress_path)
 
-        traceback.print_exc()
-        code = 1
-    # gloo aborts at interpreter exit unless the group is destroyed, and now and then even then.
-    if code == 0 and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_rank_and_exit(work, out_path)
 
 
 if __name__ == "__main__":
