@@ -19,6 +19,7 @@ Imports torch: only `plan --simulate` loads this module.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -145,7 +146,7 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     d = dtypes(spec.precision, spec.mixed)
     p_el, g_el, o_el = predicted_rank_elements(spec, lay, rank)
     param_bytes = sum(p.bytes for p in params)
-    param_elements = sum(_numel(p.local_shape) for p in params)
+    param_elements = sum(math.prod(p.local_shape) for p in params)
     element_size = param_bytes // param_elements if param_elements else 4
     simulated = {"param_elements": param_elements, "params": param_bytes, "grads": param_bytes,
                  "optimizer": opt_elems * 2 * element_size}
@@ -153,13 +154,6 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     analytic = {"param_elements": p_el, "params": p_el * d.param, "grads": g_el * d.grad, "optimizer": o_el * d.optim}
     analytic["total"] = analytic["params"] + analytic["grads"] + analytic["optimizer"]
     return SimulatedRank(rank, lay.coords(rank), chunks, params, simulated, analytic, elapsed)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def simulate(v, ranks: Optional[Sequence[int]] = None) -> Simulation:
