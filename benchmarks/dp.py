@@ -101,8 +101,8 @@ def common_overrides(args, cache: Path) -> List[str]:
 
 def make_spec(args, cache: Path) -> dict:
     """What the baseline loops need, taken from the composed partrain config (so the model and data agree)."""
-    from partrain.config.compose import compose
-    from partrain.config.validate import validate
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
     from partrain.data import prepare_tokens
     from partrain.models.build import ATTN_IMPLEMENTATION
 

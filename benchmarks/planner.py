@@ -3,7 +3,7 @@
     /work/venv/bin/python benchmarks/planner.py            # everything (~6-8 min on 2 cores)
     /work/venv/bin/python benchmarks/planner.py --quick    # no real training runs (~1 min)
 
-1. Model-state bytes per rank: `partrain.planner.model_state_bytes_per_rank` (predicted) against
+1. Model-state bytes per rank: `partrain.blueprint.planner.model_state_bytes_per_rank` (predicted) against
    what partrain's workers hold after their first optimizer step (summary.json `model_state_bytes`,
    the summed local shards of parameters, gradients and AdamW state), from real 1-step runs of
    `partrain train` (torchrun, gloo) for several CPU layouts. --quick replaces the real runs by
@@ -51,13 +51,13 @@ def table(rows: List[List[str]], header: List[str]) -> None:
 
 
 def model_states(quick: bool) -> None:
-    from partrain.config.compose import compose
-    from partrain.config.validate import validate
-    from partrain.planner import model_state_bytes_per_rank
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.planner import model_state_bytes_per_rank
+    from partrain.blueprint.validate import validate
 
     rows = []
     if quick:
-        from partrain.planner.simulate import simulate
+        from partrain.simulate.fake_world import simulate
 
         print("== 1. parameter elements per rank: planner vs TP/FSDP-sharded meta models (fake process group)")
         for label, overrides in LAYOUTS + [("qwen2-moe tp2 x dp4 hybrid(2) zero3", ["model=qwen2-moe-tiny", "cluster.devices_per_node=8",
@@ -93,10 +93,10 @@ def model_states(quick: bool) -> None:
 
 
 def activations(quick: bool) -> None:
-    from partrain.config.compose import compose
-    from partrain.config.validate import validate
-    from partrain.planner import estimate
-    from partrain.planner.measure import model_config, saved_activation_bytes
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.planner import estimate
+    from partrain.blueprint.validate import validate
+    from partrain.simulate.measure import model_config, saved_activation_bytes
 
     print("== 2. saved activation bytes of one microbatch: planner vs saved_tensors_hooks")
     cases = [(m, 2, 128) for m in ("gpt2-tiny", "llama-tiny", "mistral-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")]
@@ -125,11 +125,11 @@ def papers() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_planner import NARAYANAN_SPACE, NARAYANAN_TABLE1, _gpt_run
 
-    from partrain.config.validate import validate
-    from partrain.planner import estimate, search
-    from partrain.planner.flops import narayanan_params
-    from partrain.planner.memory import zero_model_state_bytes
-    from partrain.planner.spec import GB
+    from partrain.blueprint.planner import estimate, search
+    from partrain.blueprint.planner.flops import narayanan_params
+    from partrain.blueprint.planner.memory import zero_model_state_bytes
+    from partrain.blueprint.planner.spec import GB
+    from partrain.blueprint.validate import validate
 
     print("== 3a. ZeRO Figure 1 (7.5B parameters, 64 GPUs, K=12; GB = 10**9 bytes)")
     table([[name, f"{zero_model_state_bytes(7.5e9, 64, stage) / GB:.3f}", pub] for name, stage, pub in

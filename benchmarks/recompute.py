@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from partrain.config.schema import ModelConfig
+from partrain.blueprint.config.schema import ModelConfig
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
-from partrain.models.init import materialize
 from partrain.models.loss import forward_loss
+from partrain.models.materialize import materialize
 from partrain.parallel.recompute import apply_recompute
-from partrain.testing.activations import count_saved_bytes
+from partrain.runtime.activations import SavedActivations
 
 CONFIGS = {
     "llama": dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -47,15 +47,15 @@ def measure(arch: str, policy: str, seq: int, micro: int, steps: int) -> dict:
     for step in range(steps):
         ids = torch.randint(0, 256, (micro, seq + 1), generator=gen)
         t0 = time.perf_counter()
-        with count_saved_bytes() as counted:
+        with SavedActivations() as counted:
             loss = forward_loss(model, ids[:, :-1], ids[:, 1:])
-        saved = saved or dict(counted)
+        saved = saved if saved is not None else counted.total
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    return {"saved_bytes": saved["bytes"], "step_ms": statistics.median(times[2:] or times) * 1e3, "losses": losses}
+    return {"saved_bytes": saved, "step_ms": statistics.median(times[2:] or times) * 1e3, "losses": losses}
 
 
 def block_saved_bytes(arch: str, policy: str, seq: int, micro: int) -> tuple:
@@ -78,10 +78,10 @@ def block_saved_bytes(arch: str, policy: str, seq: int, micro: int) -> tuple:
               for k, v in captured["kwargs"].items()}
     inputs = sum(t.numel() * t.element_size() for t in list(args) + [x for v in kwargs.values() for x in (v if isinstance(v, tuple) else [v])]
                  if torch.is_tensor(t))
-    with count_saved_bytes() as counted:
+    with SavedActivations() as counted:
         out = layer(*args, **kwargs)
     del out
-    return counted["bytes"], inputs
+    return counted.total, inputs
 
 
 def main() -> None:

@@ -82,8 +82,8 @@ def make_spec(args, root: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from partrain.config.compose import compose
-    from partrain.config.validate import validate
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
     from partrain.data import prepare_tokens
     from partrain.models.build import hf_config
 

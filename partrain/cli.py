@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from .errors import ConfigError, Problem
+from partrain.errors import ConfigError, Problem
 
 RECIPES_ENV = "PARTRAIN_RECIPES"
 """Colon-separated recipe folders searched after --recipes and before the shipped recipes."""
@@ -47,7 +47,7 @@ def _recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
 
 
 def _fail(err: ConfigError, as_json: bool) -> None:
-    from .report import error_report, render_errors
+    from partrain.blueprint.report.layout import error_report, render_errors
 
     if as_json:
         print(json.dumps(error_report(err), indent=1, default=str))
@@ -57,8 +57,8 @@ def _fail(err: ConfigError, as_json: bool) -> None:
 
 
 def _validated(overrides, recipes, as_json: bool):
-    from .config.compose import compose
-    from .config.validate import validate
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
 
     try:
         run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
@@ -72,9 +72,18 @@ SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipelin
 
 def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None,
                   search_top: int = 0, simulate_ranks: Optional[List[int]] = None) -> dict:
-    from .planner import estimate, search
-    from .planner.render import render_candidates, render_estimate, verdict_text
-    from .report import SCHEDULE_PICTURE_LIMIT, layout_report, render_layout, schedule_grid_of
+    from partrain.blueprint.planner import estimate, search
+    from partrain.blueprint.report.estimate import (
+        render_candidates,
+        render_estimate,
+        verdict_text,
+    )
+    from partrain.blueprint.report.layout import (
+        SCHEDULE_PICTURE_LIMIT,
+        layout_report,
+        render_layout,
+        schedule_grid_of,
+    )
 
     report = layout_report(validated)
     report["estimate"] = estimate(validated)
@@ -88,7 +97,7 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
         report["simulation"] = _simulation(validated, simulate_ranks, as_json)
     drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
     if schedule_svg is not None and drawable:
-        from .schedule_picture import to_svg
+        from partrain.blueprint.schedule_sim import to_svg
 
         to_svg(schedule_grid_of(validated), schedule_svg)
         report["pipeline"]["svg"] = str(schedule_svg)
@@ -97,7 +106,7 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
     else:
         picture = None
         if drawable:
-            from .schedule_picture import render_text
+            from partrain.blueprint.schedule_sim import render_text
 
             picture = render_text(schedule_grid_of(validated), max_slots=120)
         render_layout(report, _console(), all_ranks=all_ranks, picture=picture)
@@ -105,7 +114,7 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
         if "candidates" in report:
             render_candidates(report["candidates"], _console())
         if "simulation" in report:
-            from .planner.render import render_simulation
+            from partrain.blueprint.report.estimate import render_simulation
 
             render_simulation(report["simulation"], _console(), all_ranks=all_ranks)
         if schedule_svg is not None and not drawable:
@@ -127,12 +136,12 @@ def train(
     if dry_run:
         _print_layout(validated, as_json, all_ranks, schedule_svg)
         return
-    from .runtime_support import unsupported_features
+    from partrain.blueprint.trainable import unsupported_features
 
     missing = unsupported_features(validated)
     if missing:
         _fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
-    from .launch import launch
+    from partrain.launch import launch
 
     try:
         code = launch(validated, console=_console(), environ=dict(os.environ))
@@ -142,7 +151,7 @@ def train(
 
 
 def _unsupported_problem(text: str):
-    from .errors import Problem
+    from partrain.errors import Problem
 
     key, _, rest = text.partition(" ")
     name, _, value = key.partition("=")
@@ -156,7 +165,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
         if not 0 <= rank < world:
             _fail(ConfigError(Problem("--simulate-rank", rank, f"must be a rank of this layout (0 to {world - 1})",
                                       "pass a rank below the world size, or omit it for the first and last rank of each pipeline stage")), as_json)
-    from .runtime_support import IMPLEMENTED
+    from partrain.blueprint.trainable import IMPLEMENTED
 
     # These two change where parameters live (experts over ep, FSDP shards over dp x sp): until
     # the runtime builds them, a simulation would report a different model than the estimate.
@@ -165,7 +174,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
         if degree > 1 and not IMPLEMENTED[axis]:
             _fail(ConfigError(Problem(f"parallel.{axis}", degree, f"--simulate builds what `partrain train` builds, and {what} is not built yet",
                                       f"simulate with parallel.{axis}=1, or drop --simulate (the estimate covers parallel.{axis})")), as_json)
-    from .planner.simulate import simulate
+    from partrain.simulate.fake_world import simulate
 
     try:
         return simulate(validated, ranks).to_json()
@@ -202,14 +211,14 @@ def show(
     explain: bool = typer.Option(False, "--explain", help="List every config key with its type, value and documentation."),
 ) -> None:
     """Print the composed, resolved config (YAML), as a worker would read it."""
-    from .config.compose import compose, to_yaml
+    from partrain.blueprint.config.compose import compose, to_yaml
 
     try:
         run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
     except ConfigError as err:
         _fail(err, as_json)
     if explain:
-        from .config.docs import explain_rows
+        from partrain.blueprint.config.docs import explain_rows
 
         rows = explain_rows(run)
         if as_json:
@@ -235,7 +244,7 @@ def show(
 @app.command("recipes")
 def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIPES) -> None:
     """List the recipes, one line each (user folders first; shadowed shipped recipes are marked)."""
-    from .config.recipes import list_recipes
+    from partrain.blueprint.config.recipes import list_recipes
 
     try:
         found = list_recipes(_recipe_dirs(recipes, dict(os.environ)))
@@ -263,7 +272,7 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
 def checkpoint_info_cmd(path: Path = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-NNNNNNNN)."),
                         as_json: bool = JSON) -> None:
     """Show a checkpoint's step, layout it was saved under, model, size and tensor count."""
-    from .checkpoint import checkpoint_info
+    from partrain.checkpoint import checkpoint_info
 
     try:
         info = checkpoint_info(path)
@@ -290,7 +299,7 @@ def checkpoint_export_cmd(path: Path = typer.Argument(..., help="A checkpoint fo
                           tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."),
                           as_json: bool = JSON) -> None:
     """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
-    from .checkpoint import export_hf
+    from partrain.checkpoint import export_hf
 
     try:
         out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
@@ -320,10 +329,15 @@ def bench_comm_cmd(
 ) -> None:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all and send/recv bandwidth over the cluster's process
     groups (nccl-tests' algbw/busbw by size) and save a profile for `cluster.comm_profile`."""
-    from .bench.launch import bench_problems, bench_settings, launch as bench_launch, render_profile
-    from .config.compose import compose
-    from .config.validate import validate
-    from .runtime.context import cpu_count, from_environ
+    from partrain.bench.comm_parent import (
+        bench_problems,
+        bench_settings,
+        render_profile,
+    )
+    from partrain.bench.comm_parent import launch as bench_launch
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.runtime.context import cpu_count, from_environ
 
     try:  # composed as plan/train do; only problems of the cluster (and timeouts) stop a measurement
         run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
@@ -337,7 +351,7 @@ def bench_comm_cmd(
     except ConfigError as err:
         _fail(err, as_json)
     if dist_env is not None:  # under torchrun / srun (multi-node): this process is a worker
-        from .bench.comm import run as bench_run
+        from partrain.bench.comm import run as bench_run
 
         code, profile = bench_run(settings, dist_env, show_progress=False)
         if code == 0 and dist_env.is_main:

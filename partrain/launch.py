@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .config.compose import to_yaml
-from .config.validate import ValidatedRun
-from .errors import ConfigError, Problem
-from .runtime.context import DistEnv, cpu_count, from_environ
-from .train.metrics import parse_event
-from .worker import DATA_MANIFEST
+from partrain.blueprint.config.compose import to_yaml
+from partrain.blueprint.validate import ValidatedRun
+from partrain.errors import ConfigError, Problem
+from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.train.metrics import parse_event
+from partrain.worker import DATA_MANIFEST
 
 
 def default_run_dir(v: ValidatedRun, job_id: Optional[str] = None) -> Path:
@@ -37,7 +37,7 @@ def _unique(path: Path) -> Path:
 
 def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
     """Tokenize the data (cached), then write the run folder: resolved config.yaml and data.json."""
-    from .data import prepare_tokens
+    from partrain.data import prepare_tokens
 
     packed = prepare_tokens(v.run.data, Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None)
     if packed.vocab_size > v.facts.vocab:
@@ -99,7 +99,7 @@ def raise_config(*problems: Problem) -> None:
 
 
 def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) -> int:
-    from . import worker
+    from partrain import worker
 
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "job"
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v, job_id=job)
@@ -118,7 +118,13 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
 
 def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
     """Render rank 0's events as a live progress bar; pass other output through."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     summary = None
     progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),

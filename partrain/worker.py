@@ -16,10 +16,10 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .config.compose import load_resolved
-from .config.validate import ValidatedRun, validate
-from .runtime.context import DistEnv, cpu_count, from_environ
-from .train.metrics import emit
+from partrain.blueprint.config.compose import load_resolved
+from partrain.blueprint.validate import ValidatedRun, validate
+from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.train.metrics import emit
 
 log = logging.getLogger("partrain")
 
@@ -52,7 +52,7 @@ def _device(v: ValidatedRun, env: DistEnv):
 
 
 def _open_data(v: ValidatedRun, run_dir: Path):
-    from .data import EvalBatches, TokenBatches, open_packed
+    from partrain.data import EvalBatches, TokenBatches, open_packed
 
     packed = open_packed(json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"])
     t = v.run.train
@@ -65,11 +65,11 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     """Everything between init_process_group and destroy_process_group."""
     import torch
 
-    from .parallelize import build_engine
-    from .runtime.mesh import build_mesh
-    from .train.loop import Trainer, peak_rss_bytes
-    from .train.loss_scale import DynamicLossScale
-    from .train.metrics import MetricsWriter
+    from partrain.runtime.mesh import build_mesh
+    from partrain.train.assemble import build_engine
+    from partrain.train.loop import Trainer, peak_rss_bytes
+    from partrain.train.loss_scale import DynamicLossScale
+    from partrain.train.metrics import MetricsWriter
 
     run = v.run
     torch.manual_seed(run.train.seed)
@@ -108,7 +108,7 @@ class Checkpoints:
     """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
 
     def __init__(self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, loss_scale=None) -> None:
-        from . import checkpoint as ckpt
+        from partrain import checkpoint as ckpt
 
         self.ckpt = ckpt
         self.loss_scale = loss_scale

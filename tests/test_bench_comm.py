@@ -13,9 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from partrain.bench.profile import (OPS, ProfileError, bus_factor, load_profile, make_profile, parse_sizes, result,
-                                    write_profile)
-from partrain.planner.spec import GB, cluster_spec
+from partrain.blueprint.comm_profile import (
+    OPS,
+    ProfileError,
+    bus_factor,
+    load_profile,
+    make_profile,
+    parse_sizes,
+    result,
+    write_profile,
+)
+from partrain.blueprint.planner.spec import GB, cluster_spec
 
 CPU_CLUSTER = {"name": "local-cpu", "nodes": 1, "devices_per_node": 2, "backend": "gloo", "device": "cpu"}
 
@@ -188,7 +196,7 @@ def test_size_parsing_and_bus_factors():
 def test_report_renders_tables_and_summary(tmp_path):
     from rich.console import Console
 
-    from partrain.bench.launch import render_profile
+    from partrain.bench.comm_parent import render_profile
 
     path = synthetic(tmp_path / "p.json", {op: 1.0 for op in OPS}, unsupported=("all_to_all",))
     console = Console(record=True, width=200)

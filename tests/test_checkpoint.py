@@ -17,9 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from partrain.checkpoint import (CorruptCheckpoint, checkpoint_info, complete_checkpoints, export_hf, find_resume,
-                                 load_checkpoint, load_with_fallback, model_record, save_checkpoint, step_dir)
-from partrain.config.schema import ModelConfig, OptimConfig
+from partrain.blueprint.config.schema import ModelConfig, OptimConfig
+from partrain.checkpoint import (
+    CorruptCheckpoint,
+    checkpoint_info,
+    complete_checkpoints,
+    export_hf,
+    find_resume,
+    load_checkpoint,
+    load_with_fallback,
+    model_record,
+    save_checkpoint,
+    step_dir,
+)
 from partrain.errors import ConfigError
 from partrain.testing.multiproc import run_spawned
 
@@ -66,11 +76,11 @@ def _compare(expected: dict, got: dict) -> list:
 
 def _save_fsdp_tp(rank: int, world: int, root: str) -> dict:
     """dp=2 (FSDP2, zero3) x tp=2: one AdamW step, save, and the gathered originals."""
-    from partrain.layout import Layout
+    from partrain.blueprint.layout import Layout
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
     from partrain.parallel import data_parallel
     from partrain.parallel.tensor_parallel import apply_tp, loss_context
     from partrain.runtime.mesh import build_mesh
@@ -101,10 +111,10 @@ def _save_fsdp_tp(rank: int, world: int, root: str) -> dict:
 
 def _load_under(layout: dict, zero_stage: int, arch: str, ckpt: Path):
     """A fresh model (other seed) and optimizer under `layout`, with `ckpt` loaded into them."""
-    from partrain.layout import Layout
+    from partrain.blueprint.layout import Layout
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
+    from partrain.models.materialize import materialize
     from partrain.parallel import data_parallel
     from partrain.parallel.tensor_parallel import apply_tp
     from partrain.runtime.mesh import build_mesh
@@ -127,7 +137,7 @@ def _zero1_then_other_layouts(rank: int, world: int, root: str) -> dict:
     asynchronously (step 2); then TP=2 and FSDP zero2 (dp=2) load that ZeRO-1 checkpoint."""
     from partrain.checkpoint import wait_pending_save
     from partrain.models.loss import forward_loss
-    from partrain.parallel.zero1 import ShardedOptimizer
+    from partrain.parallel.zero1_optimizer import ShardedOptimizer
 
     out = {}
     for arch in ARCHS:
@@ -167,8 +177,8 @@ def saved(tmp_path_factory):
 
 def _plain(arch: str, seed: int = 99):
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
-    from partrain.train.optim import make_adamw, param_groups
+    from partrain.models.materialize import materialize
+    from partrain.parallel.optimizer import make_adamw, param_groups
 
     mc = _model_cfg(arch)
     model = materialize(build_meta_model(mc), mc, seed=seed, device="cpu")
@@ -212,7 +222,7 @@ def test_checkpoint_loads_into_pipeline_stage_modules(saved, arch):
     """Two pipeline chunks on one rank (as ZBV places them) with one optimizer over both."""
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
+    from partrain.models.materialize import materialize
     from partrain.parallel.pipeline import build_stage_module
 
     root, _, _ = saved
@@ -239,8 +249,8 @@ def test_pipeline_parts_save_and_load_like_the_plain_model(arch, tmp_path):
     through a plain one-process model both ways."""
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
     from partrain.parallel.pipeline import build_stage_module
 
     mc, model, opt = _plain(arch, seed=1)
@@ -339,9 +349,9 @@ def test_rng_state_restored_with_same_world_size(tmp_path):
 
 
 def test_run_meta_records_layout_model_and_data():
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
     from partrain.checkpoint import run_meta
-    from partrain.config.compose import compose
-    from partrain.config.validate import validate
 
     meta = run_meta(validate(compose(["recipe=gpt-dp", "parallel.dp=2", "parallel.zero_stage=1", "cluster.devices_per_node=2"])))
     assert meta["layout"]["dp"] == 2 and meta["layout"]["zero_stage"] == 1 and meta["world_size"] == 2
@@ -418,7 +428,7 @@ def test_metadata_that_would_run_code_is_refused(two_saves, tmp_path):
 
 def test_checkpoint_of_another_model_names_the_key(two_saves):
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
+    from partrain.models.materialize import materialize
 
     root, _, _, _ = two_saves
     mc = _model_cfg("gpt2", n_layer=3)
@@ -458,7 +468,11 @@ def test_export_hf_round_trip(saved, arch, tmp_path):
 
 def test_export_copies_the_runs_hf_tokenizer(two_saves, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
 
     core = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -14,10 +14,10 @@ from dataclasses import asdict
 
 import pytest
 import yaml
-
 from conftest import PARTRAIN
-from partrain.config.compose import compose
-from partrain.config.paths import shipped_recipes_dir
+
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.config.paths import shipped_recipes_dir
 
 MINE = textwrap.dedent("""\
     # @package _global_

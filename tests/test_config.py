@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from partrain.config import schema
-from partrain.config.compose import compose, load_resolved, to_yaml
-from partrain.config.docs import field_docs
-from partrain.config.paths import conf_dir, shipped_recipes_dir
-from partrain.config.recipes import list_recipes
-from partrain.config.validate import validate
-from partrain.models.facts import SUPPORTED_ARCHS, live_class_fields, load_snapshot, model_facts
+from partrain.blueprint.config import schema
+from partrain.blueprint.config.compose import compose, load_resolved, to_yaml
+from partrain.blueprint.config.docs import field_docs
+from partrain.blueprint.config.paths import conf_dir, shipped_recipes_dir
+from partrain.blueprint.config.recipes import list_recipes
+from partrain.blueprint.model_facts import SUPPORTED_ARCHS, load_snapshot, model_facts
+from partrain.blueprint.validate import validate
+from partrain.models.facts_snapshot import live_class_fields
 
 SHIPPED = sorted(p.stem for p in shipped_recipes_dir().glob("*.yaml"))
 MODELS = sorted(conf_dir().joinpath("model").glob("*.yaml"))
@@ -107,8 +108,8 @@ def test_hf_field_aliases_are_accepted():
 def test_snapshot_matches_installed_transformers(arch):
     snapshot = load_snapshot()
     assert snapshot[arch] == live_class_fields(arch), (
-        f"partrain/models/hf_facts.json was made with transformers {snapshot['transformers_version']}; "
-        "regenerate it with `python -m partrain.models.facts`")
+        f"partrain/blueprint/hf_facts.json was made with transformers {snapshot['transformers_version']}; "
+        "regenerate it with `python -m partrain.models.facts_snapshot`")
 
 
 VARIANTS = [  # derivations the shipped models do not exercise

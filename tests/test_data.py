@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from partrain.config.schema import DataConfig
+from partrain.blueprint.config.schema import DataConfig
 from partrain.data import (
     ByteTokenizer,
     Corpus,
@@ -19,10 +19,10 @@ from partrain.data import (
     TokenBatches,
     load_tokenizer,
     open_packed,
+    packing,
     prepare_tokens,
     token_dtype,
 )
-from partrain.data import packing
 from partrain.errors import ConfigError
 
 SMALL = 200_000  # bytes of builtin corpus: enough for many batches, packs in milliseconds

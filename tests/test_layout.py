@@ -11,8 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partrain.config.schema import AXES
-from partrain.layout import GROUP_FAMILIES, Layout, divisors, factorizations, resolve_degrees
+from partrain.blueprint.config.schema import AXES
+from partrain.blueprint.layout import (
+    GROUP_FAMILIES,
+    Layout,
+    divisors,
+    factorizations,
+    resolve_degrees,
+)
 
 WORKED = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],

@@ -55,7 +55,7 @@ def test_loss_scale_has_a_floor_and_round_trips():
 
 
 def test_only_fp16_runs_scale_the_loss():
-    from partrain.config.compose import compose
+    from partrain.blueprint.config.compose import compose
 
     assert DynamicLossScale.for_run(compose(["train.precision=bf16"]).train) is None
     assert DynamicLossScale.for_run(compose(["train.precision=fp32"]).train) is None
@@ -97,15 +97,15 @@ def _fsdp_dtypes(rank: int, world: int, precision: str) -> dict:
     """Inside a rank: what dtype a FSDP layer computes with, and what it keeps."""
     import torch
 
-    from partrain.config.schema import OptimConfig
-    from partrain.layout import Layout
+    from partrain.blueprint.config.schema import OptimConfig
+    from partrain.blueprint.layout import Layout
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
     from partrain.parallel import data_parallel
-    from partrain.planner.measure import model_config
     from partrain.runtime.mesh import build_mesh
+    from partrain.simulate.measure import model_config
 
     mesh = build_mesh(Layout(dp=2, dp_shard=2), "cpu")
     mc = model_config("gpt2-tiny")

@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partrain.config.schema import ModelConfig
+from partrain.blueprint.config.schema import ModelConfig
+from partrain.blueprint.model_facts import SUPPORTED_ARCHS
 from partrain.errors import ConfigError
 from partrain.models.adapters import ADAPTERS, get_adapter
 from partrain.models.build import build_meta_model, hf_config
-from partrain.models.facts import SUPPORTED_ARCHS
-from partrain.models.init import materialize
 from partrain.models.loss import IGNORE_INDEX, forward_loss
+from partrain.models.materialize import materialize
 from partrain.models.random_init import name_seed
 
 VOCAB = 256
@@ -297,7 +297,11 @@ DIST_CASES = {
 
 def _shard(model, mesh, how):
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     adapter = get_adapter(model)
     if how == "tp":

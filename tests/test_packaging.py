@@ -51,9 +51,9 @@ def test_wheel_ships_conf_and_recipes(installed):
     cwd.mkdir()
     code = textwrap.dedent("""\
         import json, partrain
-        from partrain.config.paths import conf_dir, shipped_recipes_dir
-        from partrain.config.compose import compose
-        from partrain.config.validate import validate
+        from partrain.blueprint.config.paths import conf_dir, shipped_recipes_dir
+        from partrain.blueprint.config.compose import compose
+        from partrain.blueprint.validate import validate
         v = validate(compose(["recipe=gpt-3d"]))
         print(json.dumps({"package": partrain.__file__, "conf": str(conf_dir()), "recipes": str(shipped_recipes_dir()),
                           "world": v.world_size, "degrees": v.layout.degrees}))

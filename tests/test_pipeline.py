@@ -30,8 +30,13 @@ from pathlib import Path
 
 import pytest
 
-from partrain.parallel.stage_split import (SCHEDULE_STYLE, chunk_placement, owner_of_chunk, schedule_problems,
-                                           split_layers)
+from partrain.blueprint.stage_split import (
+    SCHEDULE_STYLE,
+    chunk_placement,
+    owner_of_chunk,
+    schedule_problems,
+    split_layers,
+)
 
 SEED = 3
 BATCH, SEQ, MICRO, STEPS, LR = 8, 16, 4, 3, 1e-3
@@ -97,8 +102,8 @@ def test_split_layers_explicit_and_errors():
 
 
 def test_chunk_costs_from_facts():
-    from partrain.models.facts import model_facts
-    from partrain.parallel.stage_split import chunk_costs, plan_chunks
+    from partrain.blueprint.model_facts import model_facts
+    from partrain.blueprint.stage_split import chunk_costs, plan_chunks
 
     facts = model_facts("llama", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})
@@ -137,7 +142,7 @@ def test_schedule_problems():
 
 
 def _model_cfg(arch: str, **extra):
-    from partrain.config.schema import ModelConfig
+    from partrain.blueprint.config.schema import ModelConfig
 
     kwargs = dict(MODELS[arch]) if arch in MODELS else {}
     kwargs.update(extra)
@@ -162,7 +167,7 @@ def test_stage_chain_equals_full_model(case):
 
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
+    from partrain.models.materialize import materialize
     from partrain.parallel.pipeline import build_stage_module
 
     arch, extra = CHAIN_CASES[case]
@@ -196,7 +201,7 @@ def test_stage_chain_equals_full_model(case):
 def test_saved_activation_bytes_counts_activations_not_params():
     import torch
 
-    from partrain.parallel.pipeline import saved_activation_bytes
+    from partrain.runtime.activations import saved_activation_bytes
 
     lin = torch.nn.Linear(64, 64)
     x = torch.randn(32, 64)
@@ -224,8 +229,8 @@ def reference_run(arch: str):
     import torch
 
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
 
     torch.set_num_threads(1)
     cfg = _model_cfg(arch)
@@ -297,9 +302,14 @@ def _worker_run(arch, schedule, pp, v, pp_mesh, rank, params_path, steps=STEPS, 
 
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import token_loss
-    from partrain.parallel.pipeline import PipelineRunner, build_stage_module, clip_grad_norm_, saved_activation_bytes
+    from partrain.models.materialize import materialize
+    from partrain.parallel.pipeline import (
+        PipelineRunner,
+        build_stage_module,
+        clip_grad_norm_,
+    )
+    from partrain.runtime.activations import saved_activation_bytes
 
     cfg = _model_cfg(arch)
     meta = build_meta_model(cfg)
@@ -484,11 +494,11 @@ def _bubble_worker(out_dir: str, store: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from partrain.config.schema import ModelConfig
+    from partrain.blueprint.config.schema import ModelConfig
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import token_loss
+    from partrain.models.materialize import materialize
     from partrain.parallel.pipeline import PipelineRunner, build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -533,7 +543,7 @@ def _bubble_worker(out_dir: str, store: str) -> None:
 
 
 def bubble_report(world: int = 2) -> str:
-    from partrain.schedule_picture import formula_bubble, schedule_grid
+    from partrain.blueprint.schedule_sim import formula_bubble, schedule_grid
 
     res = launch(world, Path(tempfile.mkdtemp(prefix="pp-bubble-")), timeout_s=590, mode="bubble")
     m = BUBBLE_SHAPE["microbatches"]

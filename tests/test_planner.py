@@ -21,18 +21,51 @@ from pathlib import Path
 import pytest
 import yaml
 
-from partrain.config.compose import compose
-from partrain.config.schema import ClusterConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from partrain.config.validate import validate
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.config.schema import (
+    ClusterConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from partrain.blueprint.model_facts import model_facts
+from partrain.blueprint.planner import (
+    estimate,
+    model_state_bytes_per_rank,
+    param_count,
+    param_tensors,
+    search,
+)
+from partrain.blueprint.planner.bubble import (
+    bubble_fraction,
+    bubble_overhead,
+    greedy_counts,
+    in_flight,
+)
+from partrain.blueprint.planner.flops import (
+    korthikanti_selective_hardware_flops,
+    narayanan_flops,
+    narayanan_params,
+    narayanan_training_days,
+    step_flops,
+)
+from partrain.blueprint.planner.memory import (
+    korthikanti_first_stage_bytes,
+    korthikanti_layer_bytes,
+    layer_activations,
+    zero_model_state_bytes,
+)
+from partrain.blueprint.planner.search import SearchSpace, enumerate_specs
+from partrain.blueprint.planner.spec import (
+    GB,
+    GIB,
+    ModelExtras,
+    model_extras,
+    spec_from_validated,
+)
+from partrain.blueprint.validate import validate
 from partrain.errors import ConfigError
-from partrain.models.facts import model_facts
-from partrain.planner import estimate, model_state_bytes_per_rank, param_count, param_tensors, search
-from partrain.planner.flops import korthikanti_selective_hardware_flops, narayanan_flops, narayanan_params, narayanan_training_days, step_flops
-from partrain.planner.memory import (korthikanti_first_stage_bytes, korthikanti_layer_bytes, layer_activations,
-                                     zero_model_state_bytes)
-from partrain.planner.pipeline import bubble_fraction, bubble_overhead, greedy_counts, in_flight
-from partrain.planner.search import SearchSpace, enumerate_specs
-from partrain.planner.spec import GB, GIB, ModelExtras, spec_from_validated, model_extras
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FILES = sorted(glob.glob(str(ROOT / "conf" / "model" / "*.yaml")))
@@ -365,7 +398,7 @@ SHARD_CASES = [
 
 def test_parameter_shards_match_tp_and_fsdp_on_the_fake_process_group():
     """Every rank of each layout, built by the real wrappers under the fake process group."""
-    from partrain.planner.simulate import simulate
+    from partrain.simulate.fake_world import simulate
 
     for overrides in SHARD_CASES:
         v = validate(compose(overrides))
@@ -395,7 +428,7 @@ ACTIVATION_CASES = [(m, p, r) for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny",
 
 @pytest.mark.parametrize("name,precision,recompute", ACTIVATION_CASES)
 def test_activation_bytes_match_saved_tensor_hooks(name, precision, recompute):
-    from partrain.planner.measure import model_config, saved_activation_bytes
+    from partrain.simulate.measure import model_config, saved_activation_bytes
 
     cfg = model_config(name)
     run = compose([f"model={name}", "cluster=local-cpu", "cluster.devices_per_node=1", "parallel.dp=1", "train.seq_len=64",
@@ -430,7 +463,7 @@ def test_estimate_json_contract(recipe):
 
 
 def test_planner_does_not_import_torch():
-    code = ("import sys, partrain.planner as p; from partrain.config.compose import compose; from partrain.config.validate import validate; "
+    code = ("import sys, partrain.blueprint.planner as p; from partrain.blueprint.config.compose import compose; from partrain.blueprint.validate import validate; "
             "v = validate(compose(['recipe=gpt3-175b-h100'])); p.estimate(v); p.search(v, top_k=2); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -438,7 +471,7 @@ def test_planner_does_not_import_torch():
 
 
 def test_greedy_stage_split_equals_the_runtime_split():
-    from partrain.parallel.stage_split import split_layers
+    from partrain.blueprint.stage_split import split_layers
 
     rng = random.Random(0)
     for _ in range(400):

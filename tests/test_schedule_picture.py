@@ -11,8 +11,17 @@ from fractions import Fraction
 
 import pytest
 
-from partrain.schedule_picture import (DURATION, Action, formula_bubble, rank_orders, render_plain, render_text,
-                                       schedule_grid, simulate, to_svg)
+from partrain.blueprint.schedule_sim import (
+    DURATION,
+    Action,
+    formula_bubble,
+    rank_orders,
+    render_plain,
+    render_text,
+    schedule_grid,
+    simulate,
+    to_svg,
+)
 
 
 def _exact_bubble(grid) -> Fraction:
@@ -144,7 +153,7 @@ def test_svg_is_well_formed(tmp_path):
 
 def test_no_torch_and_fast_enough_for_the_dry_run():
     code = ("import sys, time; t = time.perf_counter();"
-            "from partrain.schedule_picture import schedule_grid, render_text, to_svg;"
+            "from partrain.blueprint.schedule_sim import schedule_grid, render_text, to_svg;"
             "g = schedule_grid('interleaved-1f1b', 16, 4, 128); render_text(g); to_svg(g);"
             "g = schedule_grid('zbv', 16, 2, 128); render_text(g);"
             "assert 'torch' not in sys.modules, 'torch imported';"

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from partrain.config.compose import compose
-from partrain.config.validate import validate
-from partrain.planner.simulate import default_ranks, grouped_params, simulate
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.planner.simulated import default_ranks, grouped_params
+from partrain.blueprint.validate import validate
+from partrain.simulate.fake_world import simulate
 
 LLAMA_70B_1024 = ["model=llama3-70b", "cluster=h100x1024", "train.seq_len=4096", "train.precision=bf16",
                   "train.micro_batch_size=1", "train.global_batch_size=1024"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from partrain.config.schema import ModelConfig
+from partrain.blueprint.config.schema import ModelConfig
 from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import check_parity, reference_overrides, run_training
 
@@ -73,7 +73,7 @@ def test_layout_matches_single_process(name, references, tmp_path, data_cache):
     print(name, check_parity(ref, got, rtol=1e-5))
 
     # Per-rank parameter bytes: replicated part + sharded part / tp (and / dp under FSDP).
-    from partrain.config.compose import load_resolved
+    from partrain.blueprint.config.compose import load_resolved
 
     run = load_resolved(got.run_dir / "config.yaml")
     dp_shard = run.parallel.dp if run.parallel.zero_stage >= 2 else 1
@@ -89,8 +89,8 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
 
     from partrain.models.adapters import get_adapter
     from partrain.models.build import build_meta_model
-    from partrain.models.init import materialize
     from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
     from partrain.parallel.tensor_parallel import apply_tp, loss_context
 
     cfgs = {"gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partrain.config.compose import compose
-from partrain.config.schema import RunConfig
-from partrain.config.validate import validate
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.config.schema import RunConfig
+from partrain.blueprint.report.layout import layout_report
+from partrain.blueprint.trainable import IMPLEMENTED
+from partrain.blueprint.validate import validate
 from partrain.errors import ConfigError
-from partrain.report import layout_report
-from partrain.runtime_support import IMPLEMENTED
 
 GPT = "recipe=gpt-3d"  # 8 ranks = dp2 x tp2 x pp2; gpt2-tiny: 4 layers, 4 heads, ffn 512, vocab 256, 512 positions
 MOE = "recipe=mixtral-ep"  # 2 ranks = dp2, ep2; 4 experts
@@ -159,7 +159,7 @@ def test_bad_config_refused_by_the_installed_command(run_partrain, user_recipes,
     assert_refused(run_partrain("train", *_args(args, user_recipes), *mode), key, as_json="--json" in mode)
 
 
-UNSUPPORTED = [  # consistent layouts this version cannot train yet (partrain.runtime_support)
+UNSUPPORTED = [  # consistent layouts this version cannot train yet (partrain.blueprint.trainable)
     ("zero1-tp", [GPT, "parallel.zero_stage=1", "parallel.pp=1", "parallel.dp=4"], "parallel.zero_stage"),
     ("tp-sp-learned-positions", [GPT, "parallel.tp_sequence_parallel=true", "parallel.pp=1", "parallel.dp=4"],
      "parallel.tp_sequence_parallel"),

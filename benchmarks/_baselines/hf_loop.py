@@ -200,7 +200,9 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(result, f)
         return
-    from _rank_exit import run_rank_and_exit  # sibling module (torchrun runs this file as a script)
+    from _rank_exit import (
+        run_rank_and_exit,  # sibling module (torchrun runs this file as a script)
+    )
 
     def work() -> dict:
         result = run_accelerate(spec, fsdp=(mode == "accelerate-fsdp"))

@@ -198,7 +198,9 @@ def main() -> None:
     progress_path = sys.argv[4] if len(sys.argv) > 4 else ""
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from _rank_exit import run_rank_and_exit  # sibling module (torchrun runs this file as a script)
+    from _rank_exit import (
+        run_rank_and_exit,  # sibling module (torchrun runs this file as a script)
+    )
 
     def work() -> dict:
         if not dist.is_initialized():

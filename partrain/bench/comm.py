@@ -27,9 +27,15 @@ import time
 import traceback
 from typing import Callable, Dict, List
 
-from ..runtime.context import DistEnv, from_environ
-from .launch import FAILURE, PROGRESS, BenchSettings
-from .profile import OPS, bus_factor, make_profile, result, write_profile
+from partrain.bench.comm_parent import FAILURE, PROGRESS, BenchSettings
+from partrain.blueprint.comm_profile import (
+    OPS,
+    bus_factor,
+    make_profile,
+    result,
+    write_profile,
+)
+from partrain.runtime.context import DistEnv, from_environ
 
 TORCH_OPS = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather_single", "all_gather_into_tensor"),
              "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"), "all_to_all": ("all_to_all_single",),

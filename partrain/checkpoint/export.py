@@ -12,12 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..config.schema import ModelConfig
-from ..errors import ConfigError, Problem
-from . import folders
-from .dist_util import quiet_single_process
-from .record import check_files, read_record
-from .state import MODEL
+from partrain.blueprint.config.schema import ModelConfig
+from partrain.checkpoint import folders
+from partrain.checkpoint.dist_util import quiet_single_process
+from partrain.checkpoint.record import check_files, read_record
+from partrain.checkpoint.state import MODEL
+from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger("partrain")
 
@@ -43,7 +43,7 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .safe_io import read_metadata
+    from partrain.checkpoint.safe_io import read_metadata
 
     path = Path(path)
     _require_checkpoint(path)
@@ -73,7 +73,7 @@ def _hf_model_from_record(model: Dict[str, Any]):
     the pretrained folder it came from is gone."""
     import torch
 
-    from ..models.build import build_meta_model
+    from partrain.models.build import build_meta_model
 
     cfg = ModelConfig(arch=model["arch"], config=dict(model.get("config") or {}), pretrained=model.get("pretrained"),
                       trust_remote_code=bool(model.get("trust_remote_code")), name=model.get("name", ""))
@@ -103,7 +103,11 @@ def load_model_weights(path: Path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from .safe_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+    from partrain.checkpoint.safe_io import (
+        SafeFileSystemReader,
+        SafeLoadPlanner,
+        read_metadata,
+    )
 
     path = Path(path)
     _require_checkpoint(path)

@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..errors import ConfigError, Problem
-from ..data.atomic import fsync_dir  # one implementation of durable renames
+from partrain.data.atomic import fsync_dir  # one implementation of durable renames
+from partrain.errors import ConfigError, Problem
 
 RECORD_FILE = "partrain.json"
 METADATA_FILE = ".metadata"

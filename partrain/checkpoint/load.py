@@ -21,13 +21,23 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..errors import ConfigError
-from . import folders
-from .dist_util import distributed, quiet_single_process, rank_world
-from .record import CorruptCheckpoint, corrupt, check_files, check_model, read_record
-from .rng import restore_rng, rng_path
-from .safe_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from .state import MODEL, OPTIM, apply_loaded, rank_state
+from partrain.checkpoint import folders
+from partrain.checkpoint.dist_util import distributed, quiet_single_process, rank_world
+from partrain.checkpoint.record import (
+    CorruptCheckpoint,
+    check_files,
+    check_model,
+    corrupt,
+    read_record,
+)
+from partrain.checkpoint.rng import restore_rng, rng_path
+from partrain.checkpoint.safe_io import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_metadata,
+)
+from partrain.checkpoint.state import MODEL, OPTIM, apply_loaded, rank_state
+from partrain.errors import ConfigError
 
 log = logging.getLogger("partrain")
 

@@ -29,9 +29,9 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..config.schema import ModelConfig
-from ..errors import ConfigError, Problem
-from .folders import RECORD_FILE
+from partrain.blueprint.config.schema import ModelConfig
+from partrain.checkpoint.folders import RECORD_FILE
+from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger("partrain")
 
@@ -64,7 +64,7 @@ def corrupt(file: Path, rule: str, fix: str = "") -> CorruptCheckpoint:
 
 def model_record(model_cfg: ModelConfig) -> Dict[str, Any]:
     """The model part of partrain.json: the run's ModelConfig and the resolved HF config."""
-    from ..models.build import hf_config
+    from partrain.models.build import hf_config
 
     return {"arch": model_cfg.arch, "config": dict(model_cfg.config or {}), "pretrained": model_cfg.pretrained,
             "trust_remote_code": model_cfg.trust_remote_code, "name": model_cfg.name,
@@ -91,7 +91,7 @@ def make_record(meta: Dict[str, Any], step: int, extra: Dict[str, Any], world_si
                 files: Dict[str, int]) -> Dict[str, Any]:
     import torch
 
-    from .. import __version__
+    from partrain import __version__
 
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch
 
-from .safe_io import load_tensors, save_tensors
+from partrain.checkpoint.safe_io import load_tensors, save_tensors
 
 log = logging.getLogger("partrain")
 

@@ -84,7 +84,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper, as its planner uses
+            from torch.distributed.checkpoint._traverse import (
+                set_element,  # DCP's own helper, as its planner uses
+            )
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:

@@ -28,11 +28,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from . import folders
-from .dist_util import barrier as _barrier, distributed as _distributed, quiet_single_process, rank_world as _rank_world
-from .record import file_sizes, make_record
-from .rng import save_rng
-from .state import rank_state
+from partrain.checkpoint import folders
+from partrain.checkpoint.dist_util import barrier as _barrier
+from partrain.checkpoint.dist_util import distributed as _distributed
+from partrain.checkpoint.dist_util import quiet_single_process
+from partrain.checkpoint.dist_util import rank_world as _rank_world
+from partrain.checkpoint.record import file_sizes, make_record
+from partrain.checkpoint.rng import save_rng
+from partrain.checkpoint.state import rank_state
 
 log = logging.getLogger("partrain")
 

@@ -30,18 +30,23 @@ Three cases `torch.distributed.checkpoint.state_dict` does not cover are handled
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..models.shards import canonical_fqn, copy_local_shard
-from ..parallel.zero1 import ShardedOptimizer
-from . import zero1
+from partrain.checkpoint import zero1_state as zero1
+from partrain.models.shards import copy_local_shard, param_fqns
+from partrain.parallel.zero1_optimizer import ShardedOptimizer
 
 MODEL = "model"
 OPTIM = "optim"
@@ -110,15 +115,6 @@ def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[
             set_optimizer_state_dict(part, opt, state, options=_FLAT)
     else:
         _load_optimizer_state_by_fqn(parts, optimizers[0], state)
-
-
-def param_fqns(parts: Iterable[nn.Module]) -> Dict[int, str]:
-    """id(parameter) -> FQN in the plain model, over all parts."""
-    names: Dict[int, str] = {}
-    for part in parts:
-        for name, param in part.named_parameters():
-            names.setdefault(id(param), canonical_fqn(name))
-    return names
 
 
 def _groups_by_fqn(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> List[Tuple[Dict[str, Any], List[Tuple[str, nn.Parameter]]]]:

@@ -19,7 +19,13 @@ from partrain.data.packing import (
     prepare_tokens,
     token_dtype,
 )
-from partrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_name
+from partrain.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_name,
+)
 
 __all__ = [
     "BUILTIN",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from partrain.config.schema import DataConfig
+from partrain.blueprint.config.schema import DataConfig
 from partrain.data.formats import SUFFIXES, read_documents, source_error
 
 BUILTIN = "builtin"

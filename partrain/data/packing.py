@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, List, Optional, Union
 
 import numpy as np
 
-from partrain.config.schema import DataConfig
+from partrain.blueprint.config.schema import DataConfig
 from partrain.data.atomic import commit, fsync_dir, temp_path, write_json
 from partrain.data.corpus import Corpus
 from partrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_name

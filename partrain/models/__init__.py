@@ -7,5 +7,5 @@
 - random_init.py, pretrained.py, shards.py: its parts (init oracle, checkpoint reader, local shards).
 - loss.py: `forward_loss`, `token_loss`.
 
-Nothing is imported here, so `import partrain.models.facts` stays free of torch.
+Nothing is imported here, so `import partrain.blueprint.model_facts` stays free of torch.
 """

@@ -15,7 +15,7 @@ import difflib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
-from ..errors import ConfigError, Problem
+from partrain.errors import ConfigError, Problem
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from torch import nn

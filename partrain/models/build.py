@@ -1,7 +1,7 @@
 """Turn a partrain ModelConfig into an HF config and an unallocated (meta-device) model.
 
 Weights are never allocated here: parallel code first shards the meta model (TP, FSDP, pipeline
-split) and `partrain.models.init.materialize` then fills only each rank's shards.
+split) and `partrain.models.materialize.materialize` then fills only each rank's shards.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from ..config.schema import ModelConfig
-from ..errors import ConfigError, Problem
-from .facts import load_snapshot, merged_kwargs
+from partrain.blueprint.config.schema import ModelConfig
+from partrain.blueprint.model_facts import load_snapshot, merged_kwargs
+from partrain.errors import ConfigError, Problem
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Default attention kernel. SDPA runs on CPU and GPU, its CPU kernels are deterministic (no atomics,
@@ -35,7 +35,7 @@ def hf_config(model_cfg: ModelConfig) -> Any:
 
     Built from `model_cfg.arch` and the `model_cfg.config` kwargs, or loaded from the local
     `model_cfg.pretrained` folder (never downloaded) with the kwargs applied on top (the same order
-    as `partrain.models.facts`, so the planner and the model agree). Always sets use_cache=False
+    as `partrain.blueprint.model_facts`, so the planner and the model agree). Always sets use_cache=False
     (a KV cache is rebuilt during reentrant recompute and gives wrong gradients) and the attention /
     experts implementations above unless the kwargs name others. Raises ConfigError for unknown
     archs or keys, an arch that differs from the pretrained folder's, or values HF rejects.

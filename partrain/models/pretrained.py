@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from safetensors import safe_open
 
-from ..errors import ConfigError, Problem
-from .adapters import Adapter
+from partrain.errors import ConfigError, Problem
+from partrain.models.adapters import Adapter
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"

@@ -11,7 +11,10 @@ value, which the callers guarantee by generating it deterministically.
 
 from __future__ import annotations
 
+from typing import Dict, Iterable
+
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Wrappers insert these into FQNs: activation checkpointing, torch.compile, FSDP1, DDP.
@@ -39,3 +42,12 @@ def copy_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(local)
     else:
         target.copy_(full)
+
+
+def param_fqns(parts: Iterable[nn.Module]) -> Dict[int, str]:
+    """id(parameter) -> FQN in the plain model, over all parts."""
+    names: Dict[int, str] = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            names.setdefault(id(param), canonical_fqn(name))
+    return names

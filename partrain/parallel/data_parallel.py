@@ -24,11 +24,10 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from ..config.schema import FSDP_GRAD_SYNC, OptimConfig
-from ..models.adapters import Adapter
-from ..runtime.mesh import ParallelMesh
-from ..train.optim import adamw_kwargs, make_adamw, param_groups
-from .zero1 import ShardedOptimizer
+from partrain.blueprint.config.schema import FSDP_GRAD_SYNC, OptimConfig
+from partrain.models.adapters import Adapter
+from partrain.parallel.optimizer import make_adamw, make_optimizer, param_groups
+from partrain.runtime.mesh import ParallelMesh
 
 
 def uses_fsdp(zero_stage: int) -> bool:
@@ -113,13 +112,6 @@ def allreduce_gradients_of(modules, group, size: int) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def make_optimizer(groups, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig):
-    """AdamW; for ZeRO-1 with its state sharded over the dp_shard ranks."""
-    if zero_stage == 1 and mesh.size("dp_shard") > 1:
-        return ShardedOptimizer(groups, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
-    return make_adamw(groups, optim_cfg)
 
 
 @contextlib.contextmanager

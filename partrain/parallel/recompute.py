@@ -15,9 +15,12 @@ materialize strip the wrapper's `_checkpoint_wrapped_module.` part).
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 
-from ..models.adapters import Adapter
+from partrain.models.adapters import Adapter
 
 
 def _wrap(parent: nn.Module, attr: str) -> None:

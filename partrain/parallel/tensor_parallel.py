@@ -25,19 +25,26 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Dict, Optional
+from typing import Callable, ContextManager, Dict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..errors import ConfigError, Problem
-from ..models.adapters import Adapter
+from partrain.errors import ConfigError, Problem
+from partrain.models.adapters import Adapter
 
 LAYER_WILDCARD = ".*."
 MOE_STYLES = ("packed_colwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts")

@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..layout import Layout
+from partrain.blueprint.layout import Layout
 
 
 def mesh_dims(layout: Layout) -> List[Tuple[str, int]]:

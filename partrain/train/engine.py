@@ -10,9 +10,9 @@ from typing import Callable, ContextManager, List, Optional
 import torch
 from torch import nn
 
-from ..models.loss import forward_loss
-from ..parallel.data_parallel import DataParallelModel
-from ..parallel.grad_norm import clip_gradients
+from partrain.models.loss import forward_loss
+from partrain.parallel.data_parallel import DataParallelModel
+from partrain.parallel.grad_norm import clip_gradients
 
 
 def autocast_context(precision: str, device_type: str):
@@ -104,7 +104,7 @@ class PipelineEngine:
         return loss
 
     def clip(self, max_norm: float) -> float:
-        from ..parallel.pipeline import clip_grad_norm_
+        from partrain.parallel.pipeline import clip_grad_norm_
 
         return clip_grad_norm_(self.stage_modules, max_norm, self.pp_group)
 

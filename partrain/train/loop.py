@@ -16,12 +16,12 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.validate import ValidatedRun
-from ..data import EvalBatches, TokenBatches
-from ..runtime.mesh import ParallelMesh
-from .loss_scale import DynamicLossScale, unscale_gradients
-from .metrics import MetricsWriter, emit, log
-from .optim import lr_at, set_lr
+from partrain.blueprint.validate import ValidatedRun
+from partrain.data import EvalBatches, TokenBatches
+from partrain.runtime.mesh import ParallelMesh
+from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
+from partrain.train.lr_schedule import lr_at, set_lr
+from partrain.train.metrics import MetricsWriter, emit, log
 
 
 @dataclass

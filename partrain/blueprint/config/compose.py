@@ -1,0 +1,239 @@
+"""Compose a run config with Hydra: config tree + recipe + command-line overrides -> typed RunConfig.
+
+Every failure becomes a ConfigError naming the key, so the CLI can exit 2 with one clear line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from partrain.blueprint.config.paths import conf_dir
+from partrain.blueprint.config.recipes import find_recipe
+from partrain.blueprint.config.schema import RunConfig
+from partrain.errors import ConfigError, Problem
+
+GROUPS = ("model", "cluster", "parallel", "data", "optim", "train", "checkpoint")
+RECIPE_GROUP = "recipe"
+
+
+def _parse_overrides(overrides: Sequence[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parser.parse_override(text))
+        except HydraException as exc:  # OverrideParseException and raw grammar errors
+            key = text.split("=", 1)[0] if "=" in text else text
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "cannot parse"
+            raise ConfigError(Problem(key or text, text, f"malformed override ({reason})",
+                                      "write key=value, e.g. parallel.tp=4 or model=llama-tiny; quote values with spaces"))
+    return parsed
+
+
+def _raw_value(text: str) -> str:
+    return text.split("=", 1)[1] if "=" in text else ""
+
+
+def _known_keys(node, prefix: str = "") -> List[str]:
+    keys = []
+    if isinstance(node, (dict, DictConfig)):
+        for k in node:
+            full = f"{prefix}.{k}" if prefix else str(k)
+            keys.append(full)
+            keys.extend(_known_keys(node[k], full) if str(k) != "config" else [])
+    return keys
+
+
+def _is_schema_key(dotted: str) -> bool:
+    """Whether a dotted key names a field of the schema; any key inside the free-form `model.config`
+    counts (it is checked against the HF config class later)."""
+    node: object = RunConfig()
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if parts[:i] == ["model", "config"]:
+            return True
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def _for_hydra(text: str, ov) -> str:
+    """Let `group.key=value` set any schema key, also one the group's YAML file leaves at its default
+    (Hydra's struct mode would demand `+` for those). Unknown keys are left for Hydra to refuse."""
+    plain = not (ov.is_add() or ov.is_force_add() or ov.is_delete()) and ov.package is None
+    return "++" + text.lstrip() if plain and "." in ov.key_or_group and _is_schema_key(ov.key_or_group) else text
+
+
+def _group_options(group: str) -> List[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _load_recipe(name: str, recipe_dirs: Sequence[str | Path]) -> Tuple[dict, Path]:
+    recipe = find_recipe(name, recipe_dirs)
+    try:
+        body = yaml.safe_load(recipe.path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(Problem("recipe", name, f"{recipe.path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the file"))
+    if not isinstance(body, dict):
+        raise ConfigError(Problem("recipe", name, f"{recipe.path} must hold a mapping", "see the README section on recipes"))
+    body.pop("description", None)
+    return body, recipe.path
+
+
+def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) -> RunConfig:
+    """Compose and type-check. Raises ConfigError; never another exception for bad input."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import (
+        ConfigCompositionException,
+        HydraException,
+        MissingConfigException,
+    )
+
+    parsed = _parse_overrides(overrides)
+    recipe_name = ""
+    for ov in parsed:
+        if ov.is_delete():
+            raise ConfigError(Problem(ov.key_or_group, _raw_value(ov.input_line), "deleting keys (~key) is not allowed", "override the value instead"))
+        if ov.key_or_group in GROUPS + (RECIPE_GROUP,) and not (isinstance(ov.value(), str) and ov.value()):
+            group = ov.key_or_group
+            options = "see `partrain recipes`" if group == RECIPE_GROUP else f"choose one of {', '.join(_group_options(group))}"
+            raise ConfigError(Problem(group, ov.value(), f"must name one {group} config", options))
+        if ov.key_or_group == RECIPE_GROUP:
+            recipe_name = ov.value()
+        elif ov.key_or_group.split(".")[0] not in GROUPS and not ov.key_or_group.startswith("hydra"):
+            close = difflib.get_close_matches(ov.key_or_group.split(".")[0], GROUPS + (RECIPE_GROUP,), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(Problem(ov.key_or_group, _raw_value(ov.input_line), "not a config key",
+                                      f"{hint}top-level keys are {', '.join(GROUPS + (RECIPE_GROUP,))}"))
+
+    store = ConfigStore.instance()
+    if recipe_name:
+        body, path = _load_recipe(recipe_name, recipe_dirs)
+        store.store(group=RECIPE_GROUP, name=recipe_name, node=body, package="_global_", provider=str(path))
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=[_for_hydra(t, ov) for t, ov in zip(overrides, parsed)])
+    except MissingConfigException as exc:
+        raise ConfigError(_missing_option_problem(exc, parsed, recipe_name))
+    except ConfigCompositionException as exc:
+        raise ConfigError(_composition_problem(exc, parsed, recipe_name))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(Problem(RECIPE_GROUP if recipe_name else "overrides", recipe_name or " ".join(overrides),
+                                  str(exc).splitlines()[0], "check the recipe's defaults list and the overrides"))
+    finally:
+        if recipe_name:
+            store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
+    return _typed(cfg, recipe_name)
+
+
+def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
+    text = str(exc)
+    for ov in parsed:
+        group = ov.key_or_group.lstrip("+")
+        if group in GROUPS and f"{group}/" in text or f"'{group}'" in text:
+            options = _group_options(group)
+            value = ov.value()
+            close = difflib.get_close_matches(str(value), options, n=1)
+            hint = f"did you mean {group}={close[0]}? " if close else ""
+            return Problem(group, value, f"no {group} config of that name", f"{hint}choose one of {', '.join(options)}")
+    if recipe_name:
+        return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the group options in the recipe's defaults list")
+    return Problem("defaults", "", text.splitlines()[0], "check the group names in the defaults list")
+
+
+def _composition_problem(exc, parsed, recipe_name: str) -> Problem:
+    text = str(exc)
+    for ov in parsed:
+        if f"'{ov.key_or_group}'" in text or ov.input_line in text:
+            parent, _, leaf = ov.key_or_group.lstrip("+").rpartition(".")
+            siblings = [k.rpartition(".")[2] for k in _known_keys(OmegaConf.structured(RunConfig)) if k.rpartition(".")[0] == parent]
+            close = difflib.get_close_matches(leaf, siblings, n=1)
+            hint = (f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else
+                    f"known keys here: {', '.join(siblings)}" if siblings else "see `partrain show --explain` for every key")
+            if "not in struct" in text or "Could not override" in text:
+                return Problem(ov.key_or_group, ov.value(), "not a config key", hint)
+            if "Could not append" in text or "already" in text:
+                return Problem(ov.key_or_group, ov.value(), "key already exists: drop the '+'", f"write {ov.key_or_group.lstrip('+')}=...")
+            return Problem(ov.key_or_group, ov.value(), text.splitlines()[-1], hint)
+    if recipe_name:
+        return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the recipe's defaults list")
+    return Problem("overrides", "", text.splitlines()[0], "check the overrides")
+
+
+def _typed(cfg: DictConfig, recipe_name: str) -> RunConfig:
+    """Merge the untyped composition into the schema: unknown keys and wrong types are errors."""
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # a broken ${...} interpolation
+        key = getattr(exc, "full_key", "") or "config"
+        raise ConfigError(Problem(key, _lookup(OmegaConf.to_container(cfg, resolve=False), key), f"cannot resolve ({str(exc).splitlines()[0]})", "give a plain value or a valid ${...} reference"))
+    raw.pop("hydra", None)
+    raw["recipe"] = recipe_name
+    schema = OmegaConf.structured(RunConfig)
+    problems = []
+    _check_keys(raw, schema, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+        return OmegaConf.to_object(merged)
+    except ValidationError as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        value = _lookup(raw, key)
+        expected = getattr(exc, "msg", str(exc)).splitlines()[0]
+        raise ConfigError(Problem(key, value, f"wrong type ({expected})", "give a value of the documented type (see `partrain show --explain`)"))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        raise ConfigError(Problem(key, _lookup(raw, key), str(exc).splitlines()[0], "see `partrain show --explain`"))
+
+
+def _lookup(raw: dict, dotted: str):
+    node = raw
+    for part in dotted.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _check_keys(raw, schema, prefix: str, problems: list) -> None:
+    """Unknown keys anywhere except inside free-form dicts (model.config)."""
+    if not isinstance(raw, dict) or not isinstance(schema, DictConfig):
+        return
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in schema:
+            known = list(schema.keys())
+            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+            hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else f"known keys here: {', '.join(map(str, known))}"
+            problems.append(Problem(full, value, "not a config key", hint))
+            continue
+        if full == "model.config":
+            continue
+        child = schema._get_node(key)
+        if isinstance(child, DictConfig) and child._metadata.object_type not in (None, dict):
+            _check_keys(value, child, full, problems)
+
+
+def to_yaml(run: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(run))
+
+
+def load_resolved(path: str | Path) -> RunConfig:
+    """Read a resolved config.yaml (what workers do; no Hydra involved)."""
+    raw = OmegaConf.load(str(path))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), raw))

@@ -1,0 +1,271 @@
+"""Memory per rank: model states (parameters, gradients, optimizer) and activations.
+
+Published formulas (reproduced exactly; tests check the papers' numbers):
+
+- `zero_model_state_bytes`: Rajbhandari et al. 2019 (ZeRO), mixed-precision Adam, K = 12:
+  baseline (2+2+K)Psi, P_os 4Psi + K Psi/N, P_os+g 2Psi + (2+K)Psi/N, P_os+g+p (2+2+K)Psi/N.
+- `korthikanti_layer_bytes`: Korthikanti et al. 2022, activation bytes of one GPT layer (16-bit
+  activations, 1-byte dropout masks, attention scores stored): sbh(34 + 5as/h) without parallelism;
+  TP t: sbh(10 + 24/t + 5as/(ht)); TP + sequence parallel: sbh/t (34 + 5as/h); selective
+  recompute drops the 5as/h term; full recompute keeps the layer input, 2sbh (2sbh/t with SP).
+
+What partrain really holds:
+
+- `model_state_elements` / `model_state_bytes_per_rank`: per tensor, after TP (dims listed in
+  params.py), expert parallelism, the pipeline split (the last chunk holds its own copy of a tied
+  embedding) and ZeRO: stage 0 = DDP (all replicated); stage 1 = partrain's ShardedOptimizer
+  (parameters and gradients whole; Adam state of each parameter group - decayed >= 2-D tensors and
+  the rest - flattened and cut into N equal slices of ceil(numel/N)); stages 2/3 = FSDP2, measured
+  at rest after the optimizer step: every tensor cut on dim 0 as torch.chunk does (ceil(d0/N) rows
+  per rank, the last ranks fewer or none), gradients and Adam state shaped like the local shard.
+- `LayerActivations`: saved-for-backward bytes of one decoder layer of the HF module as autograd
+  really keeps it (each tensor counted once by storage, weights excluded), checked against
+  `torch.autograd.graph.saved_tensors_hooks` on the tiny models. For GPT-style layers under the
+  paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
+  34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
+  paper neglects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+from partrain.blueprint.model_facts import ModelFacts
+from partrain.blueprint.planner.params import TensorSpec, layer_is_sparse, layer_tensors
+from partrain.blueprint.planner.spec import ModelExtras, PlanSpec
+
+# ---- published formulas ---------------------------------------------------------------------------
+
+
+def zero_model_state_bytes(psi: float, n_d: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per device of ZeRO stage `stage` (0 = baseline data parallel, 1 = P_os,
+    2 = P_os+g, 3 = P_os+g+p) for Psi parameters over N_d devices, mixed-precision Adam (K=12)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / n_d
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n_d
+    if stage == 3:
+        return (2 + 2 + k) * psi / n_d
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer (Korthikanti et al. 2022, section 4 and their table of
+    per-layer activation memory for each technique)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    attn = 0.0 if recompute == "selective" else 5 * a * s / h
+    if t == 1:
+        return s * b * h * (34 + attn)
+    if sequence_parallel:
+        return s * b * h / t * (34 + attn)
+    return s * b * h * (10 + 24 / t + attn / t)
+
+
+def korthikanti_first_stage_bytes(s: int, b: int, h: int, a: int, layers: int, t: int = 1, p: int = 1,
+                                  sequence_parallel: bool = False, recompute: str = "none", v: int = 1) -> float:
+    """Activation bytes of the first pipeline stage with 1F1B (it holds p microbatches of L/p
+    layers = L layers' worth), times 1 + (p-1)/(p v) for the interleaved schedule (Korthikanti et al.)."""
+    factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
+    return korthikanti_layer_bytes(s, b, h, a, t, sequence_parallel, recompute) * layers * factor
+
+
+# ---- bytes per element ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    param: int
+    grad: int
+    optim: int
+    """Optimizer bytes per parameter (Adam m + v, plus an fp32 master copy when params are 16-bit)."""
+    compute: int
+    """Activations that feed matmuls (16-bit under mixed precision)."""
+    resid: int
+    """Residual stream and norm inputs (fp32 under autocast)."""
+    autocast_copies: bool
+    """torch.autocast keeps a 16-bit copy of every weight per in-flight microbatch."""
+
+
+def dtypes(precision: str, mixed: str = "zero") -> Dtypes:
+    if precision == "fp32":
+        return Dtypes(4, 4, 8, 4, 4, False)
+    if mixed == "autocast":
+        return Dtypes(4, 4, 8, 2, 4, True)
+    return Dtypes(2, 2, 12, 2, 2, False)
+
+
+# ---- model states -----------------------------------------------------------------------------------
+
+
+def tensor_state_elements(tensors: Sequence[TensorSpec], tp: int, ep: int, n_dense: int, n_expert: int, zero_stage: int,
+                          shard_index: int = 0) -> Tuple[int, int, int, int]:
+    """(parameter elements, FSDP optimizer elements, ZeRO-1 group of >= 2-D tensors, ZeRO-1 group of
+    the rest) that the rank at position `shard_index` of its shard group holds of `tensors`.
+
+    Gradients have the parameters' shape. Optimizer elements count Adam's moments once (multiply by
+    the optimizer bytes per parameter); for ZeRO 0/1 they follow from the two groups
+    (`zero1_optimizer_elements`). FSDP (ZeRO 2/3) cuts dim 0 of each local tensor as torch.chunk does;
+    position 0 holds the largest shards (the worst rank); experts shard over n_expert ranks.
+    """
+    params = optim = group2 = group1 = 0
+    for t in tensors:
+        shape = t.local_shape(tp, ep)
+        numel = math.prod(shape)
+        if zero_stage >= 2:
+            n = n_expert if t.expert else n_dense
+            local = numel // shape[0] * _chunk_rows(shape[0], n, shard_index % n) if shape[0] else 0
+            params += local
+            optim += local
+        else:
+            params += numel
+            if len(shape) >= 2:
+                group2 += numel
+            else:
+                group1 += numel
+    return params, optim, group2, group1
+
+
+def zero1_optimizer_elements(group2: int, group1: int, n: int, zero_stage: int) -> int:
+    """Adam state elements of ZeRO 0 (everything) or partrain's ZeRO-1 (each parameter group - decayed
+    >= 2-D tensors, and the rest - flattened and cut into n equal slices of ceil(numel / n))."""
+    if zero_stage == 1 and n > 1:
+        return sum(-(-g // n) for g in (group2, group1) if g)
+    return group2 + group1
+
+
+def _chunk_rows(d0: int, n: int, index: int) -> int:
+    """Rows of dim 0 that rank `index` of n holds under torch.chunk (FSDP2's split)."""
+    per = -(-d0 // n)
+    return max(0, min(per, d0 - index * per))
+
+
+# ---- activations --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Saved bytes of one decoder layer for one microbatch, split by how TP/SP divides them."""
+
+    resid: float
+    """Residual stream / norm internals: divided by tp only with Megatron sequence parallelism."""
+    gathered: float
+    """Inputs of column-parallel projections: the whole (all-gathered) tensor on every TP rank."""
+    sharded: float
+    """Per-head and MLP-intermediate tensors: divided by tp."""
+    replicated: float
+    """MoE routers/experts (replicated over TP): never divided by tp."""
+    scores: float
+    """Attention-core tensors a selective recompute drops (s x s scores when stored; logsumexp)."""
+    weights: float
+    """16-bit weight copies autocast saves (already per-rank after TP/EP)."""
+    layer_input: float
+    """What a fully recomputed layer keeps: its input (residual dtype)."""
+
+    def per_rank(self, tp: int, tp_sp: bool, recompute: str) -> float:
+        if recompute == "full":
+            return self.layer_input / (tp if tp_sp else 1)
+        keep_scores = 0.0 if recompute == "selective" else self.scores / tp
+        return (self.resid / (tp if tp_sp else 1) + self.gathered + self.sharded / tp + self.replicated + keep_scores
+                + self.weights)
+
+
+def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=None) -> LayerActivations:
+    """Counted saved bytes of one decoder layer (see module docstring), for `tokens` tokens of
+    sequences of length `seq` on this rank (before TP; after sequence/context parallel)."""
+    f, x = spec.facts, spec.extras
+    d = dt or dtypes(spec.precision, spec.mixed)
+    c, r = d.compute, d.resid
+    h, a = f.hidden, f.heads
+    q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
+    eager = x.attn_impl == "eager"
+    mask = 1 if x.resid_dropout else 0
+    if f.arch == "gpt2":
+        resid = tokens * (2 * h * r + 4 * 4 + 2 * h * mask)  # ln inputs + mean/rstd; residual dropout masks
+        gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
+        act = 5 if x.activation == "gelu_new" else 2
+        sharded = tokens * (3 * h + h + act * f.ffn) * c  # qkv, attention output, MLP intermediates
+    else:
+        resid = tokens * (4 * h * r + 2 * 4)  # two RMSNorms: input and normalised, rsqrt
+        # Attention and MLP inputs. Under autocast every projection casts its input on its own, so
+        # q, k, v (and gate, up; router and shared expert) each keep a 16-bit copy.
+        if d.autocast_copies:
+            mlp_casts = (4 if f.arch == "qwen2_moe" else 1) if sparse else 2
+            gathered = tokens * (3 + mlp_casts) * h * c
+        else:
+            gathered = tokens * 2 * h * c
+        k_saved = q if eager else kv  # eager repeats the KV heads before the matmuls
+        sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
+    scores = 0.0
+    if eager:
+        per_score = c + ((1 + c) if x.attn_dropout else 0)
+        scores = tokens * a * seq * per_score
+    else:
+        scores = tokens * a * 4  # fp32 logsumexp of the fused kernel
+    replicated = 0.0
+    if f.arch != "gpt2":
+        if sparse:
+            k, e, ffn = f.experts_per_token, f.n_experts, f.ffn
+            router = e * 4 + k * 8 + (4 + k * 4 if x.norm_topk_prob else 0)  # fp32 softmax, top-k ids, renormalisation
+            # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
+            # the routing-weighted output in fp32; the weight; two int64 indices.
+            per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch == "qwen2_moe" else 4) + 16
+            replicated = tokens * (router + k * per_assign)
+            if f.arch == "qwen2_moe" and f.shared_expert_ffn:
+                replicated += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
+        else:
+            sharded += tokens * 4 * (x.dense_ffn or f.ffn) * c  # gate, up, act(gate), product
+    weights = 0.0
+    # FSDP (zero 2/3) runs 16-bit training with a MixedPrecisionPolicy: its layers compute with
+    # 16-bit parameters, so autocast has no weight copies to keep.
+    if d.autocast_copies and spec.zero_stage < 2:
+        weights = sum(_local_numel(t, spec.tp, spec.ep) for t in layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
+                      if len(t.shape) >= 2) * c
+    return LayerActivations(resid=resid, gathered=gathered, sharded=sharded, replicated=replicated, scores=scores,
+                            weights=weights, layer_input=tokens * h * r)
+
+
+def _sparse_index(f: ModelFacts, x: ModelExtras) -> int:
+    for i in range(f.n_layers):
+        if layer_is_sparse(f, x, i):
+            return i
+    return 0
+
+
+def _local_numel(t: TensorSpec, tp: int, ep: int) -> int:
+    n = 1
+    for d in t.local_shape(tp, ep):
+        n *= d
+    return n
+
+
+def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq: int, b: float, dt=None) -> float:
+    """Saved bytes outside the decoder layers for one microbatch on one rank: token ids (and GPT-2
+    positions, embedding dropout mask) on the first chunk; rotary cos/sin on every chunk (Llama);
+    final norm, head input, fp32 log-softmax of the logits (vocabulary-parallel: /tp) and labels on
+    the last chunk."""
+    f, x = spec.facts, spec.extras
+    d = dt or dtypes(spec.precision, spec.mixed)
+    h, tp = f.hidden, spec.tp
+    out = 0.0
+    if f.arch != "gpt2":
+        out += 2 * seq * f.head_dim * d.resid
+    if first:
+        out += tokens * 8
+        if f.arch == "gpt2":
+            out += seq * 8 + (tokens * h if x.embd_dropout else 0)
+    if last:
+        div = tp if spec.tp_sp else 1
+        if f.arch == "gpt2":
+            out += tokens * (h * d.resid + 8) / div
+        else:
+            out += tokens * (2 * h * d.resid + 4) / div
+        out += tokens * h * d.compute + tokens * f.vocab / tp * 4 + tokens * 8 + 4
+        if d.autocast_copies and spec.zero_stage < 2:
+            out += f.vocab / tp * h * d.compute  # autocast's 16-bit copy of the head weight
+    return out

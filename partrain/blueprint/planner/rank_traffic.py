@@ -1,0 +1,118 @@
+"""Bytes one pipeline rank moves in each group family (TP, SP, EP, PP, DP/ZeRO/FSDP) and the time
+each takes; the rules are in the docstring of estimate.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from partrain.blueprint.planner.comm import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+)
+from partrain.blueprint.planner.rank_state import PipelineRank
+from partrain.blueprint.planner.spec import PlanSpec
+from partrain.blueprint.planner.step_inputs import StepInputs, mixed_bandwidth
+
+
+@dataclass
+class RankTraffic:
+    """Bytes one pipeline rank moves in each group family (per microbatch unless said) and the
+    time each takes at its link's bandwidth."""
+
+    tp: float = 0.0
+    sp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    dp_microbatch: float = 0.0
+    """FSDP all-gathers (and reduce-scatters unless synced once) of every microbatch."""
+    dp_step: float = 0.0
+    """Once per step: ZeRO 0/1 gradient all-reduce (or reduce-scatter) and parameter all-gather,
+    or FSDP's reduce-scatter with fsdp_grad_sync=last_microbatch."""
+    zero1_gather: float = 0.0
+    """ZeRO-1's parameter all-gather after the optimizer step (part of dp_step, never hidden)."""
+    dp_link: float = 0.0
+    t_tp: float = 0.0
+    t_sp: float = 0.0
+    t_ep: float = 0.0
+    t_pp: float = 0.0
+    t_dp_microbatch: float = 0.0
+
+    def per_step(self, m: int) -> Dict[str, float]:
+        return {"tp": self.tp * m, "sp": self.sp * m, "ep": self.ep * m, "pp": self.pp * m,
+                "dp": self.dp_step + self.dp_microbatch * m}
+
+
+def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
+    if spec.tp == 1:
+        return
+    full = spec.recompute == "full"
+    per_layer = 4 + (2 * s.passes_extra if full else 0)
+    per_moe = 2 + (1 * s.passes_extra if full else 0)
+    n_ar = (r.layers - r.sparse) * per_layer + r.sparse * per_moe + (1 if r.first else 0) + (1 if r.last else 0)
+    out.tp = n_ar * all_reduce_bytes(s.ar_size, spec.tp)
+    out.t_tp = out.tp / s.tp_bw if out.tp else 0.0
+
+
+def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_flops: float, out: RankTraffic) -> None:
+    sp, f = spec.sp, spec.facts
+    if sp == 1:
+        return
+    q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
+    rec = s.passes_extra if spec.recompute == "full" else 0.0
+    if spec.sp_mode == "ulysses":
+        one = all_to_all_bytes(s.tokens * (2 * q + 2 * kv) / spec.tp * s.act_bytes, sp)
+        out.sp = r.layers * one * (2 + rec)
+        out.t_sp = out.sp / s.bw["sp/all_to_all"]
+    else:
+        one = (sp - 1) * s.tokens * 2 * kv / spec.tp * s.act_bytes
+        out.sp = r.layers * one * (3 + rec)
+        core_time = 3 * attention_core_flops / s.rate
+        out.t_sp = max(0.0, out.sp / s.bw["sp/send_recv"] - core_time)
+
+
+def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
+    if spec.ep == 1 or not r.sparse:
+        return
+    f = spec.facts
+    per_tok = s.tokens / (spec.tp if spec.tp_sp else 1) * f.experts_per_token * f.hidden * s.act_bytes
+    rec = s.passes_extra if spec.recompute == "full" else 0.0
+    out.ep = r.sparse * (4 + 2 * rec) * all_to_all_bytes(per_tok, spec.ep)
+    out.t_ep = out.ep / s.bw["ep/all_to_all"]
+
+
+def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
+    if spec.pp == 1:
+        return
+    sends = sum((0 if c == r.n_chunks - 1 else 1) + (0 if c == 0 else 1) for c in r.chunks)
+    out.pp = sends * s.ar_size / spec.tp
+    out.t_pp = out.pp / s.bw["pp/send_recv"]
+
+
+def dp_traffic(spec: PlanSpec, grad_elems: int, s: StepInputs, out: RankTraffic) -> None:
+    dt, n_dense = s.dt, spec.shard
+    out.dp_link = mixed_bandwidth(s.bw, "dp_sp", s.dp_ops)
+    if spec.zero_stage == 1:
+        out.zero1_gather = all_gather_bytes(grad_elems * dt.param, n_dense)
+    if spec.zero_stage <= 1:
+        n = spec.dp * spec.sp
+        if n > 1:
+            if spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32":
+                out.dp_step = all_gather_bytes(grad_elems * dt.grad, n) + out.zero1_gather
+            else:
+                out.dp_step = all_reduce_bytes(grad_elems * dt.grad, n) + out.zero1_gather
+    else:
+        replicas = spec.dp // (spec.dp_shard or spec.dp)
+        n_ag = 1 if spec.zero_stage == 2 else 2
+        out.dp_microbatch = n_ag * all_gather_bytes(s.gathered_param_bytes * grad_elems, n_dense)
+        grad_sync = all_gather_bytes(grad_elems * dt.grad, n_dense)
+        if replicas > 1:
+            grad_sync += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
+        if spec.fsdp_sync_once:
+            out.dp_step = grad_sync
+        else:
+            out.dp_microbatch += grad_sync
+        shard_link = mixed_bandwidth(s.bw, "dp_shard", s.dp_ops)
+        out.dp_link = shard_link if replicas == 1 else min(shard_link, out.dp_link)
+    out.t_dp_microbatch = out.dp_microbatch / out.dp_link if out.dp_microbatch else 0.0

@@ -1,0 +1,246 @@
+"""The numbers the planner works on: one plain, frozen `PlanSpec` per layout.
+
+`spec_from_validated(v)` reads a `ValidatedRun`; the search builds many specs directly (no Hydra, no
+validator) and validates only the ones it reports. Pure Python: nothing here imports torch.
+
+What `ModelFacts` does not say but the planner needs (activation function, dropout, attention
+kernel, biases, which layers of a Qwen2-MoE hold experts) is read from the same merged HF config
+kwargs the facts come from (`ModelExtras`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Optional, Tuple
+
+from partrain.blueprint.model_facts import ModelFacts, load_snapshot, merged_kwargs
+
+GIB = float(1 << 30)
+"""Bytes in one GiB (2**30). Device memory is given in GiB."""
+GB = 1e9
+"""Bytes in one GB (10**9). Link bandwidths are given in GB/s; the ZeRO paper's numbers are in GB."""
+
+MIXED_PRECISION_STYLES = ("zero", "autocast")
+"""How 16-bit training keeps its state (for train.precision bf16/fp16).
+
+- "zero": the ZeRO/Megatron accounting, K=12 (Rajbhandari et al.): 16-bit parameters (2 bytes) and
+  gradients (2), fp32 master weights + Adam m + v in the optimizer (12); activations in 16 bits.
+  The default of `estimate`, as the planning issue specifies.
+- "autocast": what partrain's runtime holds today: fp32 parameters (4) and gradients (4), Adam m + v
+  (8), torch.autocast casting each weight to 16 bits per use: the cast copies are saved for the
+  backward of every in-flight microbatch, and the residual stream stays fp32.
+Both hold 16 bytes per parameter unsharded; they differ in what ZeRO-1/2 shard and in activations.
+"""
+
+
+@functools.lru_cache(maxsize=8)
+def _snapshot() -> Dict[str, dict]:
+    return load_snapshot()
+
+
+@dataclass(frozen=True)
+class ModelExtras:
+    """Model details beyond ModelFacts that change memory or FLOPs."""
+
+    activation: str = "silu"
+    """MLP activation (HF name): gelu_new (GPT-2's Python tanh-GELU), gelu, silu, ..."""
+    resid_dropout: bool = False
+    """Dropout after the attention and MLP output projections (GPT-2 resid_pdrop > 0)."""
+    embd_dropout: bool = False
+    """Dropout on the input embeddings (GPT-2 embd_pdrop > 0)."""
+    attn_dropout: bool = False
+    """Dropout on the attention probabilities."""
+    attn_impl: str = "sdpa"
+    """HF attention implementation; sdpa/flash never store the s x s scores, eager does."""
+    out_bias: bool = False
+    """Attention output projection has a bias (GPT-2 always; Llama with attention_bias)."""
+    mlp_bias: bool = False
+    """MLP projections have biases (GPT-2 always; Llama with mlp_bias)."""
+    dense_ffn: int = 0
+    """Width of the dense MLP of layers without experts (Qwen2-MoE intermediate_size); 0 = facts.ffn."""
+    sparse_layers: Tuple[bool, ...] = ()
+    """For each decoder layer, whether it holds experts (empty for dense models)."""
+    norm_topk_prob: bool = True
+    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-MoE by default no)."""
+
+
+def model_extras(arch: str, config: Dict[str, Any], pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
+    """`ModelExtras` from the same merged HF kwargs as `partrain.blueprint.model_facts` (cached, cheap)."""
+    return _model_extras(arch, json.dumps(dict(config or {}), sort_keys=True, default=str), pretrained, facts)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
+    config = json.loads(config_json)
+    impl = config.pop("attn_implementation", None) or "sdpa"
+    config.pop("experts_implementation", None)
+    config.pop("use_cache", None)
+    values = merged_kwargs(arch, config, pretrained, _snapshot())
+    if arch == "gpt2":
+        return ModelExtras(
+            activation=str(values.get("activation_function") or "gelu_new"),
+            resid_dropout=float(values.get("resid_pdrop") or 0) > 0,
+            embd_dropout=float(values.get("embd_pdrop") or 0) > 0,
+            attn_dropout=float(values.get("attn_pdrop") or 0) > 0,
+            attn_impl=impl, out_bias=True, mlp_bias=True,
+        )
+    sparse: Tuple[bool, ...] = ()
+    dense_ffn = 0
+    if arch == "mixtral":
+        sparse = (True,) * facts.n_layers
+    elif arch == "qwen2_moe":
+        step = int(values.get("decoder_sparse_step") or 1)
+        dense_only = set(values.get("mlp_only_layers") or [])
+        sparse = tuple((i not in dense_only) and facts.n_experts > 0 and (i + 1) % step == 0 for i in range(facts.n_layers))
+        dense_ffn = int(values.get("intermediate_size") or 0)
+    return ModelExtras(
+        activation=str(values.get("hidden_act") or "silu"),
+        attn_dropout=float(values.get("attention_dropout") or 0) > 0,
+        attn_impl=impl,
+        out_bias=bool(values.get("attention_bias")) if arch == "llama" else False,
+        mlp_bias=bool(values.get("mlp_bias")) if arch == "llama" else False,
+        dense_ffn=dense_ffn,
+        sparse_layers=sparse,
+        norm_topk_prob=bool(values.get("norm_topk_prob", True)) if arch == "qwen2_moe" else True,
+    )
+
+
+def default_extras(facts: ModelFacts) -> ModelExtras:
+    """Extras when only facts are known (HF defaults, no dropout)."""
+    if facts.arch == "gpt2":
+        return ModelExtras(activation="gelu_new", out_bias=True, mlp_bias=True)
+    sparse = (True,) * facts.n_layers if facts.is_moe else ()
+    return ModelExtras(sparse_layers=sparse, norm_topk_prob=facts.arch != "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    devices_per_node: int
+    device: str
+    device_memory_bytes: float
+    peak_flops: float
+    """Peak dense FLOP/s of one device at the training precision."""
+    intra_bw: float
+    """Bytes/s between two devices of a node, per direction."""
+    inter_bw: float
+    """Bytes/s per device between nodes, per direction."""
+    measured: Tuple[Tuple[str, float], ...] = ()
+    """Bus bandwidths (bytes/s) measured by `partrain bench comm`, keyed "link/op" (e.g.
+    "intra/all_gather"); empty = nominal link speeds. See `bw`."""
+    bandwidth_source: str = "nominal"
+    """Where the bandwidths come from: "nominal" (the cluster config) or "profile:<path>"."""
+
+    def bw(self, link: str, op: str = "all_reduce") -> float:
+        """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
+        profile has it, else the link's bandwidth (intra_bw / inter_bw; with a profile these are
+        its all-reduce figures, or the nominal speed for a link class it did not measure)."""
+        if self.measured:
+            for key, value in self.measured:
+                if key == f"{link}/{op}":
+                    return value
+        return self.inter_bw if link == "inter" else self.intra_bw
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Everything an estimate depends on, as plain numbers (one layout of one run)."""
+
+    facts: ModelFacts
+    extras: ModelExtras
+    cluster: ClusterSpec
+    tp: int
+    pp: int
+    dp: int
+    sp: int = 1
+    ep: int = 1
+    dp_shard: int = 0
+    """Ranks of dp that shard model state (hybrid sharding); 0 = all of dp."""
+    order: Tuple[str, ...] = ("tp", "sp", "dp", "pp")
+    zero_stage: int = 0
+    recompute: str = "none"
+    recompute_every: int = 1
+    schedule: str = "1f1b"
+    v: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank."""
+    layers_per_chunk: Optional[Tuple[int, ...]] = None
+    tp_sp: bool = False
+    """Megatron sequence parallelism inside the TP group."""
+    sp_mode: str = "ulysses"
+    seq: int = 128
+    mbs: int = 1
+    global_batch: int = 1
+    precision: str = "fp32"
+    mixed: str = "zero"
+    """Mixed-precision accounting for bf16/fp16 (see MIXED_PRECISION_STYLES)."""
+    fsdp_grad_sync: str = "every_microbatch"
+    """FSDP gradient reduce-scatter each microbatch, or once per step (parallel.fsdp_grad_sync)."""
+    dp_overlap: bool = True
+    """Data-parallel gradient reduction overlaps the backward pass (DDP/FSDP buckets, as partrain
+    runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.sp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.mbs * self.dp)
+
+    @property
+    def fsdp_sync_once(self) -> bool:
+        """FSDP reduce-scatters gradients once per step and holds unsharded gradients until then:
+        parallel.fsdp_grad_sync=last_microbatch, or any pipeline (torch's schedules do it themselves)."""
+        return (self.zero_stage >= 2 and self.microbatches > 1
+                and (self.fsdp_grad_sync == "last_microbatch" or self.pp > 1))
+
+    @property
+    def shard(self) -> int:
+        """Size of the group that shards dense model state (ZeRO / FSDP): dp_shard x sp."""
+        return (self.dp_shard or self.dp) * self.sp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+    def with_(self, **changes) -> "PlanSpec":
+        return replace(self, **changes)
+
+
+def cluster_spec(cl) -> ClusterSpec:
+    intra, inter = cl.intra_node_gbps * GB, cl.inter_node_gbps * GB
+    measured: Tuple[Tuple[str, float], ...] = ()
+    source = "nominal"
+    if getattr(cl, "comm_profile", ""):
+        # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
+        # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
+        from partrain.blueprint.comm_profile import planner_bandwidths
+
+        measured = planner_bandwidths(cl.comm_profile)
+        by_key = dict(measured)
+        intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
+        source = f"profile:{cl.comm_profile}"
+    return ClusterSpec(nodes=cl.nodes, devices_per_node=cl.devices_per_node, device=cl.device,
+                       device_memory_bytes=cl.device_memory_gib * GIB, peak_flops=cl.peak_tflops * 1e12,
+                       intra_bw=intra, inter_bw=inter, measured=measured, bandwidth_source=source)
+
+
+def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
+    """The PlanSpec of a `partrain.blueprint.validate.ValidatedRun`."""
+    if mixed not in MIXED_PRECISION_STYLES:
+        raise ValueError(f"mixed must be one of {MIXED_PRECISION_STYLES}, got {mixed!r}")
+    run, lay = v.run, v.layout
+    p, t = run.parallel, run.train
+    extras = model_extras(run.model.arch, run.model.config, run.model.pretrained, v.facts)
+    return PlanSpec(
+        facts=v.facts, extras=extras, cluster=cluster_spec(run.cluster), tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=lay.sp,
+        ep=lay.ep, dp_shard=lay.dp_shard, order=tuple(lay.order), zero_stage=p.zero_stage, recompute=p.recompute,
+        recompute_every=p.recompute_every, schedule=p.pp_schedule if lay.pp > 1 else "1f1b",
+        v=p.pp_virtual_stages if lay.pp > 1 else 1,
+        layers_per_chunk=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
+        tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1, sp_mode=p.sp_mode, seq=t.seq_len, mbs=t.micro_batch_size,
+        global_batch=v.global_batch_size, precision=t.precision, mixed=mixed, dp_overlap=dp_overlap,
+        fsdp_grad_sync=p.fsdp_grad_sync,
+    )

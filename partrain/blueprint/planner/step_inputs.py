@@ -1,0 +1,124 @@
+"""What every pipeline rank's estimate shares: dtypes, tokens, achieved FLOP/s, the bandwidth of
+each group family (nominal or measured per op), and per-layer FLOPs and saved activations."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups
+from partrain.blueprint.planner.flops import layer_forward_flops
+from partrain.blueprint.planner.memory import (
+    LayerActivations,
+    dtypes,
+    layer_activations,
+)
+from partrain.blueprint.planner.spec import PlanSpec
+
+
+def matmul_efficiency(spec: PlanSpec) -> float:
+    """Achieved fraction of peak FLOP/s for the model's matmuls (see module docstring)."""
+    if spec.cluster.device != "cuda":
+        return 0.5
+    h = spec.facts.hidden
+    return 0.70 * h / (h + 900)
+
+
+# ---- the estimate -------------------------------------------------------------------------------------
+
+
+def _layer_flops_per_rank(spec: PlanSpec, sparse: bool, tokens: float) -> Tuple[float, float]:
+    """(forward FLOPs of one layer on one rank, of which attention core) for one microbatch."""
+    f, x, tp = spec.facts, spec.extras, spec.tp
+    parts = layer_forward_flops(f, x, tokens, spec.seq, sparse)
+    # A MoE block (router, experts, shared expert) is replicated over TP: every TP rank runs all of
+    # it for its tokens; with expert parallelism a rank runs its experts for the tokens routed to
+    # them, on average the same amount.
+    mlp = parts["mlp"] if sparse else parts["mlp"] / tp
+    core = parts["attn_core"] / tp
+    return parts["attn_proj"] / tp + core + mlp, core
+
+
+def _activation_terms(spec: PlanSpec, tokens: float, b: float, dt) -> Dict[bool, Tuple[float, float]]:
+    """For dense and sparse layers: (saved bytes per layer per microbatch on a rank with the run's
+    recompute policy, saved bytes without recompute)."""
+    out = {}
+    k = max(1, spec.recompute_every)
+    for sparse in (False, True):
+        if sparse and not spec.facts.is_moe:
+            continue
+        la: LayerActivations = layer_activations(spec, sparse, tokens, spec.seq, dt)
+        none = la.per_rank(spec.tp, spec.tp_sp, "none")
+        if spec.recompute == "none":
+            kept = none
+        else:
+            policy = la.per_rank(spec.tp, spec.tp_sp, spec.recompute)
+            kept = policy / k + none * (1 - 1 / k)
+        out[sparse] = (kept, none)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def group_bandwidths(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
+    """Bytes/s of each group family: "tp" (its all-reduce) and "tp/<op>" for every op (these differ
+    only with a measured comm profile)."""
+    groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
+    out = {name: bandwidth(cl, members) for name, members in groups.items()}
+    out.update({f"{name}/{op}": bandwidth(cl, members, op) for name, members in groups.items() for op in COMM_OPS})
+    return out
+
+
+def mixed_bandwidth(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
+    """Bandwidth of traffic split over ops in these volume proportions: total / sum(volume / bw)."""
+    rates = {op: bw[f"{family}/{op}"] for op in volumes}
+    if len(set(rates.values())) == 1:  # nominal speeds: one bandwidth for every op
+        return next(iter(rates.values()))
+    return sum(volumes.values()) / sum(vol / rates[op] for op, vol in volumes.items())
+
+
+def dp_volumes(spec: PlanSpec, reduce_scatter: bool) -> Dict[str, float]:
+    """Rough volume shares of the data-parallel collectives (ring volumes, per parameter)."""
+    if spec.zero_stage == 0:
+        return {"all_reduce": 1.0}
+    if spec.zero_stage == 1:
+        return {"reduce_scatter": 1.0, "all_gather": 1.0} if reduce_scatter else {"all_reduce": 2.0, "all_gather": 1.0}
+    return {"all_gather": 1.0 if spec.zero_stage == 2 else 2.0, "reduce_scatter": 1.0}
+
+
+@dataclass
+class StepInputs:
+    """What every pipeline rank's estimate shares: dtypes, sizes and rates of one microbatch."""
+
+    dt: Any
+    tokens: float
+    """Tokens of one microbatch on one rank (TP ranks share them; SP ranks split them)."""
+    rate: float
+    """Achieved FLOP/s of one device."""
+    bw: Dict[str, float]
+    tp_bw: float
+    dp_ops: Dict[str, float]
+    acts: Dict[bool, Tuple[float, float]]
+    layer_flops: Dict[bool, Tuple[float, float]]
+    act_bytes: int
+    ar_size: float
+    """Bytes of one activation tensor of a microbatch on a rank."""
+    passes_extra: float
+    """Share of layers re-run in backward (recompute every k-th layer)."""
+    gathered_param_bytes: int
+    """Bytes per element of the parameters FSDP all-gathers (16-bit under MixedPrecisionPolicy)."""
+
+
+def step_inputs(spec: PlanSpec) -> StepInputs:
+    f, dt = spec.facts, dtypes(spec.precision, spec.mixed)
+    tokens = spec.mbs * spec.seq / spec.sp
+    bw = group_bandwidths(spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp)
+    # Megatron-SP moves the all-reduce's bytes as all-gather + reduce-scatter, half each.
+    tp_bw = mixed_bandwidth(bw, "tp", {"all_gather": 1.0, "reduce_scatter": 1.0}) if spec.tp_sp else bw["tp"]
+    acts = _activation_terms(spec, tokens, spec.mbs, dt)
+    return StepInputs(
+        dt=dt, tokens=tokens, rate=spec.cluster.peak_flops * matmul_efficiency(spec), bw=bw, tp_bw=tp_bw,
+        dp_ops=dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32"),
+        acts=acts, layer_flops={s: _layer_flops_per_rank(spec, s, tokens) for s in acts}, act_bytes=dt.compute,
+        ar_size=tokens * f.hidden * dt.compute, passes_extra=1.0 / max(1, spec.recompute_every),
+        gathered_param_bytes=4 if spec.precision == "fp32" else 2)

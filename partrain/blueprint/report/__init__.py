@@ -1,0 +1,1 @@
+"""Terminal and JSON reports: the layout report (dry run) and the planner's estimate/search/simulation."""

@@ -1,0 +1,50 @@
+"""Regenerate `partrain/blueprint/hf_facts.json` from the installed transformers:
+
+    python -m partrain.models.facts_snapshot
+
+The snapshot lets the torch-free blueprint read HF config classes' fields without importing
+transformers (which imports torch); a test checks it against the installed transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+from partrain.blueprint.model_facts import SNAPSHOT_PATH, SUPPORTED_ARCHS
+
+
+def live_class_fields(arch: str) -> dict:
+    """Fields, JSON-able defaults and attribute map of the installed transformers config class."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[arch]
+    defaults: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+        else:
+            value = None
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        defaults[f.name] = value
+    return {"class": cls.__name__, "defaults": defaults, "attribute_map": dict(cls.attribute_map)}
+
+
+def write_snapshot() -> None:
+    import transformers
+
+    data = {"transformers_version": transformers.__version__}
+    data.update({arch: live_class_fields(arch) for arch in SUPPORTED_ARCHS})
+    SNAPSHOT_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_snapshot()
+    print(f"wrote {SNAPSHOT_PATH}")

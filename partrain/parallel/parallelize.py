@@ -1,0 +1,66 @@
+"""Shard this rank's share of the model on the meta device, in one documented order.
+
+    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> recompute
+    -> FSDP (zero_stage 2/3)
+
+`partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
+optimizer and the engine. Everything here `materialize` runs on the meta device, so no rank ever allocates the full model
+when the layout shards it. Every axis exists (size 1 when unused); the code asks the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from torch import nn
+
+from partrain.blueprint.validate import ValidatedRun
+from partrain.models.adapters import get_adapter
+from partrain.models.build import build_meta_model
+from partrain.parallel import data_parallel
+from partrain.parallel.recompute import apply_recompute
+from partrain.parallel.tensor_parallel import apply_tp
+from partrain.runtime.mesh import ParallelMesh
+
+
+def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
+    p = v.run.parallel
+    apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    apply_recompute(module, adapter, p.recompute, p.recompute_every)
+    if data_parallel.uses_fsdp(p.zero_stage):
+        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
+
+
+@dataclass
+class RankModules:
+    """This rank's share of the model, sharded but still on the meta device (no weights yet)."""
+
+    model: nn.Module
+    """The whole meta model (with pp == 1 it is also the one module this rank trains)."""
+    adapter: object
+    modules: List[nn.Module]
+    """What this rank holds: [model], or its pipeline stage modules in chunk order."""
+    chunks: List[int] = field(default_factory=list)
+    """Pipeline chunks (virtual stages) of this rank; empty without pipeline parallelism."""
+
+
+def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
+    """Every step of the order above that runs before weights exist. `partrain plan --simulate`
+    runs exactly this under the fake process group, so what it reports is what a rank builds."""
+    model = build_meta_model(v.run.model)
+    adapter = get_adapter(model)
+    if mesh.size("pp") == 1:
+        _shard(model, v, mesh, adapter)
+        return RankModules(model, adapter, [model])
+    from partrain.blueprint.stage_split import plan_chunks
+    from partrain.parallel.pipeline import build_stage_module
+
+    run, p = v.run, v.run.parallel
+    pp, vstages = mesh.size("pp"), p.pp_virtual_stages
+    plan = plan_chunks(v.facts, pp, vstages, p.pp_schedule, run.train.seq_len, p.pp_layers_per_stage)
+    chunks = plan["placement"][mesh.local("pp")]
+    stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
+    for stage in stages:
+        _shard(stage, v, mesh, adapter)
+    return RankModules(model, adapter, stages, list(chunks))

@@ -1,0 +1,56 @@
+"""Assemble this rank's engine: its shard of the model (built on meta by `shard_on_meta`), weights
+materialized, gradient sync and optimizer, and the engine that trains it (direct or pipeline).
+
+    shard_on_meta -> materialize -> tied embedding-gradient sharding -> DDP / FSDP sync + optimizer
+    -> DirectEngine | PipelineEngine
+"""
+
+from __future__ import annotations
+
+import torch
+
+from partrain.blueprint.validate import ValidatedRun
+from partrain.models.loss import token_loss
+from partrain.models.materialize import materialize
+from partrain.parallel import data_parallel
+from partrain.parallel.optimizer import make_optimizer, param_groups
+from partrain.parallel.parallelize import RankModules, shard_on_meta
+from partrain.parallel.pipeline import PipelineRunner
+from partrain.parallel.tensor_parallel import loss_context, shard_embedding_gradient
+from partrain.runtime.mesh import ParallelMesh
+from partrain.train.engine import DirectEngine, PipelineEngine
+
+
+def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
+    run = v.run
+    loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
+    held = shard_on_meta(v, mesh)
+    if mesh.size("pp") == 1:
+        model = held.model
+        materialize(model, run.model, run.train.seed, device)
+        shard_embedding_gradient(model, held.adapter)
+        model.train()
+        dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
+        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+    return _pipeline_engine(v, mesh, device, held, loss_ctx)
+
+
+def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, held: RankModules, loss_ctx):
+    run, p = v.run, v.run.parallel
+    pp, vstages = mesh.size("pp"), p.pp_virtual_stages
+    stages, chunks = held.modules, held.chunks
+    for stage in stages:
+        materialize(stage, run.model, run.train.seed, device)
+        shard_embedding_gradient(stage, held.adapter)
+        stage.train()
+    groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
+    optimizer = make_optimizer(groups, mesh, p.zero_stage, run.optim)
+    fsdp = data_parallel.uses_fsdp(p.zero_stage)
+    dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
+    # DTensor activations (sequence parallel) and autocast change what flows between stages:
+    # let torch infer the shapes then.
+    static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
+    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
+                            microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
+    sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
+    return PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
