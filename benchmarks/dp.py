@@ -39,6 +39,8 @@ from typing import Dict, List, Optional
 
 from _machine_load import ForeignLoad, settle  # noqa: E402 - sibling module (scripts run from benchmarks/)
 
+from partrain.runtime.torchrun import torchrun_command
+
 HERE = Path(__file__).resolve().parent
 NOISY_CORES = 0.3
 """A run during which other processes used more CPU cores than this (on average) is flagged as noisy."""
@@ -147,8 +149,7 @@ def run_baseline(cfg: Config, args, spec_path: Path, run_dir: Path) -> RunResult
     if cfg.procs == 1:
         cmd = [sys.executable, str(BASELINE_SCRIPT), str(spec_path), str(out), cfg.kind]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc-per-node={cfg.procs}", str(BASELINE_SCRIPT), str(spec_path), str(out), cfg.kind]
+        cmd = torchrun_command(cfg.procs, [BASELINE_SCRIPT, spec_path, out, cfg.kind])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=run_dir)
     wall = time.perf_counter() - t0

@@ -49,6 +49,8 @@ from typing import Dict, List, Optional
 
 from _machine_load import ForeignLoad, settle  # noqa: E402 - sibling module (scripts run from benchmarks/)
 
+from partrain.runtime.torchrun import torchrun_command
+
 HERE = Path(__file__).resolve().parent
 BASELINE_SCRIPT = HERE / "_baselines" / "hf_tp.py"
 PROCS = 2
@@ -210,8 +212,7 @@ def run_partrain(args, spec: dict, cache: Path, run_dir: Path) -> RunResult:
 def run_hf(args, spec_path: Path, run_dir: Path) -> RunResult:
     out = run_dir / "result.json"
     progress = run_dir / "steps.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={PROCS}",
-           str(BASELINE_SCRIPT), str(spec_path), str(out), args.hf_mode, str(progress)]
+    cmd = torchrun_command(PROCS, [BASELINE_SCRIPT, spec_path, out, args.hf_mode, progress])
     wall, cpu_ms = run_watched(cmd, run_dir, progress, BASELINE_SCRIPT.name, args)
     if not out.exists():
         raise RuntimeError(f"{' '.join(cmd)} wrote no {out}")

@@ -97,7 +97,7 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
         report["simulation"] = _simulation(validated, simulate_ranks, as_json)
     drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
     if schedule_svg is not None and drawable:
-        from partrain.blueprint.schedule_sim import to_svg
+        from partrain.blueprint.report.schedule import to_svg
 
         to_svg(schedule_grid_of(validated), schedule_svg)
         report["pipeline"]["svg"] = str(schedule_svg)
@@ -106,7 +106,7 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
     else:
         picture = None
         if drawable:
-            from partrain.blueprint.schedule_sim import render_text
+            from partrain.blueprint.report.schedule import render_text
 
             picture = render_text(schedule_grid_of(validated), max_slots=120)
         render_layout(report, _console(), all_ranks=all_ranks, picture=picture)
@@ -352,6 +352,7 @@ def bench_comm_cmd(
         _fail(err, as_json)
     if dist_env is not None:  # under torchrun / srun (multi-node): this process is a worker
         from partrain.bench.comm import run as bench_run
+        from partrain.runtime.lifecycle import leave
 
         code, profile = bench_run(settings, dist_env, show_progress=False)
         if code == 0 and dist_env.is_main:
@@ -359,8 +360,7 @@ def bench_comm_cmd(
                 print(json.dumps({"path": settings.out, **profile}))
             else:
                 render_profile(profile, Path(settings.out), _console())
-        sys.stdout.flush()
-        os._exit(code)  # gloo may abort at a normal interpreter exit
+        leave(code)  # gloo may abort at a normal interpreter exit
     threads = run.train.threads_per_process or max(1, cpu_count() // settings.devices_per_node)
     code, cause, tail = bench_launch(settings, Console(stderr=True, highlight=False), dict(os.environ), threads)
     if code != 0:

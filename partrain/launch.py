@@ -6,9 +6,7 @@ Under an existing torchrun or srun (RANK / SLURM_PROCID set) this process is its
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Mapping, Optional
@@ -17,6 +15,7 @@ from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.runtime.torchrun import torchrun_command
 from partrain.train.metrics import parse_event
 from partrain.worker import DATA_MANIFEST
 
@@ -51,14 +50,10 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
     return run_dir
 
 
-def torchrun_command(v: ValidatedRun, run_dir: Path) -> list:
-    nproc = v.world_size
-    quiet = ",".join(f"{i}:3" for i in range(1, nproc))  # ranks other than 0 write to files only
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-           f"--max-restarts={v.run.train.max_restarts}", "--log-dir", str(run_dir / "torchrun")]
-    if quiet:
-        cmd += ["--redirects", quiet]
-    return cmd + ["-m", "partrain.worker", str(run_dir)]
+def worker_command(v: ValidatedRun, run_dir: Path) -> list:
+    """torchrun starting `partrain.worker RUN_DIR` in every process of this machine."""
+    return torchrun_command(v.world_size, ["-m", "partrain.worker", run_dir], max_restarts=v.run.train.max_restarts,
+                            log_dir=run_dir / "torchrun", quiet_other_ranks=True)
 
 
 def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
@@ -83,7 +78,7 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     threads = v.run.train.threads_per_process or max(1, cpu_count() // v.world_size)
     child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     console.print(f"[bold]partrain[/bold]: {v.world_size} processes, run folder [cyan]{run_dir}[/cyan]")
-    proc = subprocess.Popen(torchrun_command(v, run_dir), stdout=subprocess.PIPE, text=True, env=child_env, bufsize=1)
+    proc = subprocess.Popen(worker_command(v, run_dir), stdout=subprocess.PIPE, text=True, env=child_env, bufsize=1)
     summary = _follow(proc, console)
     code = proc.wait()
     if code != 0:
@@ -100,6 +95,7 @@ def raise_config(*problems: Problem) -> None:
 
 def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) -> int:
     from partrain import worker
+    from partrain.runtime.lifecycle import leave
 
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "job"
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v, job_id=job)
@@ -111,9 +107,7 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank 0 did not prepare {run_dir} within train.timeout_s")
             time.sleep(0.2)
-    code = worker.main(run_dir, env, v)
-    sys.stdout.flush()
-    os._exit(code)
+    leave(worker.main(run_dir, env, v))
 
 
 def _follow(proc: subprocess.Popen, console) -> Optional[dict]:

@@ -177,22 +177,21 @@ def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:
 
 
 def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) -> int:
-    """Run one worker to completion; returns the process exit code (the caller exits with os._exit)."""
+    """Run one worker to completion; returns the process exit code (the caller leaves with `leave`)."""
     import torch
-    import torch.distributed as dist
+
+    from partrain.runtime.lifecycle import joined_group
 
     setup_logging(run_dir, env)
     try:
         v = validated or validate(load_resolved(run_dir / "config.yaml"))
         torch.set_num_threads(_threads(v, env))
-        timeout = datetime.timedelta(seconds=v.run.train.timeout_s)
-        dist.init_process_group(backend=v.run.cluster.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout, store=_restart_store(env, timeout))
-        if env.world_size != v.world_size:
-            raise RuntimeError(f"the layout needs {v.world_size} processes but the launcher started {env.world_size}")
-        train_process(v, env, run_dir)
-        dist.barrier()
-        code = 0
+        store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
+        with joined_group(v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store=store):
+            if env.world_size != v.world_size:
+                raise RuntimeError(f"the layout needs {v.world_size} processes but the launcher started {env.world_size}")
+            train_process(v, env, run_dir)
+        return 0
     except BaseException as exc:  # noqa: BLE001 - any failure must end this rank with its message recorded
         text = f"rank {env.rank}: {type(exc).__name__}: {exc}"
         log.error("%s\n%s", text, traceback.format_exc())
@@ -202,21 +201,16 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
         return 1
     finally:
         logging.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
 
 
 def entry() -> None:
+    from partrain.runtime.lifecycle import leave
+
     env = from_environ(os.environ)
     if env is None:
         print("partrain.worker must be started by torchrun (or srun); use `partrain train`", file=sys.stderr)
-        os._exit(2)
-    code = main(Path(sys.argv[1]), env)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # gloo aborts at interpreter exit now and then even after destroy_process_group: leave directly.
-    os._exit(code)
+        leave(2)
+    leave(main(Path(sys.argv[1]), env))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ import fnmatch
 import json
 import math
 import os
-import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from partrain.models.build import build_meta_model, hf_config
 from partrain.models.loss import IGNORE_INDEX, forward_loss
 from partrain.models.materialize import materialize
 from partrain.models.random_init import name_seed
+from partrain.runtime.lifecycle import joined_group, leave
 
 VOCAB = 256
 _LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -328,36 +327,28 @@ def _worker(rank: int, world: int, folder: str, pretrained: str) -> None:
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(folder, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        mesh = init_device_mesh("cpu", (world,))
-        cases = dict(DIST_CASES, llama_pretrained_fsdp=(ModelConfig(arch="llama", pretrained=pretrained), "fsdp"))
-        report = {}
-        for case, (model_cfg, how) in cases.items():
-            model = build_meta_model(model_cfg)
-            _shard(model, mesh, how)
-            materialize(model, model_cfg, seed=SEED, device="cpu")
-            params = dict(model.named_parameters())
-            local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params.values())
-            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous() for n, p in params.items()}
-            save_file(full, os.path.join(folder, f"{case}.rank{rank}.safetensors"))
-            loss = forward_loss(model.eval(), batch(), shifted(batch()))
-            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            report[case] = {"local_numel": local, "total_numel": sum(p.numel() for p in params.values()),
-                            "loss": loss.item(), "tied": bool(getattr(model.config, "tie_word_embeddings", False))
-                            and model.lm_head.weight is model.transformer.wte.weight}
-        Path(folder, f"report.rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()
+        with joined_group("gloo", rank, world, 60, store=store):
+            mesh = init_device_mesh("cpu", (world,))
+            cases = dict(DIST_CASES, llama_pretrained_fsdp=(ModelConfig(arch="llama", pretrained=pretrained), "fsdp"))
+            report = {}
+            for case, (model_cfg, how) in cases.items():
+                model = build_meta_model(model_cfg)
+                _shard(model, mesh, how)
+                materialize(model, model_cfg, seed=SEED, device="cpu")
+                params = dict(model.named_parameters())
+                local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params.values())
+                full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous() for n, p in params.items()}
+                save_file(full, os.path.join(folder, f"{case}.rank{rank}.safetensors"))
+                loss = forward_loss(model.eval(), batch(), shifted(batch()))
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                report[case] = {"local_numel": local, "total_numel": sum(p.numel() for p in params.values()),
+                                "loss": loss.item(), "tied": bool(getattr(model.config, "tie_word_embeddings", False))
+                                and model.lm_head.weight is model.transformer.wte.weight}
+            Path(folder, f"report.rank{rank}.json").write_text(json.dumps(report))
     except BaseException:
         traceback.print_exc()
         code = 1
-    finally:
-        # gloo can abort at interpreter exit even after destroy: leave with os._exit (design brief §10).
-        try:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(code)
+    leave(code)  # gloo can abort at interpreter exit even after destroy (design brief, section 10)
 
 
 def _expected_local(full: torch.Tensor, placements, coordinate) -> torch.Tensor:

@@ -37,6 +37,7 @@ from partrain.blueprint.stage_split import (
     schedule_problems,
     split_layers,
 )
+from partrain.runtime.lifecycle import finish_group, leave
 
 SEED = 3
 BATCH, SEQ, MICRO, STEPS, LR = 8, 16, 4, 3, 1e-3
@@ -289,11 +290,8 @@ def _worker(out_dir: str, store: str) -> None:
         code = 1
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     if code == 0:
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        finish_group()
+    leave(code)
 
 
 def _worker_run(arch, schedule, pp, v, pp_mesh, rank, params_path, steps=STEPS, saved=False, dp_mesh=None, wrap=None):
@@ -537,9 +535,8 @@ def _bubble_worker(out_dir: str, store: str) -> None:
         results["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     if "error" not in results:
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(1 if "error" in results else 0)
+        finish_group()
+    leave(1 if "error" in results else 0)
 
 
 def bubble_report(world: int = 2) -> str:

@@ -11,16 +11,14 @@ from fractions import Fraction
 
 import pytest
 
+from partrain.blueprint.report.schedule import render_plain, render_text, to_svg
 from partrain.blueprint.schedule_sim import (
     DURATION,
     Action,
     formula_bubble,
     rank_orders,
-    render_plain,
-    render_text,
     schedule_grid,
     simulate,
-    to_svg,
 )
 
 
@@ -153,7 +151,7 @@ def test_svg_is_well_formed(tmp_path):
 
 def test_no_torch_and_fast_enough_for_the_dry_run():
     code = ("import sys, time; t = time.perf_counter();"
-            "from partrain.blueprint.schedule_sim import schedule_grid, render_text, to_svg;"
+            "from partrain.blueprint.schedule_sim import schedule_grid; from partrain.blueprint.report.schedule import render_text, to_svg;"
             "g = schedule_grid('interleaved-1f1b', 16, 4, 128); render_text(g); to_svg(g);"
             "g = schedule_grid('zbv', 16, 2, 128); render_text(g);"
             "assert 'torch' not in sys.modules, 'torch imported';"

@@ -36,6 +36,7 @@ from partrain.blueprint.comm_profile import (
     write_profile,
 )
 from partrain.runtime.context import DistEnv, from_environ
+from partrain.runtime.lifecycle import joined_group, leave
 
 TORCH_OPS = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather_single", "all_gather_into_tensor"),
              "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"), "all_to_all": ("all_to_all_single",),
@@ -201,9 +202,8 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
 
 def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:
     """Measure and (rank 0) write the profile; (exit code, profile or None). Leaves the process
-    group destroyed; the caller ends the process with os._exit (gloo may abort at normal exit)."""
+    group destroyed; the caller ends the process with `lifecycle.leave` (gloo may abort at normal exit)."""
     import torch
-    import torch.distributed as dist
 
     progress = (lambda text: print(PROGRESS + text, flush=True)) if show_progress and env.is_main else (lambda text: None)
     try:
@@ -212,13 +212,10 @@ def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:
                                f"started {env.world_size}")
         if s.device == "cuda":
             torch.cuda.set_device(env.local_rank)
-        dist.init_process_group(backend=s.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=s.timeout_s))
-        profile = measure(s, env, progress)
-        if env.is_main:
-            write_profile(s.out, profile)
-        dist.barrier()
-        dist.destroy_process_group()
+        with joined_group(s.backend, env.rank, env.world_size, s.timeout_s):
+            profile = measure(s, env, progress)
+            if env.is_main:
+                write_profile(s.out, profile)
         return 0, profile
     except BaseException as exc:  # noqa: BLE001 - report this rank's failure and exit; torchrun stops the rest
         first = f"rank {env.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -230,11 +227,9 @@ def entry() -> None:
     env = from_environ(os.environ)
     if env is None or len(sys.argv) != 2:
         print("partrain.bench.comm is started by `partrain bench comm` (under torchrun)", file=sys.stderr)
-        os._exit(2)
+        leave(2)
     code, _ = run(BenchSettings.from_json(sys.argv[1]), env)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":

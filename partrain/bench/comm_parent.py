@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
 from partrain.blueprint.comm_profile import OPS, human_bytes
+from partrain.runtime.torchrun import torchrun_command
 
 PROGRESS = "partrain-bench: "
 """Prefix of the progress lines rank 0 prints; the parent shows them as a status line."""
@@ -65,16 +65,16 @@ def default_out(cluster_name: str) -> Path:
     return path
 
 
-def torchrun_command(s: BenchSettings) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={s.devices_per_node}", "-m", "partrain.bench.comm", s.to_json()]
+def worker_command(s: BenchSettings) -> list:
+    """torchrun starting `partrain.bench.comm SETTINGS_JSON` in every process of this machine."""
+    return torchrun_command(s.devices_per_node, ["-m", "partrain.bench.comm", s.to_json()])
 
 
 def launch(s: BenchSettings, status_console, environ: Mapping[str, str], threads: int) -> Tuple[int, str, str]:
     """Run the workers on this machine; (torchrun's exit code, the first worker failure line, the
     tail of their output: torchrun's own report comes last and rarely names the cause)."""
     env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(torchrun_command(s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    proc = subprocess.Popen(worker_command(s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
     tail: deque = deque(maxlen=40)
     cause = ""
     with status_console.status(f"measuring {s.backend} collectives over {s.world_size} processes") as status:

@@ -1,6 +1,8 @@
-"""A picture of a pipeline schedule: one row per pipeline rank, one column per time unit.
+"""The pipeline schedule simulator: one row per pipeline rank, one column per time unit.
 
-Pure Python and cheap (no torch at import or call time), so the dry run can draw it.
+Pure Python and cheap (no torch at import or call time), so the dry run can draw it
+(`partrain.blueprint.report.schedule` renders the grid as text or SVG); the runtime uses its
+action orders too.
 
 How the grid is made
 --------------------
@@ -32,9 +34,7 @@ forward; sends take time), so measured bubbles are somewhat larger.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from html import escape
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from partrain.blueprint.stage_split import (
     ZERO_BUBBLE_SCHEDULES,
@@ -108,7 +108,7 @@ class ScheduleGrid:
             "makespan_units": self.makespan, "bubble_fraction": self.bubble_fraction,
             "formula_bubble_fraction": formula_bubble(self.schedule, self.pp, self.v, self.n_microbatches),
             "placement": self.placement, "note": self.note,
-            "rows": [" ".join(_label(c, self.v) if c is not None else "." for c in row) for row in self.rows],
+            "rows": [" ".join(cell_label(c, self.v) if c is not None else "." for c in row) for row in self.rows],
         }
 
 
@@ -332,135 +332,8 @@ def schedule_grid(schedule: str, pp: int, v: int, n_microbatches: int,
     return ScheduleGrid(schedule, pp, v, n_microbatches, rows, owned, note, orders)
 
 
-# ---- rendering ----------------------------------------------------------------------------------
-
-_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-            "#9c755f", "#bab0ac", "#1f77b4", "#8c564b"]
-_RICH_COLORS = ["blue", "dark_orange", "green", "red", "cyan", "yellow", "magenta", "pink1", "tan", "grey62",
-                "deep_sky_blue1", "orange4"]
 _CHUNK_MARK = "abcdefghijklmnopqrstuvwxyz"
 
 
-def _label(cell: Cell, v: int) -> str:
+def cell_label(cell: Cell, v: int) -> str:
     return f"{cell.kind}{cell.mb}" + (_CHUNK_MARK[cell.chunk % 26] if v > 1 else "")
-
-
-def _legend(grid: ScheduleGrid) -> str:
-    f = formula_bubble(grid.schedule, grid.pp, grid.v, grid.n_microbatches)
-    parts = [f"{grid.schedule}: pp={grid.pp} v={grid.v} microbatches={grid.n_microbatches}",
-             f"simulated bubble {grid.bubble_fraction:.1%} of the step"]
-    if f is not None:
-        parts.append(f"formula {f:.1%}")
-    text = ", ".join(parts)
-    kinds = "F forward (1 unit), B backward (2 units)" if grid.schedule not in _ZERO_BUBBLE else \
-        "F forward, I input-grad backward, W weight-grad backward (1 unit each)"
-    text += f"\n{kinds}; digits = microbatch"
-    if grid.v > 1:
-        text += "; letter = rank's chunk (a = first)"
-    text += "; . idle"
-    if grid.note:
-        text += f"\nnote: {grid.note}"
-    return text
-
-
-def _cells_text(grid: ScheduleGrid, max_slots: Optional[int]) -> Tuple[int, int]:
-    width = max((len(_label(c, grid.v)) for row in grid.rows for c in row if c is not None), default=1)
-    slots = grid.makespan if max_slots is None else min(grid.makespan, max_slots)
-    return width, slots
-
-
-def render_plain(grid: ScheduleGrid, max_slots: Optional[int] = None) -> str:
-    """The grid as plain text, one line per rank ("." idle); a B's second unit shows as "="."""
-    width, slots = _cells_text(grid, max_slots)
-    lines = []
-    for r, row in enumerate(grid.rows):
-        cells = []
-        for c in row[:slots]:
-            if c is None:
-                cells.append(".".ljust(width))
-            elif c.start:
-                cells.append(_label(c, grid.v).ljust(width))
-            else:
-                cells.append("=".ljust(width))
-        more = f" ... (+{grid.makespan - slots})" if slots < grid.makespan else ""
-        lines.append(f"rank {r:<3}| " + " ".join(cells) + more)
-    return "\n".join(lines + [_legend(grid)])
-
-
-def render_text(grid: ScheduleGrid, max_slots: Optional[int] = None):
-    """The grid as a `rich.text.Text` coloured per microbatch (F light, B/I/W bold); str without rich."""
-    try:
-        from rich.text import Text
-    except ImportError:  # pragma: no cover - rich is a dependency
-        return render_plain(grid, max_slots)
-    width, slots = _cells_text(grid, max_slots)
-    text = Text()
-    for r, row in enumerate(grid.rows):
-        text.append(f"rank {r:<3}| ", style="bold")
-        for i, c in enumerate(row[:slots]):
-            if i:
-                text.append(" ")
-            if c is None:
-                text.append(".".ljust(width), style="dim")
-                continue
-            color = _RICH_COLORS[c.mb % len(_RICH_COLORS)]
-            style = color if c.kind == "F" else f"bold {color} reverse" if c.kind in ("B", "I") else f"{color} underline"
-            text.append((_label(c, grid.v) if c.start else "=").ljust(width), style=style)
-        if slots < grid.makespan:
-            text.append(f" ... (+{grid.makespan - slots})", style="dim")
-        text.append("\n")
-    text.append(_legend(grid), style="italic")
-    return text
-
-
-def to_svg(grid: ScheduleGrid, path: Union[str, Path, None] = None, unit: int = 22, row_height: int = 26) -> str:
-    """A standalone SVG of the grid (no external resources); written to `path` when given."""
-    left, top = 70, 28
-    width = left + grid.makespan * unit + 10
-    legend_lines = _legend(grid).split("\n")
-    height = top + grid.pp * row_height + 16 + 16 * len(legend_lines)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="10">',
-           f'<title>{escape(grid.schedule)} pipeline schedule</title>',
-           f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>']
-    for t in range(0, grid.makespan + 1, 5):
-        x = left + t * unit
-        out.append(f'<text x="{x}" y="{top - 10}" fill="#666">{t}</text>')
-    for r, row in enumerate(grid.rows):
-        y = top + r * row_height
-        out.append(f'<text x="4" y="{y + row_height // 2 + 4}" font-size="12">rank {r}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{grid.makespan * unit}" height="{row_height - 4}" '
-                   f'fill="#f3f3f3" stroke="#ddd"/>')
-        t = 0
-        while t < len(row):
-            c = row[t]
-            if c is None or not c.start:
-                t += 1
-                continue
-            span = 1
-            while t + span < len(row) and row[t + span] is not None and not row[t + span].start \
-                    and row[t + span].kind == c.kind and row[t + span].mb == c.mb:
-                span += 1
-            color = _PALETTE[c.mb % len(_PALETTE)]
-            opacity = {"F": 0.45, "B": 1.0, "I": 1.0, "W": 0.75}.get(c.kind, 1.0)
-            x = left + t * unit
-            out.append(f'<rect x="{x + 1}" y="{y + 1}" width="{span * unit - 2}" height="{row_height - 6}" '
-                       f'fill="{color}" fill-opacity="{opacity}" stroke="#333" stroke-width="0.5">'
-                       f'<title>{escape(_describe(c))}</title></rect>')
-            out.append(f'<text x="{x + span * unit / 2:.1f}" y="{y + row_height // 2 + 2}" text-anchor="middle">'
-                       f'{escape(_label(c, grid.v))}</text>')
-            t += span
-    y = top + grid.pp * row_height + 14
-    for line in legend_lines:
-        out.append(f'<text x="4" y="{y}" fill="#333">{escape(line)}</text>')
-        y += 16
-    out.append("</svg>")
-    svg = "\n".join(out) + "\n"
-    if path is not None:
-        Path(path).write_text(svg)
-    return svg
-
-
-def _describe(c: Cell) -> str:
-    names = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
-    return f"{names.get(c.kind, c.kind)} of microbatch {c.mb} on stage {c.stage}"

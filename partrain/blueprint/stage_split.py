@@ -197,19 +197,10 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
     if n_chunks < 1:
         raise ValueError(f"n_chunks must be >= 1 (got {n_chunks})")
     if layers_per_chunk is not None:
-        counts = [int(c) for c in layers_per_chunk]
-        if len(counts) != n_chunks:
-            raise ValueError(f"layers_per_chunk has {len(counts)} entries, the pipeline has {n_chunks} chunks")
-        if any(c < 0 for c in counts) or sum(counts) != n_layers:
-            raise ValueError(f"layers_per_chunk {counts} must be >= 0 and sum to the {n_layers} decoder layers")
-        return _ranges(counts)
+        return _explicit_ranges(n_layers, n_chunks, layers_per_chunk)
     if n_layers < n_chunks:
         raise ValueError(f"{n_chunks} pipeline chunks need at least as many decoder layers (got {n_layers})")
-    costs = [float(layer_cost)] * n_layers if isinstance(layer_cost, (int, float)) else [float(c) for c in layer_cost]
-    if len(costs) != n_layers:
-        raise ValueError(f"layer_cost has {len(costs)} entries for {n_layers} layers")
-    if min(costs, default=0.0) < 0 or embed_cost < 0 or head_cost < 0:
-        raise ValueError("costs must be >= 0")
+    costs = _layer_costs(n_layers, layer_cost, embed_cost, head_cost)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -263,6 +254,25 @@ def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequen
         counts.append(e - i)
         i = e
     return _ranges(counts)
+
+
+def _explicit_ranges(n_layers: int, n_chunks: int, layers_per_chunk: Sequence[int]) -> List[range]:
+    counts = [int(c) for c in layers_per_chunk]
+    if len(counts) != n_chunks:
+        raise ValueError(f"layers_per_chunk has {len(counts)} entries, the pipeline has {n_chunks} chunks")
+    if any(c < 0 for c in counts) or sum(counts) != n_layers:
+        raise ValueError(f"layers_per_chunk {counts} must be >= 0 and sum to the {n_layers} decoder layers")
+    return _ranges(counts)
+
+
+def _layer_costs(n_layers: int, layer_cost: Union[float, Sequence[float]], embed_cost: float,
+                 head_cost: float) -> List[float]:
+    costs = [float(layer_cost)] * n_layers if isinstance(layer_cost, (int, float)) else [float(c) for c in layer_cost]
+    if len(costs) != n_layers:
+        raise ValueError(f"layer_cost has {len(costs)} entries for {n_layers} layers")
+    if min(costs, default=0.0) < 0 or embed_cost < 0 or head_cost < 0:
+        raise ValueError("costs must be >= 0")
+    return costs
 
 
 def _ranges(counts: Sequence[int]) -> List[range]:

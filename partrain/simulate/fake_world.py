@@ -24,8 +24,8 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from partrain.blueprint.planner.rank_state import predicted_rank_elements
 from partrain.blueprint.planner.memory import dtypes
+from partrain.blueprint.planner.rank_state import predicted_rank_elements
 from partrain.blueprint.planner.simulated import (
     SimulatedParam,
     SimulatedRank,

@@ -2,16 +2,14 @@
 
 Each child joins a process group through a FileStore, runs `fn(rank, world, *args)`, writes
 whatever `fn` returns as JSON to `folder/result.rank<R>.json`, tears the group down and leaves with
-os._exit (gloo can abort at interpreter exit otherwise). The parent returns the results in rank
+`partrain.runtime.lifecycle` (gloo can abort at interpreter exit otherwise). The parent returns the results in rank
 order and raises if a child failed or hung.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, List
@@ -21,25 +19,19 @@ def _child(rank: int, world: int, folder: str, fn: Callable, args: tuple) -> Non
     import torch
     import torch.distributed as dist
 
+    from partrain.runtime.lifecycle import joined_group, leave
+
     code = 0
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(folder, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world, *args)
-        Path(folder, f"result.rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
+        with joined_group("gloo", rank, world, 60, store=store):
+            result = fn(rank, world, *args)
+            Path(folder, f"result.rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
         traceback.print_exc()
         code = 1
-    finally:
-        try:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    leave(code)
 
 
 def run_spawned(fn: Callable, world: int, folder: Path, *args: Any, timeout_s: float = 180) -> List[Any]:

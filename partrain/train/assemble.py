@@ -18,10 +18,10 @@ from partrain.parallel.parallelize import RankModules, shard_on_meta
 from partrain.parallel.pipeline import PipelineRunner
 from partrain.parallel.tensor_parallel import loss_context, shard_embedding_gradient
 from partrain.runtime.mesh import ParallelMesh
-from partrain.train.engine import DirectEngine, PipelineEngine
+from partrain.train.engine import DirectEngine, Engine, PipelineEngine
 
 
-def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
+def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> Engine:
     run = v.run
     loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
     held = shard_on_meta(v, mesh)

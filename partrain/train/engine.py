@@ -5,7 +5,7 @@ pipeline schedule. The trainer talks to either through the same small interface.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, List, Optional
+from typing import Callable, ContextManager, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +25,34 @@ def autocast_context(precision: str, device_type: str):
 def local_scalar(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor scalar (loss parallel) as a plain tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Engine(Protocol):
+    """What the trainer needs from one optimizer step's forward and backward, however it runs."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def model_parts(self) -> List[nn.Module]:
+        """The modules this rank trains (one model, or its pipeline stages), for checkpoints and metrics."""
+        ...
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
+        """Gradients of the step's mean loss times `loss_scale`; the unscaled mean loss where this
+        rank sees it (None on pipeline ranks without the last stage)."""
+        ...
+
+    def clip(self, max_norm: float) -> float:
+        """The global gradient norm (over every shard, stage and replica), clipped to max_norm if > 0."""
+        ...
+
+    def share_loss(self, value: Optional[float]) -> float:
+        """The step's loss on every rank of this replica."""
+        ...
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+        """Mean loss of a forward-only pass over the batch."""
+        ...
 
 
 class DirectEngine:

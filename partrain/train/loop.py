@@ -19,6 +19,7 @@ import torch.distributed as dist
 from partrain.blueprint.validate import ValidatedRun
 from partrain.data import EvalBatches, TokenBatches
 from partrain.runtime.mesh import ParallelMesh
+from partrain.train.engine import Engine
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
 from partrain.train.lr_schedule import lr_at, set_lr
 from partrain.train.metrics import MetricsWriter, emit, log
@@ -88,7 +89,7 @@ def model_state_bytes(parts, optimizer) -> int:
 
 
 class Trainer:
-    def __init__(self, validated: ValidatedRun, mesh: ParallelMesh, engine, batches: TokenBatches,
+    def __init__(self, validated: ValidatedRun, mesh: ParallelMesh, engine: Engine, batches: TokenBatches,
                  eval_batches: Optional[EvalBatches], metrics: MetricsWriter, is_main: bool,
                  on_step_end: Callable[[int], None] = lambda step: None,
                  loss_scale: Optional[DynamicLossScale] = None) -> None:
