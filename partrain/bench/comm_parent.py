@@ -137,16 +137,12 @@ def bench_problems(problems: list) -> list:
     return [p for p in problems if p.key.startswith(BENCH_KEYS) and p.key != "cluster.comm_profile"]
 
 
-def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Optional[Path], dist_env) -> BenchSettings:
-    """Check the command's input against the composed run (a RunConfig whose cluster is valid);
-    ConfigError (exit 2) before anything starts. `dist_env` is the launcher's DistEnv under
-    torchrun / srun, else None."""
+def _option_problems(size_text: str, iters: int, warmup: int, out: Optional[Path]) -> Tuple[list, list]:
+    """(parsed sizes, problems) of the command's own options."""
     from partrain.blueprint.comm_profile import parse_sizes
-    from partrain.errors import ConfigError, Problem
+    from partrain.errors import Problem
 
-    cl = run.cluster
     problems = []
-    size_text = sizes if sizes is not None else DEFAULT_SIZES.get(cl.device, DEFAULT_SIZES["cpu"])
     try:
         parsed = parse_sizes(size_text)
     except ValueError as exc:
@@ -159,6 +155,14 @@ def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Opti
         problems.append(Problem("--warmup", warmup, "must be >= 0 (untimed calls before timing)", "e.g. --warmup 5"))
     if out is not None and out.is_dir():
         problems.append(Problem("--out", str(out), "is a folder; the profile is one JSON file", f"e.g. --out {out / 'comm.json'}"))
+    return parsed, problems
+
+
+def _cluster_problems(cl, dist_env, checked_so_far: bool) -> list:
+    """What stops a measurement on this cluster config and launcher (processes, nodes, GPUs)."""
+    from partrain.errors import Problem
+
+    problems = []
     world = cl.nodes * cl.devices_per_node
     if world < 2:
         problems.append(Problem("cluster.devices_per_node", cl.devices_per_node,
@@ -172,12 +176,25 @@ def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Opti
                                 f"the launcher started {dist_env.world_size} processes, {dist_env.local_world_size} per node, "
                                 f"but the cluster has {cl.nodes} x {cl.devices_per_node}",
                                 "set cluster.nodes and cluster.devices_per_node to what the launcher starts"))
-    if dist_env is None and cl.device == "cuda" and not problems:
+    if dist_env is None and cl.device == "cuda" and checked_so_far and not problems:
         import torch
 
         if torch.cuda.device_count() < cl.devices_per_node:
             problems.append(Problem("cluster.device", "cuda", f"the cluster has {cl.devices_per_node} GPUs per node, this machine "
                                     f"{torch.cuda.device_count()}", "use cluster=local-cpu, or fewer cluster.devices_per_node"))
+    return problems
+
+
+def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Optional[Path], dist_env) -> BenchSettings:
+    """Check the command's input against the composed run (a RunConfig whose cluster is valid);
+    ConfigError (exit 2) before anything starts. `dist_env` is the launcher's DistEnv under
+    torchrun / srun, else None."""
+    from partrain.errors import ConfigError
+
+    cl = run.cluster
+    size_text = sizes if sizes is not None else DEFAULT_SIZES.get(cl.device, DEFAULT_SIZES["cpu"])
+    parsed, problems = _option_problems(size_text, iters, warmup, out)
+    problems += _cluster_problems(cl, dist_env, checked_so_far=not problems)
     if problems:
         raise ConfigError(problems)
     if out is None:

@@ -138,6 +138,14 @@ def pp_problems(c: ProblemCollector, run: RunConfig, facts: ModelFacts, pp: int,
     c.check(chunks <= layers, "parallel.pp_virtual_stages", v,
             f"pp x virtual stages = {chunks} model chunks, more than the {layers} decoder layers",
             f"use parallel.pp_virtual_stages <= {layers // pp}")
+    _virtual_stage_problems(c, sched, v)
+    if p.pp_layers_per_stage is not None:
+        _layer_split_problems(c, list(p.pp_layers_per_stage), chunks, layers)
+    if microbatches is not None:
+        _microbatch_problems(c, run, sched, pp, chunks, microbatches)
+
+
+def _virtual_stage_problems(c: ProblemCollector, sched: str, v: int) -> None:
     if sched in ("gpipe", "1f1b"):
         c.check(v == 1, "parallel.pp_virtual_stages", v, f"pp_schedule={sched} runs one stage per rank",
                 "set parallel.pp_virtual_stages=1, or parallel.pp_schedule=interleaved-1f1b")
@@ -147,18 +155,19 @@ def pp_problems(c: ProblemCollector, run: RunConfig, facts: ModelFacts, pp: int,
     elif sched in V_SHAPED:
         c.check(v == 2, "parallel.pp_virtual_stages", v, f"pp_schedule={sched} places exactly 2 stages per rank (V shape)",
                 "set parallel.pp_virtual_stages=2")
-    if p.pp_layers_per_stage is not None:
-        split = list(p.pp_layers_per_stage)
-        if c.check(len(split) == chunks, "parallel.pp_layers_per_stage", split,
-                   f"needs one entry per model chunk (pp x virtual stages = {chunks}), got {len(split)}",
-                   f"give {chunks} numbers that add up to {layers}"):
-            c.check(sum(split) == layers and all(n >= 0 for n in split) and all(n >= 1 for n in split[1:-1]),
-                    "parallel.pp_layers_per_stage", split,
-                    f"entries must be >= 0 (>= 1 for middle chunks) and add up to the {layers} decoder layers (got {sum(split)})",
-                    f"e.g. {_even_split(layers, chunks)}")
-    if microbatches is None:
-        return
-    m = microbatches
+
+
+def _layer_split_problems(c: ProblemCollector, split: List[int], chunks: int, layers: int) -> None:
+    if c.check(len(split) == chunks, "parallel.pp_layers_per_stage", split,
+               f"needs one entry per model chunk (pp x virtual stages = {chunks}), got {len(split)}",
+               f"give {chunks} numbers that add up to {layers}"):
+        c.check(sum(split) == layers and all(n >= 0 for n in split) and all(n >= 1 for n in split[1:-1]),
+                "parallel.pp_layers_per_stage", split,
+                f"entries must be >= 0 (>= 1 for middle chunks) and add up to the {layers} decoder layers (got {sum(split)})",
+                f"e.g. {_even_split(layers, chunks)}")
+
+
+def _microbatch_problems(c: ProblemCollector, run: RunConfig, sched: str, pp: int, chunks: int, m: int) -> None:
     if sched == "1f1b" or sched == "dualpipev":
         stages = chunks if sched == "dualpipev" else pp
         c.check(m >= stages, "train.microbatches", m, f"pp_schedule={sched} needs at least as many microbatches as stages ({stages})",

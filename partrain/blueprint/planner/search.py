@@ -117,35 +117,41 @@ def enumerate_specs(base: PlanSpec, space: SearchSpace = SearchSpace(), allow_tp
             for ep in eps:
                 for tp_sp in sps:
                     for mbs in mbss:
-                        m = G // (dp * mbs)
+                        layouts = dict(tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, tp_sp=tp_sp, mbs=mbs,
+                                       layers_per_chunk=None, recompute_every=1)
                         any_fit = False
-                        for schedule, v in _schedules(pp, m, f.n_layers, space):
-                            frugal = dataclasses.replace(base, tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, zero_stage=max(zeros),
-                                                         recompute=space.recompute[-1], recompute_every=1, schedule=schedule,
-                                                         v=v, layers_per_chunk=None, tp_sp=tp_sp, mbs=mbs)
-                            stats["evaluated"] += 1
-                            if prune and not estimate_spec(frugal, detail=False)["fits"]:
-                                continue  # nothing lighter on memory exists for this schedule and micro batch
-                            # A higher ZeRO stage only adds traffic, so it is worth trying only with a
-                            # lighter recompute than a lower stage already fitted with.
-                            lightest = len(space.recompute)
-                            for zero in zeros:
-                                for i, rec in enumerate(space.recompute[:lightest]):
-                                    spec = dataclasses.replace(base, tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, zero_stage=zero,
-                                                               recompute=rec, recompute_every=1, schedule=schedule, v=v,
-                                                               layers_per_chunk=None, tp_sp=tp_sp, mbs=mbs)
-                                    est = estimate_spec(spec, detail=False)
-                                    stats["evaluated"] += 1
-                                    if est["fits"]:
-                                        any_fit = True
-                                        yield spec, est
-                                        if prune:
-                                            lightest = i
-                                            break  # heavier recompute only adds compute
-                                if prune and lightest == 0:
-                                    break
+                        for spec, est in _fitting_at(base, space, layouts, zeros, stats, prune):
+                            any_fit = True
+                            yield spec, est
                         if prune and not any_fit:
                             break  # a larger micro batch needs more memory still
+
+
+def _fitting_at(base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict,
+                prune: bool) -> Iterator[Tuple[PlanSpec, dict]]:
+    """The fitting (schedule, ZeRO stage, recompute) choices for one set of degrees and micro batch."""
+    m = base.global_batch // (layout["dp"] * layout["mbs"])
+    for schedule, v in _schedules(layout["pp"], m, base.facts.n_layers, space):
+        frugal = dataclasses.replace(base, **layout, zero_stage=max(zeros), recompute=space.recompute[-1],
+                                     schedule=schedule, v=v)
+        stats["evaluated"] += 1
+        if prune and not estimate_spec(frugal, detail=False)["fits"]:
+            continue  # nothing lighter on memory exists for this schedule and micro batch
+        # A higher ZeRO stage only adds traffic, so it is worth trying only with a lighter
+        # recompute than a lower stage already fitted with.
+        lightest = len(space.recompute)
+        for zero in zeros:
+            for i, rec in enumerate(space.recompute[:lightest]):
+                spec = dataclasses.replace(base, **layout, zero_stage=zero, recompute=rec, schedule=schedule, v=v)
+                est = estimate_spec(spec, detail=False)
+                stats["evaluated"] += 1
+                if est["fits"]:
+                    yield spec, est
+                    if prune:
+                        lightest = i
+                        break  # heavier recompute only adds compute
+            if prune and lightest == 0:
+                break
 
 
 def base_spec(v_or_run, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
@@ -271,11 +277,15 @@ def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchS
             picked.sort(key=lambda c: c["estimate"]["step_time_s"])
     if not picked:
         return []
+    return _candidates(picked, top_k, stats["evaluated"], len(found), time.perf_counter() - started)
+
+
+def _candidates(picked: List[dict], top_k: int, evaluated: int, fitting: int, elapsed: float) -> List[dict]:
+    """The report's candidate list: near-ties (0.01% of step time) runnable first, then lighter."""
     fastest = picked[0]["estimate"]["step_time_s"]
     picked.sort(key=lambda c: (round(c["estimate"]["step_time_s"] / fastest, 4), len(c["unsupported"]),
                                c["estimate"]["memory_bytes"]["total"]))
     picked = picked[:top_k]
-    elapsed = time.perf_counter() - started
     out: List[dict] = []
     best = picked[0]["estimate"]
     for i, c in enumerate(picked):
@@ -285,7 +295,7 @@ def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchS
             text += "; " + _lead(picked[0], picked[1])
         out.append({"rank": i + 1, "layout": describe(spec), "overrides": overrides(spec), "estimate": est, "why": text,
                     "unsupported": c["unsupported"],
-                    "search": {"evaluated": stats["evaluated"], "fitting": len(found), "seconds": elapsed}})
+                    "search": {"evaluated": evaluated, "fitting": fitting, "seconds": elapsed}})
     return out
 
 

@@ -27,6 +27,16 @@ def _group_of(pp: Any) -> Optional[dist.ProcessGroup]:
     return pp.get_group() if hasattr(pp, "get_group") else pp
 
 
+def _check_data_parallel(stage_modules: Sequence[nn.Module], schedule: str, dp_group: Any) -> None:
+    ddp = [isinstance(m, nn.parallel.DistributedDataParallel) for m in stage_modules]
+    if any(ddp) and schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"{schedule} splits backward into input and weight passes, which torch 2.13 does not "
+                         "synchronise under DistributedDataParallel: pass the unwrapped stage modules and "
+                         "dp_group=<data-parallel group> (or shard them with FSDP)")
+    if dp_group is not None and any(ddp):
+        raise ValueError("stage modules are DDP-wrapped and dp_group is set: gradients would be averaged twice")
+
+
 class PipelineRunner:
     """Runs this rank's chunks with a torch.distributed.pipelining schedule.
 
@@ -69,32 +79,16 @@ class PipelineRunner:
                  static_shapes: bool = True, sync_tied: bool = True, measure: bool = True,
                  activation_dtype: torch.dtype = torch.float32, dp_group: Any = None):
         import torch.distributed.pipelining as pipelining
-        from torch.distributed.pipelining import PipelineStage
 
         if len(stage_modules) != len(chunk_indices):
             raise ValueError("one chunk index per stage module")
         self.group = _group_of(pp)
         self.pp_size = dist.get_world_size(self.group)
         self.pp_rank = dist.get_rank(self.group)
-        v = n_chunks // self.pp_size
-        if v * self.pp_size != n_chunks:
-            raise ValueError(f"{n_chunks} chunks do not divide over {self.pp_size} pp ranks")
-        problems = schedule_problems(schedule, self.pp_size, v, n_microbatches)
-        if problems:
-            raise ValueError("; ".join(problems))
         self.style = schedule_style(schedule)
-        placement = chunk_placement(self.pp_size, v, self.style)
-        if sorted(chunk_indices) != sorted(placement[self.pp_rank]):
-            raise ValueError(f"{schedule} expects pp rank {self.pp_rank} to own chunks {placement[self.pp_rank]}, "
-                             f"got {list(chunk_indices)}")
-        ddp = [isinstance(m, nn.parallel.DistributedDataParallel) for m in stage_modules]
-        if any(ddp) and schedule in ZERO_BUBBLE_SCHEDULES:
-            raise ValueError(f"{schedule} splits backward into input and weight passes, which torch 2.13 does not "
-                             "synchronise under DistributedDataParallel: pass the unwrapped stage modules and "
-                             "dp_group=<data-parallel group> (or shard them with FSDP)")
+        placement = self._check_placement(schedule, n_chunks, n_microbatches, chunk_indices)
         self.dp_group = _group_of(dp_group) if dp_group is not None else None
-        if self.dp_group is not None and any(ddp):
-            raise ValueError("stage modules are DDP-wrapped and dp_group is set: gradients would be averaged twice")
+        _check_data_parallel(stage_modules, schedule, self.dp_group)
         self.first_owner = next(r for r, cs in enumerate(placement) if 0 in cs)
         self.last_owner = next(r for r, cs in enumerate(placement) if n_chunks - 1 in cs)
         order = sorted(range(len(chunk_indices)), key=lambda i: chunk_indices[i])
@@ -114,22 +108,43 @@ class PipelineRunner:
         hidden = unwrap_ddp(stage_modules[0]).config.hidden_size
         self._io_shape = (microbatch_size, seq_len, hidden) if microbatch_size and seq_len else None
 
-        self.stages = []
-        for module, chunk in zip(self.modules, self.chunk_indices):
-            kwargs: Dict[str, Any] = {}
-            if static_shapes:
-                if microbatch_size is None or seq_len is None:
-                    raise ValueError("static_shapes needs microbatch_size and seq_len")
-                x, y = unwrap_ddp(module).example_io(microbatch_size, seq_len, activation_dtype)
-                kwargs = {"input_args": (x,), "output_args": (y,)}
-            stage = PipelineStage(module, chunk, n_chunks, self.device, group=self.group, **kwargs)
-            if measure:
-                self._instrument(stage)
-            self.stages.append(stage)
+        shapes = (microbatch_size, seq_len, activation_dtype) if static_shapes else None
+        self.stages = [self._stage(module, chunk, shapes) for module, chunk in zip(self.modules, self.chunk_indices)]
         cls = getattr(pipelining, SCHEDULE_CLASS[schedule])
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
         self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=n_microbatches,
                             loss_fn=self._loss, scale_grads=True)
+
+    def _check_placement(self, schedule: str, n_chunks: int, n_microbatches: int,
+                         chunk_indices: Sequence[int]) -> List[List[int]]:
+        """The schedule's chunk placement, after checking this rank holds its chunks."""
+        v = n_chunks // self.pp_size
+        if v * self.pp_size != n_chunks:
+            raise ValueError(f"{n_chunks} chunks do not divide over {self.pp_size} pp ranks")
+        problems = schedule_problems(schedule, self.pp_size, v, n_microbatches)
+        if problems:
+            raise ValueError("; ".join(problems))
+        placement = chunk_placement(self.pp_size, v, self.style)
+        if sorted(chunk_indices) != sorted(placement[self.pp_rank]):
+            raise ValueError(f"{schedule} expects pp rank {self.pp_rank} to own chunks {placement[self.pp_rank]}, "
+                             f"got {list(chunk_indices)}")
+        return placement
+
+    def _stage(self, module: nn.Module, chunk: int, shapes: Optional[Tuple[Optional[int], Optional[int], torch.dtype]]):
+        """torch's PipelineStage of one chunk; with static shapes it skips torch's shape inference."""
+        from torch.distributed.pipelining import PipelineStage
+
+        kwargs: Dict[str, Any] = {}
+        if shapes is not None:
+            microbatch_size, seq_len, dtype = shapes
+            if microbatch_size is None or seq_len is None:
+                raise ValueError("static_shapes needs microbatch_size and seq_len")
+            x, y = unwrap_ddp(module).example_io(microbatch_size, seq_len, dtype)
+            kwargs = {"input_args": (x,), "output_args": (y,)}
+        stage = PipelineStage(module, chunk, self.n_chunks, self.device, group=self.group, **kwargs)
+        if self._measure:
+            self._instrument(stage)
+        return stage
 
     # -- instrumentation --------------------------------------------------------------------------
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
