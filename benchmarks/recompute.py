@@ -44,7 +44,7 @@ def measure(arch: str, policy: str, seq: int, micro: int, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     gen = torch.Generator().manual_seed(0)
     times, losses, saved = [], [], None
-    for step in range(steps):
+    for _ in range(steps):
         ids = torch.randint(0, 256, (micro, seq + 1), generator=gen)
         t0 = time.perf_counter()
         with SavedActivations() as counted:

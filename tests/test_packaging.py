@@ -63,7 +63,7 @@ def test_wheel_ships_conf_and_recipes(installed):
     assert all(found[k].startswith(root) for k in ("package", "conf", "recipes")), found
     assert found["conf"].endswith("partrain/_conf") and found["recipes"].endswith("partrain/_recipes")
     assert found["world"] == 8 and found["degrees"] == {"dp": 2, "tp": 2, "pp": 2, "ep": 1, "sp": 1}
-    assert not str(REPO) in json.dumps(found)
+    assert str(REPO) not in json.dumps(found)
 
 
 def test_installed_command_runs_a_dry_run(installed):

@@ -172,7 +172,7 @@ KORTHIKANTI_MODELS = {"22B": (6144, 64, 48, 1), "175B": (12288, 96, 96, 8), "530
 
 def test_korthikanti_per_layer_formulas():
     s, b = 2048, 1
-    for name, (h, a, layers, p) in KORTHIKANTI_MODELS.items():
+    for _name, (h, a, layers, p) in KORTHIKANTI_MODELS.items():
         sbh = s * b * h
         attn = 5 * a * s / h
         assert korthikanti_layer_bytes(s, b, h, a) == pytest.approx(sbh * (34 + attn))

@@ -109,7 +109,7 @@ class PipelineStageModule(nn.Module):
         if rotary is not None:
             extra["position_embeddings"] = rotary(h, position_ids)
         masks = self._masks(h, position_ids)
-        for (key, layer), kind in zip(self.layers().items(), self._mask_kinds):
+        for (_name, layer), kind in zip(self.layers().items(), self._mask_kinds):
             h = layer(h, attention_mask=masks[kind], position_ids=position_ids, **extra)
             if isinstance(h, tuple):  # older HF layers return (hidden, ...)
                 h = h[0]
