@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import ConfigError, Problem
 from ..layout import Layout, divisors, factorizations, resolve_degrees
 from ..models.facts import ModelFacts, model_facts
+from .validate_moe import moe_problems
 from .schema import AXES, BACKENDS, DEVICES, FSDP_GRAD_SYNC, PP_SCHEDULES, PRECISIONS, RECOMPUTE, SP_MODES, RunConfig
 
 INTERLEAVED = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
@@ -391,6 +392,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _check_ranges(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
+    moe_problems(c, run.parallel, facts)
     _comm_profile_problems(c, run)
     degrees = _degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     if facts is not None:
