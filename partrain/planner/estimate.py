@@ -53,11 +53,11 @@ communication buffers).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Dict, List, Sequence, Tuple
 
 from .comm import COMM_OPS, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups, link_of
 from .flops import head_forward_flops, layer_forward_flops, step_flops
+from .moe import all_to_all_layer_bytes, expert_dp, expert_layer_elements, expert_shard, moe_report
 from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, tensor_state_elements,
                      zero1_optimizer_elements)
 from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, param_count, tied_head_copy
@@ -103,7 +103,7 @@ def _kind_tensors(facts, extras, kind: Tuple) -> List[TensorSpec]:
 
 def _spec_key(spec: PlanSpec) -> Tuple:
     n_dense = spec.shard
-    n_exp = max(1, n_dense // math.gcd(n_dense, spec.ep))
+    n_exp = expert_shard(spec)
     return (spec.facts, spec.extras, spec.tp, spec.ep, n_dense, n_exp, spec.zero_stage)
 
 
@@ -158,7 +158,10 @@ def rank_state_elements(spec: PlanSpec, rank: _Rank, shard_index: int = 0) -> Tu
     if spec.zero_stage >= 2:
         unsharded = sum(_group_parts(key[:-1] + (0,), kind, 0)[0] * count for kind, count in rank.kinds(spec))
         return p, p, o, unsharded
-    return p, p, zero1_optimizer_elements(g2, g1, spec.shard, spec.zero_stage), p
+    # With ep > 1 the experts are their own ZeRO-1 parameter group, sharded over their replicas (edp).
+    e2 = rank.sparse * expert_layer_elements(spec) if spec.ep > 1 and spec.zero_stage == 1 else 0
+    o = zero1_optimizer_elements(g2 - e2, g1, spec.shard, spec.zero_stage) + zero1_optimizer_elements(e2, 0, expert_shard(spec), 1)
+    return p, p, o, p
 
 
 def _ranks(spec: PlanSpec) -> List[_Rank]:
@@ -365,9 +368,8 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         # ---- EP
         ep_bytes = t_ep = 0.0
         if spec.ep > 1 and r.sparse:
-            per_tok = tokens / (tp if spec.tp_sp else 1) * f.experts_per_token * f.hidden * act_bytes
             rec = passes_extra if spec.recompute == "full" else 0.0
-            ep_bytes = r.sparse * (4 + 2 * rec) * all_to_all_bytes(per_tok, spec.ep)
+            ep_bytes = r.sparse * all_to_all_layer_bytes(spec, tokens, act_bytes, rec)["total"]
             t_ep = ep_bytes / bw["ep/all_to_all"]
         # ---- PP point-to-point
         pp_bytes = t_pp = 0.0
@@ -376,27 +378,33 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
             pp_bytes = sends * ar_size / tp
             t_pp = pp_bytes / bw["pp/send_recv"]
         # ---- DP / ZeRO traffic
-        n_dense = spec.shard
-        grad_elems = unsharded
-        dp_step_bytes = dp_mb_bytes = 0.0
-        dp_link = _mixed_bw(bw, "dp_sp", dp_ops)
+        # (elements, ranks that reduce their gradients, ranks that shard them, replicas of a shard):
+        # dense tensors over dp x sp; with ep > 1 the local experts over their edp replicas only.
+        experts = r.sparse * expert_layer_elements(spec) if spec.ep > 1 else 0
+        n_exp = expert_shard(spec)
         replicas = (spec.dp // (spec.dp_shard or spec.dp))
+        parts = [(unsharded - experts, spec.dp * sp, spec.shard, replicas), (experts, expert_dp(spec), n_exp, expert_dp(spec) // n_exp)]
+        dp_step_bytes = dp_mb_bytes = zero1_gather = 0.0
+        dp_link = _mixed_bw(bw, "dp_sp", dp_ops)
         if spec.zero_stage <= 1:
-            n = spec.dp * sp
-            if n > 1:
+            for elems, n, n_shard, _ in parts:
+                if n <= 1 or not elems:
+                    continue
+                if spec.zero_stage == 1:
+                    zero1_gather += all_gather_bytes(elems * dt.param, n_shard)
                 if spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32":
-                    dp_step_bytes = all_gather_bytes(grad_elems * dt.grad, n) + all_gather_bytes(grad_elems * dt.param, n_dense)
+                    dp_step_bytes += all_gather_bytes(elems * dt.grad, n)
                 else:
-                    dp_step_bytes = all_reduce_bytes(grad_elems * dt.grad, n)
-                    if spec.zero_stage == 1:
-                        dp_step_bytes += all_gather_bytes(grad_elems * dt.param, n_dense)
+                    dp_step_bytes += all_reduce_bytes(elems * dt.grad, n)
+            dp_step_bytes += zero1_gather
         else:
-            gathered = param_bytes_gathered * grad_elems
             n_ag = 1 if spec.zero_stage == 2 else 2
-            dp_mb_bytes = n_ag * all_gather_bytes(gathered, n_dense)
-            grad_sync = all_gather_bytes(grad_elems * dt.grad, n_dense)
-            if replicas > 1:
-                grad_sync += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
+            grad_sync = 0.0
+            for elems, _, n_shard, reps in parts:
+                dp_mb_bytes += n_ag * all_gather_bytes(param_bytes_gathered * elems, n_shard)
+                grad_sync += all_gather_bytes(elems * dt.grad, n_shard)
+                if reps > 1:
+                    grad_sync += all_reduce_bytes(elems * dt.grad / n_shard, reps)
             if spec.fsdp_sync_once:
                 dp_step_bytes = grad_sync
             else:
@@ -415,7 +423,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
                      "dp": dp_step_bytes + dp_mb_bytes * m},
             "dp_step_bytes": dp_step_bytes, "dp_link": dp_link,
             "t_bwd_last": (2 * (fwd + head) + (hw - 3 * (fwd + head))) / rate,
-            "zero1_gather": all_gather_bytes(grad_elems * dt.param, n_dense) if spec.zero_stage == 1 else 0.0,
+            "zero1_gather": zero1_gather,
         })
 
     slowest = max(per_rank, key=lambda e: e["t_mb"])
@@ -485,6 +493,9 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     if f.arch == "gpt2":
         out["korthikanti_layer_bytes"] = korthikanti_layer_bytes(spec.seq, b, f.hidden, f.heads, tp, spec.tp_sp, spec.recompute)
         out["counted_layer_bytes"] = acts[False][0] * sp
+    if f.is_moe:
+        rec = passes_extra if spec.recompute == "full" else 0.0
+        out["moe"] = moe_report(spec, tokens, act_bytes, rec, max(r.sparse for r in ranks), dt)
     out["notes"] = _notes(spec, out, worst, eff)
     return out
 
@@ -506,7 +517,15 @@ def _notes(spec: PlanSpec, est: dict, worst: dict, eff: float) -> List[str]:
     if spec.sp > 1:
         notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
     if spec.ep > 1:
-        notes.append("expert parallel: experts split over ep, their states sharded over the remaining dp x sp ranks")
+        notes.append(f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their states "
+                     f"sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over edp = "
+                     f"{est['moe']['edp']} ranks; all-to-all (dispatch + combine, forward + backward) at the ep link "
+                     f"({est['links']['ep']})")
+    if spec.facts.is_moe:
+        cf = spec.moe_capacity_factor
+        notes.append("MoE routing: " + ("dropless" if cf is None else f"capacity factor {cf:g}, "
+                     f"{est['moe']['capacity_per_expert']} slots per expert per rank and microbatch") +
+                     "; expected volumes assume balanced routing (the dropped share is unknown before training)")
     if cl.measured:
         comm_note = f"communication at the bus bandwidths measured per op in {cl.bandwidth_source.split(':', 1)[1]}"
         if cl.nodes > 1 and not any(key.startswith("inter/") for key, _ in cl.measured):

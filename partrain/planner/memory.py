@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from ..models.facts import ModelFacts
+from .moe import kept_fraction
 from .params import TensorSpec, layer_is_sparse, layer_tensors
 from .spec import ModelExtras, PlanSpec
 
@@ -215,7 +216,8 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
             # the routing-weighted output in fp32; the weight; two int64 indices.
             per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch == "qwen2_moe" else 4) + 16
-            replicated = tokens * (router + k * per_assign)
+            # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
+            replicated = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
             if f.arch == "qwen2_moe" and f.shared_expert_ffn:
                 replicated += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
         else:
