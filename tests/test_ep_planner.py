@@ -66,3 +66,92 @@ def test_bad_moe_input_refused(cli, name, args, key, fix):
 ])
 def test_good_moe_input_accepted(overrides):
     validate(compose(overrides))
+
+
+# --- the planner's expert accounting -----------------------------------------------------------------
+
+from partrain.planner.estimate import estimate, predicted_rank_elements  # noqa: E402
+from partrain.planner.moe import expert_capacity  # noqa: E402
+from partrain.planner.spec import spec_from_validated  # noqa: E402
+
+# Planning sizes (meta only): Mixtral-8x7B and Qwen2-MoE-A2.7B shapes on 64 H100s.
+MIXTRAL_8X7B = ["model=mixtral-tiny", "cluster=h100x64", "train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1",
+                "model.config.hidden_size=4096", "model.config.intermediate_size=14336", "model.config.num_hidden_layers=32",
+                "model.config.num_attention_heads=32", "model.config.num_key_value_heads=8", "model.config.num_local_experts=8",
+                "model.config.vocab_size=32000", "model.config.max_position_embeddings=32768"]
+QWEN2_MOE_A27B = ["model=qwen2-moe-tiny", "cluster=h100x64", "train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1",
+                  "model.config.hidden_size=2048", "model.config.intermediate_size=5632", "model.config.moe_intermediate_size=1408",
+                  "model.config.shared_expert_intermediate_size=5632", "model.config.num_hidden_layers=24",
+                  "model.config.num_attention_heads=16", "model.config.num_key_value_heads=16", "model.config.num_experts=60",
+                  "model.config.num_experts_per_tok=4", "model.config.vocab_size=151936", "model.config.max_position_embeddings=8192"]
+
+
+def _plan(base, *extra):
+    v = validate(compose(base + list(extra)))
+    return v, estimate(v)
+
+
+@pytest.mark.parametrize("base,ep", [(MIXTRAL_8X7B, 2), (MIXTRAL_8X7B, 8), (QWEN2_MOE_A27B, 4), (QWEN2_MOE_A27B, 60 // 15)])
+def test_expert_states_per_rank_are_total_over_ep(base, ep):
+    args = ["parallel.dp=64", "train.global_batch_size=64"]
+    _, one = _plan(base, *args)
+    _, split = _plan(base, *args, f"parallel.ep={ep}")
+    moe1, moe = one["moe"], split["moe"]
+    assert moe["expert_params_total"] == moe1["expert_params_total"] == moe1["expert_params_per_rank"]
+    assert moe["expert_params_per_rank"] * ep == moe["expert_params_total"]
+    # Dense parameters do not change; the rank's parameters drop by exactly the experts it gave away.
+    assert one["memory_bytes"]["params"] - split["memory_bytes"]["params"] == \
+        (moe1["expert_params_per_rank"] - moe["expert_params_per_rank"]) * 2  # bf16 "zero" accounting: 2 bytes
+
+
+def test_zero_stages_shard_experts_over_their_replicas():
+    """ep=8 of dp=64: each expert has edp = 8 replicas; ZeRO-1 and FSDP shard its states over them."""
+    for zero in (1, 3):
+        v, est = _plan(MIXTRAL_8X7B, "parallel.dp=64", "train.global_batch_size=64", "parallel.ep=8", f"parallel.zero_stage={zero}")
+        moe = est["moe"]
+        assert moe["edp"] == moe["expert_shard"] == 8
+        local = moe["expert_params_per_rank"]
+        if zero == 1:  # parameters whole, Adam state of the expert group cut over edp
+            assert moe["expert_state_bytes_per_rank"]["optimizer"] == pytest.approx(local / 8 * 12, rel=1e-6)
+        else:  # FSDP cuts the expert dim of the local [E/ep, ...] tensors (torch.chunk): 1 expert over 8 -> all on rank 0
+            assert local == moe["expert_params_total"] // 8
+            assert moe["expert_state_bytes_per_rank"]["params"] == local * 2
+        # The runtime-accounting count (simulate's reference) agrees with the report block.
+        p, _, _ = predicted_rank_elements(spec_from_validated(v, mixed="autocast"), v.layout, 0)
+        assert p >= local
+
+
+@pytest.mark.parametrize("cf", [None, 0.5, 1.0, 2.0])
+def test_all_to_all_bytes_per_step(cf):
+    """tokens x top_k x hidden x 2 bytes x (ep-1)/ep per all-to-all, 4 per MoE layer and microbatch
+    (dispatch + combine, forward + backward); a capacity factor < 1 bounds the pairs sent."""
+    extra = [] if cf is None else [f"parallel.moe_capacity_factor={cf}"]
+    v, est = _plan(MIXTRAL_8X7B, "parallel.dp=64", "train.global_batch_size=128", "parallel.ep=8", *extra)
+    tokens, k, h, e, ep = 4096, 2, 4096, 8, 8
+    pairs = tokens * k if cf is None else min(tokens * k, e * expert_capacity(cf, tokens, k, e))
+    one = pairs * h * 2 * (ep - 1) / ep
+    assert est["moe"]["all_to_all_bytes_per_layer_microbatch"]["dispatch_forward"] == pytest.approx(one)
+    assert est["comm_bytes_per_step"]["ep"] == pytest.approx(32 * 4 * one * v.microbatches)
+    assert est["moe"]["kept_fraction"] == pytest.approx(1.0 if cf is None or cf >= 1 else cf)
+    assert est["moe"]["receive_bound_pairs"] == (8 * tokens * k if cf is None else e * expert_capacity(cf, tokens, k, e))
+
+
+def test_all_to_all_time_at_the_ep_link():
+    """ep inside a node runs at the intra-node bandwidth, an ep group spanning nodes at the inter-node one."""
+    args = ["parallel.dp=64", "train.global_batch_size=64"]
+    _, inside = _plan(MIXTRAL_8X7B, *args, "parallel.ep=8")
+    assert inside["links"]["ep"].startswith("intra-node 450")
+    assert inside["time_breakdown_s"]["ep"] == pytest.approx(inside["comm_bytes_per_step"]["ep"] / 450e9)
+    _, across = _plan(MIXTRAL_8X7B, *args, "parallel.ep=8", "cluster.devices_per_node=4", "cluster.nodes=16")
+    assert across["links"]["ep"].startswith("inter-node 50")
+    assert across["time_breakdown_s"]["ep"] == pytest.approx(across["comm_bytes_per_step"]["ep"] / 50e9)
+
+
+def test_expert_gradients_are_reduced_over_edp_only():
+    args = ["parallel.dp=64", "train.global_batch_size=64", "train.precision=fp32"]
+    _, one = _plan(MIXTRAL_8X7B, *args)
+    _, split = _plan(MIXTRAL_8X7B, *args, "parallel.ep=8")
+    dense = one["params_total"] - one["moe"]["expert_params_total"]
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
+    assert one["comm_bytes_per_step"]["dp"] == pytest.approx(one["params_total"] * 4 * ring(64))
+    assert split["comm_bytes_per_step"]["dp"] == pytest.approx(dense * 4 * ring(64) + split["moe"]["expert_params_per_rank"] * 4 * ring(8))

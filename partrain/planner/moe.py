@@ -113,7 +113,11 @@ ROUTING_ASSUMPTION = ("balanced routing: every expert receives tokens*top_k/expe
 
 def moe_report(spec: PlanSpec, tokens: float, act_bytes: int, recompute_passes: float, sparse_layers: int, dt) -> dict:
     """The "moe" block of the estimate, for the pipeline rank holding the most MoE layers
-    (`sparse_layers` of them): expert states per rank, capacity, all-to-all bytes and the routing assumption."""
+    (`sparse_layers` of them): expert states per rank, capacity, all-to-all bytes and the routing assumption.
+
+    expert_params_per_rank: the rank's experts after TP and EP (total / ep); expert_state_bytes_per_rank:
+    after ZeRO too, on the rank holding the largest shard (FSDP cuts dim 0, the expert index, of each
+    local stacked tensor as torch.chunk does: ceil(local experts / expert_shard) experts on the first)."""
     from .memory import tensor_state_elements
 
     f, x = spec.facts, spec.extras
@@ -134,7 +138,7 @@ def moe_report(spec: PlanSpec, tokens: float, act_bytes: int, recompute_passes: 
         "moe_layers_total": sum(1 for s in x.sparse_layers if s), "moe_layers_on_rank": sparse_layers,
         "ep": spec.ep, "edp": expert_dp(spec), "expert_shard": n_exp,
         "expert_params_total": per_layer_total * sum(1 for s in x.sparse_layers if s),
-        "expert_params_per_rank": p * sparse_layers,
+        "expert_params_per_rank": expert_layer_elements(spec) * sparse_layers,
         "expert_state_bytes_per_rank": {"params": p * sparse_layers * dt.param, "grads": p * sparse_layers * dt.grad,
                                         "optimizer": int(o) * sparse_layers * dt.optim},
         "capacity_factor": spec.moe_capacity_factor,
