@@ -1,6 +1,6 @@
 """Build this rank's share of the model and the engine that trains it, in one documented order.
 
-    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> recompute
+    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> expert parallel -> recompute
     -> FSDP (zero_stage 2/3) -> materialize weights -> DDP / gradient sync -> optimizer -> engine
 
 Everything before `materialize` runs on the meta device, so no rank ever allocates the full model
@@ -9,8 +9,8 @@ when the layout shards it. Every axis exists (size 1 when unused); the code asks
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from .models.adapters import get_adapter
 from .models.build import build_meta_model
 from .models.init import materialize
 from .models.loss import token_loss
-from .parallel import data_parallel
+from .parallel import data_parallel, expert_parallel
 from .parallel.recompute import apply_recompute
 from .parallel.tensor_parallel import apply_tp, loss_context, shard_embedding_gradient
 from .runtime.mesh import ParallelMesh
@@ -28,11 +28,15 @@ from .train.engine import DirectEngine, PipelineEngine
 from .train.optim import param_groups
 
 
-def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
+def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    if moe is not None:
+        expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
     if data_parallel.uses_fsdp(p.zero_stage):
+        if moe is not None:
+            expert_parallel.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
         data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
 
 
@@ -47,6 +51,8 @@ class RankModules:
     """What this rank holds: [model], or its pipeline stage modules in chunk order."""
     chunks: List[int] = field(default_factory=list)
     """Pipeline chunks (virtual stages) of this rank; empty without pipeline parallelism."""
+    moe: Optional[expert_parallel.MoERuntime] = None
+    """MoE models: the routed-experts state shared by this rank's MoE layers (losses, load metrics)."""
 
 
 def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
@@ -54,9 +60,10 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     runs exactly this under the fake process group, so what it reports is what a rank builds."""
     model = build_meta_model(v.run.model)
     adapter = get_adapter(model)
+    moe = expert_parallel.new_runtime(model, adapter, v.run.parallel)
     if mesh.size("pp") == 1:
-        _shard(model, v, mesh, adapter)
-        return RankModules(model, adapter, [model])
+        _shard(model, v, mesh, adapter, moe)
+        return RankModules(model, adapter, [model], moe=moe)
     from .parallel.pipeline import build_stage_module
     from .parallel.stage_split import plan_chunks
 
@@ -66,8 +73,8 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     chunks = plan["placement"][mesh.local("pp")]
     stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
     for stage in stages:
-        _shard(stage, v, mesh, adapter)
-    return RankModules(model, adapter, stages, list(chunks))
+        _shard(stage, v, mesh, adapter, moe)
+    return RankModules(model, adapter, stages, list(chunks), moe=moe)
 
 
 def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
@@ -80,7 +87,12 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
         shard_embedding_gradient(model, held.adapter)
         model.train()
         dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
-        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
+            # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
+            dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
+        engine = DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        engine.moe = held.moe
+        return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx)
 
 
@@ -104,4 +116,8 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
                             microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
     sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
-    return PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
+    if dp_group and mesh.size("ep") > 1:
+        sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # noqa: E731 - experts reduce over edp
+    engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
+    engine.moe = held.moe
+    return engine
