@@ -155,3 +155,43 @@ def test_expert_gradients_are_reduced_over_edp_only():
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731
     assert one["comm_bytes_per_step"]["dp"] == pytest.approx(one["params_total"] * 4 * ring(64))
     assert split["comm_bytes_per_step"]["dp"] == pytest.approx(dense * 4 * ring(64) + split["moe"]["expert_params_per_rank"] * 4 * ring(8))
+
+
+# --- plan --simulate with ep > 1: the real apply_ep on meta at planning sizes ------------------------
+
+from partrain.planner.simulate import simulate  # noqa: E402
+
+EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.mark.parametrize("base,extra", [
+    (MIXTRAL_8X7B, ["parallel.ep=8"]),
+    (QWEN2_MOE_A27B, ["parallel.ep=4"]),
+    # FSDP over edp = 32 cuts each rank's 4 local experts on dim 0 (torch.chunk): ranks 0-3 of an
+    # edp group hold one expert each, the rest none; the planner counts the same.
+    (MIXTRAL_8X7B, ["parallel.ep=2", "parallel.zero_stage=3"]),
+])
+def test_simulate_with_ep_matches_the_planner(base, extra):
+    v = validate(compose(base + ["parallel.dp=64", "train.global_batch_size=64"] + extra))
+    ep, est = v.layout.ep, estimate(v)
+    sim = simulate(v, [0, 63])
+    for r in sim.ranks:
+        assert r.exact and r.simulated["params"] == r.analytic["params"], r.rank
+        experts = [p for p in r.params if p.name.endswith(EXPERT_TENSORS)]
+        assert len(experts) == 2 * est["moe"]["moe_layers_total"]
+        assert all(p.shape[0] == v.facts.n_experts for p in experts)
+        if v.run.parallel.zero_stage == 0:
+            assert all(p.local_shape[0] == v.facts.n_experts // ep for p in experts)
+            expert_bytes = sum(p.bytes for p in experts)  # fp32 (the runtime's accounting)
+            assert expert_bytes == pytest.approx(est["moe"]["expert_params_total"] * 4 / ep, rel=0.02)
+            assert expert_bytes == est["moe"]["expert_params_per_rank"] * 4
+    if v.run.parallel.zero_stage == 3:
+        held = {r.rank: sum(p.local_shape[0] for p in r.params if p.name.endswith(EXPERT_TENSORS)) for r in sim.ranks}
+        assert held == {0: 2 * 32, 63: 0}
+
+
+def test_plan_simulate_accepts_ep(cli):
+    ran = cli("plan", MOE, "--simulate", "--json")
+    assert ran.code == 0, ran.stdout + ran.stderr
+    report = json.loads(ran.stdout)
+    assert report["simulation"]["exact"] and report["estimate"]["moe"]["ep"] == 2
