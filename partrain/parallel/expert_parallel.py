@@ -165,11 +165,24 @@ class _AddLossGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, extra: torch.Tensor, runtime: MoERuntime) -> torch.Tensor:
         ctx.runtime = runtime
-        return output.view_as(output)
+        return output.clone()  # not a view: FSDP's pre-backward hook must stay on what leaves the module
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, torch.full((), ctx.runtime.grad_scale, dtype=torch.float32, device=grad.device), None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity; multiplies the gradient by `factor` (exact for the powers of two used here)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 def _in_recompute() -> bool:
@@ -194,6 +207,8 @@ class RoutedExperts(nn.Module):
         self.router_logits: Optional[torch.Tensor] = None
         """Set by a hook on the router just before this module runs."""
         self._stats = torch.zeros(2 * self.num_experts + 3, dtype=torch.float64)
+        self.grad_factor = 1.0
+        """Under FSDP: 1/ep, so FSDP's average over edp becomes the sum over edp / (dp x sp)."""
 
     def take_stats(self) -> torch.Tensor:
         stats, self._stats = self._stats, torch.zeros_like(self._stats)
@@ -236,6 +251,8 @@ class RoutedExperts(nn.Module):
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows grouped by source then local expert; counts [sources, local experts]."""
         gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
+        if self.grad_factor != 1.0:
+            gate_up, down = _ScaleGradient.apply(gate_up, self.grad_factor), _ScaleGradient.apply(down, self.grad_factor)
         perm = moe_dispatch.by_local_expert(counts)
         xs = x[perm]
         outs = []
@@ -315,7 +332,8 @@ def shard_experts_fsdp(model: nn.Module, mesh, zero_stage: int, precision: str) 
     layers are sharded over dp x sp (which then skips the experts' parameters).
 
     FSDP averages over its mesh (edp); the expert gradient already sums the ep group's tokens, so
-    the right divisor is the whole dp x sp size.
+    the right divisor is the whole dp x sp size: the missing 1/ep is applied in the experts'
+    backward (FSDP's set_gradient_divide_factor needs ReduceOp.PREMUL_SUM, which gloo lacks).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -326,7 +344,7 @@ def shard_experts_fsdp(model: nn.Module, mesh, zero_stage: int, precision: str) 
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             fully_shard(module, mesh=mesh["edp"], reshard_after_forward=zero_stage == 3, **extra)
-            module.set_gradient_divide_factor(float(mesh.size("dp_sp")))
+            module.grad_factor = 1.0 / mesh.size("ep")
 
 
 def expert_parameters(parts: Sequence[nn.Module]) -> List[nn.Parameter]:
