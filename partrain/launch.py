@@ -167,3 +167,7 @@ def _print_summary(summary: dict, console) -> None:
         table.add_row(f"rank {r['rank']} memory", f"model state {r['model_state_bytes'] / 2**20:.2f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
     table.add_row("run folder", summary["run_dir"])
     console.print(table)
+    if summary.get("moe"):
+        from .moe_report import expert_load_table
+
+        console.print(expert_load_table(summary["moe"]))
