@@ -96,7 +96,7 @@ class MoERuntime:
             table[layer.moe_index] = layer.take_stats()
         for group in (dp_sp_group, pp_group):
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(table, group=group)
+                table = _all_reduce_sum(table, group)
         routed, dropped = table[:, :E], table[:, E:2 * E]
         forwards = table[:, -1].clamp(min=1)
         per_layer_mean = routed.mean(1).clamp(min=1e-12)
@@ -129,6 +129,16 @@ class MoERuntime:
         if self.settings.capacity_factor is not None and self.dropped_total is not None:
             out["dropped_share"] = float(self.dropped_total.sum() / per_layer.sum().clamp(min=1))
         return out
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum a CPU tensor over `group` (through the GPU when the group is NCCL's)."""
+    if dist.get_backend(group) == "nccl":
+        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, group=group)
+        return on_device.cpu()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESettings]:
@@ -241,8 +251,8 @@ class RoutedExperts(nn.Module):
         extra = self._router_losses(logits, routing.counts, tokens, counting)
         if counting:
             st = self._stats
-            st[:E] += routing.counts.double()
-            st[E:2 * E] += (routing.counts - routing.kept).double()
+            st[:E] += routing.counts.double().cpu()
+            st[E:2 * E] += (routing.counts - routing.kept).double().cpu()
             st[-1] += 1
         if extra is not None and torch.is_grad_enabled():
             out = _AddLossGradient.apply(out, extra, self.runtime)

@@ -65,7 +65,7 @@ class Routing:
 
 def route(top_k_index: torch.Tensor, num_experts: int, cap: Optional[int]) -> Routing:
     """Sort the slots by expert and drop those past an expert's capacity (first come, first kept)."""
-    tokens, k = top_k_index.shape
+    k = top_k_index.shape[1]
     experts = top_k_index.reshape(-1)
     counts = torch.bincount(experts, minlength=num_experts)
     order = torch.sort(experts, stable=True).indices
@@ -106,5 +106,6 @@ def combine(y: torch.Tensor, splits, group) -> torch.Tensor:
 def by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     """Permutation that groups received rows (source-major) by local expert (source order kept)."""
     ep, local = recv_counts.shape
-    expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(ep), recv_counts.reshape(-1))
+    experts = torch.arange(local, device=recv_counts.device).repeat(ep)
+    expert_of_row = torch.repeat_interleave(experts, recv_counts.reshape(-1))
     return torch.sort(expert_of_row, stable=True).indices
