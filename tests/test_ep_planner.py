@@ -167,14 +167,16 @@ EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 @pytest.mark.parametrize("base,extra", [
     (MIXTRAL_8X7B, ["parallel.ep=8"]),
     (QWEN2_MOE_A27B, ["parallel.ep=4"]),
-    # FSDP over edp = 32 cuts each rank's 4 local experts on dim 0 (torch.chunk): ranks 0-3 of an
+    # FSDP over edp = 32 cuts each rank's 4 local experts on dim 0 (torch.chunk): positions 0-3 of an
     # edp group hold one expert each, the rest none; the planner counts the same.
     (MIXTRAL_8X7B, ["parallel.ep=2", "parallel.zero_stage=3"]),
+    # Hybrid sharding: dense states over dp_shard = 8, experts still over their whole edp group (8).
+    (MIXTRAL_8X7B, ["parallel.ep=8", "parallel.zero_stage=3", "parallel.dp_shard=8"]),
 ])
 def test_simulate_with_ep_matches_the_planner(base, extra):
     v = validate(compose(base + ["parallel.dp=64", "train.global_batch_size=64"] + extra))
     ep, est = v.layout.ep, estimate(v)
-    sim = simulate(v, [0, 63])
+    sim = simulate(v, [0, 4, 63])  # rank 4: another position in its edp group than in its dense shard group
     for r in sim.ranks:
         assert r.exact and r.simulated["params"] == r.analytic["params"], r.rank
         experts = [p for p in r.params if p.name.endswith(EXPERT_TENSORS)]
@@ -185,9 +187,9 @@ def test_simulate_with_ep_matches_the_planner(base, extra):
             expert_bytes = sum(p.bytes for p in experts)  # fp32 (the runtime's accounting)
             assert expert_bytes == pytest.approx(est["moe"]["expert_params_total"] * 4 / ep, rel=0.02)
             assert expert_bytes == est["moe"]["expert_params_per_rank"] * 4
-    if v.run.parallel.zero_stage == 3:
+    if v.run.parallel.zero_stage == 3 and ep == 2:
         held = {r.rank: sum(p.local_shape[0] for p in r.params if p.name.endswith(EXPERT_TENSORS)) for r in sim.ranks}
-        assert held == {0: 2 * 32, 63: 0}
+        assert held == {0: 2 * 32, 4: 2 * 32, 63: 0}  # edp positions 0-3 (ranks 0-7) hold one expert each
 
 
 def test_plan_simulate_accepts_ep(cli):

@@ -80,10 +80,10 @@ def matmul_efficiency(spec: PlanSpec) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def _group_parts(spec_key: Tuple, kind: Tuple, shard_index: int) -> Tuple[int, int, int, int]:
+def _group_parts(spec_key: Tuple, kind: Tuple, shard_index: int, expert_index: int = -1) -> Tuple[int, int, int, int]:
     """tensor_state_elements of one kind of tensor group (a dense or MoE layer, embeddings, ...)."""
     facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
-    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index)
+    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index, expert_index)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -145,12 +145,13 @@ class _Rank:
         return out
 
 
-def rank_state_elements(spec: PlanSpec, rank: _Rank, shard_index: int = 0) -> Tuple[int, int, int, int]:
-    """(params, grads, optimizer, unsharded local params) elements of one rank."""
+def rank_state_elements(spec: PlanSpec, rank: _Rank, shard_index: int = 0, expert_index: int = -1) -> Tuple[int, int, int, int]:
+    """(params, grads, optimizer, unsharded local params) elements of one rank (at `shard_index` of
+    its dense shard group and `expert_index` of its edp group; -1 = shard_index)."""
     key = _spec_key(spec)
     p = o = g2 = g1 = 0
     for kind, count in rank.kinds(spec):
-        pp_, oo, a2, a1 = _group_parts(key, kind, shard_index)
+        pp_, oo, a2, a1 = _group_parts(key, kind, shard_index, expert_index)
         p += pp_ * count
         o += oo * count
         g2 += a2 * count
@@ -189,7 +190,7 @@ def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
     out: List[int] = []
     cache: Dict[Tuple[int, int], int] = {}
     for rank in range(lay.world_size):
-        key = (lay.base_coords(rank)["pp"], _shard_index(lay, rank))
+        key = (lay.base_coords(rank)["pp"], _shard_index(lay, rank), lay.coords(rank)["edp"])
         if key not in cache:
             p, g, o = predicted_rank_elements(spec, lay, rank)
             cache[key] = p * d.param + g * d.grad + o * d.optim
@@ -209,7 +210,8 @@ def _shard_index(lay, rank: int) -> int:
 def predicted_rank_elements(spec: PlanSpec, lay, rank: int) -> Tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) elements that global `rank` of layout `lay` holds;
     optimizer elements count each Adam moment's element once (multiply by the optimizer bytes)."""
-    p, g, o, _ = rank_state_elements(spec, _ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank))
+    p, g, o, _ = rank_state_elements(spec, _ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank),
+                                     lay.coords(rank)["edp"])
     return p, g, o
 
 

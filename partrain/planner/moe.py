@@ -94,10 +94,9 @@ def _expert_layer_elements(f, x, tp: int, ep: int) -> int:
 
 
 def expert_shard(spec: PlanSpec) -> int:
-    """Ranks that shard one expert's states under ZeRO/FSDP: the dense shard group divided by ep
-    (1 when ep does not divide it, e.g. hybrid sharding with dp_shard x sp < ep)."""
-    n = spec.shard
-    return max(1, n // math.gcd(n, spec.ep))
+    """Ranks that shard one expert's states under ZeRO/FSDP: its whole edp group, with hybrid
+    sharding (dp_shard < dp) too, as the runtime does (expert_parallel.shard_experts_fsdp)."""
+    return expert_dp(spec)
 
 
 def expert_dp(spec: PlanSpec) -> int:
