@@ -103,7 +103,7 @@ def make_spec(args, root: Path) -> dict:
     from partrain.config.validate import validate
     from partrain.data import prepare_tokens
     from partrain.models.build import hf_config
-    from partrain.planner.estimate import estimate
+    from partrain.planner.estimate import estimate, model_state_bytes_per_rank
 
     cache = root / "data-cache"
     v = validate(compose(base_overrides(args, cache) + SIDES["pt-ep2"][1]))
@@ -117,6 +117,8 @@ def make_spec(args, root: Path) -> dict:
     init_dir = root / "init"
     model.save_pretrained(init_dir)
     est = estimate(v)
+    planned_state = {key: model_state_bytes_per_rank(validate(compose(base_overrides(args, cache) + ov)))
+                     for key, (_, ov) in SIDES.items() if ov is not None}
     o = run.optim
     return {"init_dir": str(init_dir), "attn_implementation": config._attn_implementation,
             "meta_path": str(packed.meta_path), "seq_len": run.train.seq_len, "ep": PROCS,
@@ -127,7 +129,7 @@ def make_spec(args, root: Path) -> dict:
             "tokens_per_step": v.tokens_per_step, "n_params": n_params, "n_expert_params": n_expert,
             "vocab_size": config.vocab_size, "timeout_s": run.train.timeout_s,
             "planner_ep_bytes_per_step": est["comm_bytes_per_step"]["ep"], "planner_moe": est["moe"],
-            "planner_link": est["links"]["ep"]}
+            "planner_link": est["links"]["ep"], "planner_state_bytes": planned_state}
 
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -279,12 +281,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                           + "; CPU ms/step/rank " + " / ".join(f"{r.cpu_ms:.0f}" for r in results[key])
                           + "; other processes used " + " / ".join(f"{r.foreign_cores:.2f}" for r in results[key]) + " cores")
 
-        ranks = Table(title="model state per rank (first run of each side)", title_justify="left")
-        for col in ("config", "rank", "model state MiB", "of which ideal experts / ep MiB", "peak RSS MiB"):
+        ranks = Table(title="model state per rank (first run of each side; planner: model_state_bytes_per_rank)", title_justify="left")
+        for col in ("config", "rank", "model state MiB", "planner MiB", "of which ideal experts / ep MiB", "peak RSS MiB"):
             ranks.add_column(col, justify="left" if col == "config" else "right")
         for key in keys:
             for x in sorted(results[key][0].ranks, key=lambda x: x["rank"]):
+                planned = spec["planner_state_bytes"].get(key)
                 ranks.add_row(SIDES[key][0], str(x["rank"]), _mib(x["model_state_bytes"]),
+                              _mib(planned[x["rank"]]) if planned else "-",
                               _mib(spec["n_expert_params"] * 16 / (PROCS if key != "pt-ep1" else 1)), _mib(x["peak_rss_bytes"]))
         console.print(ranks)
 
