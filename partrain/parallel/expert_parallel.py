@@ -146,17 +146,47 @@ def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESe
     if not adapter.is_moe:
         return None
     config = model.config
-    layers = list(_layers(model, adapter).values())
-    n_moe = sum(1 for layer in layers if adapter.experts(layer) is not None)
+    attr = experts_attr(adapter, config)
+    found = [e for e in (_experts_of(layer, attr) for layer in _layers(model, adapter).values()) if e is not None]
+    n_moe = len(found)
     if n_moe == 0:
         return None
-    experts = next(adapter.experts(layer) for layer in layers if adapter.experts(layer) is not None)
+    experts = found[0]
     aux = getattr(parallel, "moe_aux_loss_coef", None)
     if aux is None:
         aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     return MoESettings(num_experts=experts.gate_up_proj.shape[0], top_k=int(config.num_experts_per_tok),
                        num_moe_layers=n_moe, capacity_factor=getattr(parallel, "moe_capacity_factor", None),
                        aux_coef=float(aux), z_coef=float(getattr(parallel, "moe_z_loss_coef", 0.0) or 0.0))
+
+
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+"""What RoutedExperts computes with: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+
+
+def experts_attr(adapter: Adapter, config) -> str:
+    """Where a layer's experts module is: transformers' `base_model_ep_plan` when the config class
+    has one (its "ep_dispatch_experts" entry, with "grouped_gemm" weights), else the adapter."""
+    plan = adapter.hf_plan(config, "ep") or {}
+    prefix = adapter.layer_prefix + ".*."
+    dispatch = [k[len(prefix):] for k, style in plan.items() if style == "ep_dispatch_experts" and k.startswith(prefix)]
+    if not dispatch:
+        return adapter.experts_attr
+    attr = dispatch[0]
+    weights = tuple(sorted(k[len(prefix) + len(attr) + 1:] for k, style in plan.items()
+                           if style == "grouped_gemm" and k.startswith(prefix + attr + ".")))
+    if weights != tuple(sorted(FUSED_EXPERT_PARAMS)):
+        raise NotImplementedError(f"{config.model_type}: transformers' expert plan names weights {weights}; partrain's "
+                                  f"routed experts compute with {FUSED_EXPERT_PARAMS}")
+    return attr
+
+
+def _experts_of(layer: nn.Module, attr: str) -> Optional[nn.Module]:
+    try:
+        module = layer.get_submodule(attr)
+    except AttributeError:  # a dense layer (Qwen2-MoE mlp_only_layers)
+        return None
+    return module if hasattr(module, FUSED_EXPERT_PARAMS[0]) else None
 
 
 def _layers(model: nn.Module, adapter: Adapter) -> Dict[int, nn.Module]:
@@ -309,18 +339,19 @@ def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -
     moe_order = runtime.moe_layer_index
     swapped = []
     ep = ep_mesh.size() if ep_mesh is not None else 1
+    attr_path = experts_attr(adapter, model.config)
     for index, layer in _layers(model, adapter).items():
-        hf = adapter.experts(layer)
+        hf = _experts_of(layer, attr_path)
         if hf is None:
             continue
         if ep > 1:
             rank, local = ep_mesh.get_local_rank(), hf.gate_up_proj.shape[0] // ep
-            for name in adapter.expert_param_names:
+            for name in FUSED_EXPERT_PARAMS:
                 full = getattr(hf, name)
                 piece = full.detach()[rank * local:(rank + 1) * local]
                 setattr(hf, name, nn.Parameter(DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)))
         new = RoutedExperts(hf, runtime, moe_order[index], ep_mesh if ep > 1 else None)
-        parent_path, _, attr = adapter.experts_attr.rpartition(".")
+        parent_path, _, attr = attr_path.rpartition(".")
         setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, new)
         adapter.router(layer).register_forward_hook(_keep_router_logits(new))
         swapped.append(new)
@@ -333,7 +364,8 @@ def new_runtime(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoERun
     settings = settings_for(model, adapter, parallel)
     if settings is None:
         return None
-    moe_layers = [i for i, layer in sorted(_layers(model, adapter).items()) if adapter.experts(layer) is not None]
+    attr = experts_attr(adapter, model.config)
+    moe_layers = [i for i, layer in sorted(_layers(model, adapter).items()) if _experts_of(layer, attr) is not None]
     return MoERuntime(settings, moe_layer_index={layer: k for k, layer in enumerate(moe_layers)})
 
 
