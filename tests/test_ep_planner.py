@@ -197,3 +197,14 @@ def test_plan_simulate_accepts_ep(cli):
     assert ran.code == 0, ran.stdout + ran.stderr
     report = json.loads(ran.stdout)
     assert report["simulation"]["exact"] and report["estimate"]["moe"]["ep"] == 2
+
+
+def test_capacity_below_one_shrinks_expert_activations():
+    """Dropped pairs are neither sent nor run: cf=0.5 keeps half of the per-pair activations."""
+    args = ["parallel.dp=64", "train.global_batch_size=64", "parallel.ep=8"]
+    _, dropless = _plan(MIXTRAL_8X7B, *args)
+    _, half = _plan(MIXTRAL_8X7B, *args, "parallel.moe_capacity_factor=0.5")
+    _, roomy = _plan(MIXTRAL_8X7B, *args, "parallel.moe_capacity_factor=2.0")
+    assert half["memory_bytes"]["activations"] < dropless["memory_bytes"]["activations"] == roomy["memory_bytes"]["activations"]
+    assert half["comm_bytes_per_step"]["ep"] == pytest.approx(dropless["comm_bytes_per_step"]["ep"] / 2)
+    assert half["moe"]["receive_bound_pairs"] < roomy["moe"]["receive_bound_pairs"] < dropless["moe"]["receive_bound_pairs"]
