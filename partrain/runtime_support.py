@@ -21,7 +21,7 @@ IMPLEMENTED = {
     "checkpoint": True,
     "fp16": True,
     "zero1-tp": False,
-    "zero1-ep": False,
+    "zero1-ep": True,
     "tp-sp-learned-positions": False,
 }
 

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..models.shards import canonical_fqn, copy_local_shard
+from ..parallel.expert_parallel import ExpertSplitOptimizer
 from ..parallel.zero1 import ShardedOptimizer
 from . import zero1
 
@@ -83,6 +84,8 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
     """
     if optimizer is None:
         return {}
+    if isinstance(optimizer, ExpertSplitOptimizer):  # ZeRO-1 with expert parallelism: both halves
+        return {**optimizer_state(parts, optimizer.dense, template), **_optimizer_state_by_fqn(parts, optimizer.experts)}
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):
         if len(optimizers) != 1:
@@ -100,6 +103,10 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
 
 def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[str, Any]) -> None:
     if optimizer is None:
+        return
+    if isinstance(optimizer, ExpertSplitOptimizer):
+        set_optimizer_state(parts, optimizer.dense, state)
+        _load_optimizer_state_by_fqn(parts, optimizer.experts, state)
         return
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):

@@ -441,3 +441,61 @@ def sync_gradients(parts: Sequence[nn.Module], mesh) -> None:
     edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
     if size > 1:
         _sum_into(_local_grads(expert_parameters(parts)), edp, size)
+
+
+# ---- ZeRO-1 with expert parallelism --------------------------------------------------------------
+
+class ExpertSplitOptimizer:
+    """ZeRO-1 under expert parallelism: the dense parameters' state sharded over dp_shard by a
+    `ShardedOptimizer` (they are the same on every dp x sp rank), the expert shards (different on
+    each ep rank, already 1/ep of the experts) in a plain AdamW of their own.
+
+    The trainer sees one optimizer (param_groups, zero_grad, step, state_bytes); checkpoints save
+    both halves under the same per-parameter FQN keys as any other layout (checkpoint/state.py).
+    """
+
+    def __init__(self, dense, experts: torch.optim.Optimizer) -> None:
+        self.dense = dense
+        self.experts = experts
+
+    @property
+    def param_groups(self):
+        return [*self.dense.param_groups, *self.experts.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none)
+        self.experts.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.dense.step()
+        self.experts.step()
+
+    def state_bytes(self) -> int:
+        total = self.dense.state_bytes()
+        for state in self.experts.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    total += local.numel() * local.element_size()
+        return total
+
+
+def is_expert_shard(p: torch.Tensor) -> bool:
+    """An expert parameter sharded over the ep mesh (ZeRO-1 refuses tensor parallelism, so under
+    ZeRO-1 these are the only DTensor parameters)."""
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is not None and mesh.mesh_dim_names == ("ep",)
+
+
+def zero1_optimizer(groups, make_sharded, make_plain) -> ExpertSplitOptimizer:
+    """Split parameter groups into dense (-> make_sharded) and expert shards (-> make_plain)."""
+    dense, experts = [], []
+    for g in groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        d = [p for p in g["params"] if not is_expert_shard(p)]
+        e = [p for p in g["params"] if is_expert_shard(p)]
+        if d:
+            dense.append({**hyper, "params": d})
+        if e:
+            experts.append({**hyper, "params": e})
+    return ExpertSplitOptimizer(make_sharded(dense), make_plain(experts))
