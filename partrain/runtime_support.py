@@ -21,7 +21,6 @@ IMPLEMENTED = {
     "checkpoint": True,
     "fp16": True,
     "zero1-tp": False,
-    "zero1-ep": True,
     "tp-sp-learned-positions": False,
 }
 
@@ -36,7 +35,6 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "recompute": (p.recompute != "none", f"parallel.recompute={p.recompute}"),
         "fp16": (v.run.train.precision == "fp16", "train.precision=fp16 (loss scaling; use bf16)"),
         "zero1-tp": (p.zero_stage == 1 and layout.tp > 1, "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)"),
-        "zero1-ep": (p.zero_stage == 1 and layout.ep > 1, "parallel.zero_stage=1 (ZeRO-1 together with expert parallelism)"),
         "tp-sp-learned-positions": (p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
                                     f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)"),
         "checkpoint": (v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
