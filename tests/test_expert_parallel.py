@@ -213,3 +213,50 @@ def test_mesh_ep_and_edp_groups_are_the_layouts(tmp_path):
         for degrees, groups in zip(MESH_LAYOUTS, per_layout):
             for family, members in groups.items():
                 assert members == Layout(**degrees).group_of(family, rank), (degrees, family, rank)
+
+
+def _tiny_moe(family: str, layers: int):
+    import dataclasses
+
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    from partrain.models.adapters import MIXTRAL, QWEN2_MOE
+
+    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    if family == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**kw, num_local_experts=4)), MIXTRAL
+    if family == "qwen2_moe":
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)), QWEN2_MOE
+    # Qwen3-MoE (no partrain model config yet): Qwen2-MoE's paths without the shared expert; the
+    # experts are found through transformers' base_model_ep_plan.
+    qwen3 = dataclasses.replace(QWEN2_MOE, family="qwen3_moe", archs=("qwen3_moe",), shared_expert_attr=None)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), qwen3
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_routed_experts_compute_what_hf_computes(family):
+    """RoutedExperts (ep=1) gives HF's logits; on a one-layer model its aux loss is HF's
+    load_balancing_loss_func (HF concatenates layers, partrain averages per-layer values)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from partrain.parallel.expert_parallel import apply_ep, new_runtime
+
+    parallel = SimpleNamespace(moe_capacity_factor=None, moe_aux_loss_coef=None, moe_z_loss_coef=0.0)
+    for layers in (2, 1):
+        torch.manual_seed(0)
+        model, adapter = _tiny_moe(family, layers)
+        model.train()
+        x = torch.randint(0, 64, (2, 16))
+        hf = model(input_ids=x, output_router_logits=True)
+        runtime = new_runtime(model, adapter, parallel)
+        assert runtime.settings.aux_coef == model.config.router_aux_loss_coef
+        assert len(apply_ep(model, adapter, None, runtime)) == layers
+        logits = model(input_ids=x).logits
+        assert (logits - hf.logits).abs().max().item() <= 1e-6
+        if layers == 1:
+            aux = runtime.layers[0].take_stats()[-3].item()
+            assert abs(aux - hf.aux_loss.item()) <= 1e-6 * hf.aux_loss.item(), (aux, hf.aux_loss.item())
