@@ -75,6 +75,16 @@ def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_e
     assert [r["moe_tokens_per_expert"] for r in ref_records] == [r["moe_tokens_per_expert"] for r in records]
     load = mixtral_ep2.summary["moe"]
     assert len(load["tokens_per_expert"]) == 2 and len(load["tokens_per_expert"][0]) == 4
+    assert [sum(row) for row in load["tokens_per_expert"]] == [STEPS * tokens_per_step // 2] * 2
+    # What `partrain train` prints at the end (launch._print_summary renders this table).
+    from rich.console import Console
+
+    from partrain.moe_report import expert_load_table
+
+    console = Console(width=100, record=True)
+    console.print(expert_load_table(load))
+    text = console.export_text()
+    assert "expert load" in text and "max/mean" in text and f"{load['tokens_per_expert'][1][3]:,}" in text
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
