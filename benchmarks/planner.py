@@ -38,6 +38,9 @@ LAYOUTS = [
     ("gpt-dp zero3 (FSDP2)", ["recipe=gpt-dp", "parallel.zero_stage=3"]),
     ("llama tp2 x dp2 zero3 +SP", ["recipe=llama-fsdp-tp"]),
     ("gpt2 tp2 x dp2 zero0", ["recipe=gpt-dp", "cluster.devices_per_node=4", "parallel.dp=2", "parallel.tp=2", "train.global_batch_size=8"]),
+    ("mixtral ep2 over dp2 zero0", ["recipe=mixtral-ep", "parallel.zero_stage=0"]),
+    ("qwen2-moe ep2 over dp4 zero3 (edp 2)", ["recipe=mixtral-ep", "model=qwen2-moe-tiny", "cluster.devices_per_node=4", "parallel.dp=4",
+                                              "parallel.zero_stage=3"]),
 ]
 FAST = ["train.seq_len=64", "data.max_bytes=200000"]
 

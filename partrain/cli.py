@@ -167,9 +167,10 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
                                       "pass a rank below the world size, or omit it for the first and last rank of each pipeline stage")), as_json)
     from partrain.blueprint.trainable import IMPLEMENTED
 
-    # These two change where parameters live (experts over ep, FSDP shards over dp x sp): until
-    # the runtime builds them, a simulation would report a different model than the estimate.
-    for axis, what in (("sp", "sequence/context parallelism"), ("ep", "expert parallelism")):
+    # sp changes where parameters live (FSDP shards over dp x sp): until the runtime builds it, a
+    # simulation would report a different model than the estimate. Experts over ep are built by
+    # shard_on_meta (parallel/expert_parallel.apply_ep), so ep is simulated.
+    for axis, what in (("sp", "sequence/context parallelism"),):
         degree = getattr(validated.layout, axis)
         if degree > 1 and not IMPLEMENTED[axis]:
             _fail(ConfigError(Problem(f"parallel.{axis}", degree, f"--simulate builds what `partrain train` builds, and {what} is not built yet",

@@ -164,6 +164,11 @@ def _print_summary(summary: dict, console) -> None:
         table.add_row("final eval loss", f"{summary['eval_loss']:.4f}")
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
     for r in summary["ranks"]:
-        table.add_row(f"rank {r['rank']} memory", f"model state {r['model_state_bytes'] / 2**20:.2f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+        experts = f", expert params {r['expert_param_bytes'] / 2**20:.2f} MiB" if "expert_param_bytes" in r else ""
+        table.add_row(f"rank {r['rank']} memory", f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
     table.add_row("run folder", summary["run_dir"])
     console.print(table)
+    if summary.get("moe"):
+        from partrain.blueprint.report.expert_load import expert_load_table
+
+        console.print(expert_load_table(summary["moe"]))

@@ -93,6 +93,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     import torch.distributed as dist
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    moe = getattr(engine, "moe", None)
+    if moe is not None:
+        mine["expert_param_bytes"] = moe.local_expert_bytes()
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
     if env.is_main and state.history:
@@ -100,6 +103,8 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
         summary = {"steps": state.step, "final_loss": state.history[-1].loss, "eval_loss": state.eval_loss,
                    "tokens_per_s": tokens_per_s, "ranks": gathered, "run_dir": str(run_dir)}
+        if moe is not None:
+            summary["moe"] = moe.summary()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         emit("summary", **summary)
 

@@ -16,7 +16,7 @@ IMPLEMENTED = {
     "tp": True,
     "pp": True,
     "sp": False,
-    "ep": False,
+    "ep": True,
     "recompute": True,
     "checkpoint": True,
     "fp16": True,

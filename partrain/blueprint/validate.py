@@ -34,6 +34,7 @@ from partrain.blueprint.degree_rules import (
 from partrain.blueprint.layout import Layout
 from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
+from partrain.blueprint.validate_moe import moe_problems
 from partrain.errors import ConfigError
 
 BYTE_VOCAB = 256
@@ -185,6 +186,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _check_ranges(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
+    moe_problems(c, run.parallel, facts)
     _comm_profile_problems(c, run)
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     if facts is not None:

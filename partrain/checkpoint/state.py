@@ -46,6 +46,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.checkpoint import zero1_state as zero1
 from partrain.models.shards import copy_local_shard, param_fqns
+from partrain.parallel.expert_parallel import ExpertSplitOptimizer
 from partrain.parallel.zero1_optimizer import ShardedOptimizer
 
 MODEL = "model"
@@ -88,6 +89,8 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
     """
     if optimizer is None:
         return {}
+    if isinstance(optimizer, ExpertSplitOptimizer):  # ZeRO-1 with expert parallelism: both halves
+        return {**optimizer_state(parts, optimizer.dense, template), **_optimizer_state_by_fqn(parts, optimizer.experts)}
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):
         if len(optimizers) != 1:
@@ -105,6 +108,10 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
 
 def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[str, Any]) -> None:
     if optimizer is None:
+        return
+    if isinstance(optimizer, ExpertSplitOptimizer):
+        set_optimizer_state(parts, optimizer.dense, state)
+        _load_optimizer_state_by_fqn(parts, optimizer.experts, state)
         return
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):

@@ -27,6 +27,7 @@ from torch import nn
 from partrain.blueprint.config.schema import FSDP_GRAD_SYNC, OptimConfig
 from partrain.models.adapters import Adapter
 from partrain.parallel.optimizer import make_adamw, make_optimizer, param_groups
+from partrain.parallel.precision import mixed_precision_policy
 from partrain.runtime.mesh import ParallelMesh
 
 
@@ -38,18 +39,6 @@ def fsdp_mesh(mesh: ParallelMesh):
     if mesh.layout.dp_shard == mesh.layout.dp:
         return mesh["dp"]
     return mesh.world["dp_replicate", "dp_shard"]
-
-
-def mixed_precision_policy(precision: str):
-    """FSDP2's policy for 16-bit training: parameters all-gathered and used in 16 bits (half the
-    all-gather traffic and gathered-parameter memory of fp32), gradients reduce-scattered and
-    kept in fp32, the sharded master parameters and Adam state in fp32. None for fp32."""
-    if precision == "fp32":
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                reduce_dtype=torch.float32)
 
 
 def apply_fsdp(model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int, precision: str = "fp32") -> None:

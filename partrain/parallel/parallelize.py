@@ -1,7 +1,7 @@
 """Shard this rank's share of the model on the meta device, in one documented order.
 
-    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> recompute
-    -> FSDP (zero_stage 2/3)
+    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> expert parallel
+    -> recompute -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
 `partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
 optimizer and the engine. Everything here `materialize` runs on the meta device, so no rank ever allocates the full model
@@ -11,24 +11,28 @@ when the layout shards it. Every axis exists (size 1 when unused); the code asks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from torch import nn
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
-from partrain.parallel import data_parallel
+from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.recompute import apply_recompute
 from partrain.parallel.tensor_parallel import apply_tp
 from partrain.runtime.mesh import ParallelMesh
 
 
-def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
+def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    if moe is not None:
+        expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
     if data_parallel.uses_fsdp(p.zero_stage):
+        if moe is not None:
+            expert_parallel.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
         data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
 
 
@@ -43,6 +47,8 @@ class RankModules:
     """What this rank holds: [model], or its pipeline stage modules in chunk order."""
     chunks: List[int] = field(default_factory=list)
     """Pipeline chunks (virtual stages) of this rank; empty without pipeline parallelism."""
+    moe: Optional[expert_parallel.MoERuntime] = None
+    """MoE models: the routed-experts state shared by this rank's MoE layers (losses, load metrics)."""
 
 
 def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
@@ -50,9 +56,10 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     runs exactly this under the fake process group, so what it reports is what a rank builds."""
     model = build_meta_model(v.run.model)
     adapter = get_adapter(model)
+    moe = expert_parallel.new_runtime(model, adapter, v.run.parallel)
     if mesh.size("pp") == 1:
-        _shard(model, v, mesh, adapter)
-        return RankModules(model, adapter, [model])
+        _shard(model, v, mesh, adapter, moe)
+        return RankModules(model, adapter, [model], moe=moe)
     from partrain.blueprint.stage_split import plan_chunks
     from partrain.parallel.pipeline import build_stage_module
 
@@ -62,5 +69,5 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     chunks = plan["placement"][mesh.local("pp")]
     stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
     for stage in stages:
-        _shard(stage, v, mesh, adapter)
-    return RankModules(model, adapter, stages, list(chunks))
+        _shard(stage, v, mesh, adapter, moe)
+    return RankModules(model, adapter, stages, list(chunks), moe=moe)

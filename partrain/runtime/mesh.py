@@ -68,4 +68,7 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         "dp": _flatten(world, in_mesh_order("dp_replicate", "dp_shard"), "dp"),
         "dp_sp": _flatten(world, in_mesh_order("dp_replicate", "dp_shard", "sp"), "dp_sp"),
     }
+    # Expert parallelism splits the flattened dp x sp index into ep (fastest) x edp, as layout.py does.
+    expert = flat["dp_sp"]._unflatten(0, (flat["dp_sp"].size() // layout.ep, layout.ep), ("edp", "ep"))
+    flat.update(ep=expert["ep"], edp=expert["edp"], edp_ep=expert)
     return ParallelMesh(world=world, layout=layout, flat=flat)

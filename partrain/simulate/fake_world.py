@@ -3,7 +3,8 @@
 For each simulated rank, this process joins torch's fake process group (every collective returns
 at once, no peers exist) as that rank of the full world, builds the DeviceMesh of the layout and
 runs `partrain.parallel.parallelize.shard_on_meta`: the same code a training rank runs before weights
-exist (meta model -> pipeline split -> tensor parallel -> recompute -> FSDP). The sharded
+exist (meta model -> pipeline split -> tensor parallel -> expert parallel ->
+recompute -> FSDP). The sharded
 parameters' local shapes are then read off the module tree, so the shapes and bytes reported are
 the ones the real wrappers produce, not a formula. Next to them: the planner's analytic count for
 the same rank (`predicted_rank_elements`), which must agree exactly on parameter elements.

@@ -7,12 +7,14 @@ materialized, gradient sync and optimizer, and the engine that trains it (direct
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.models.loss import token_loss
 from partrain.models.materialize import materialize
-from partrain.parallel import data_parallel
+from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.optimizer import make_optimizer, param_groups
 from partrain.parallel.parallelize import RankModules, shard_on_meta
 from partrain.parallel.pipeline import PipelineRunner
@@ -31,7 +33,12 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
         shard_embedding_gradient(model, held.adapter)
         model.train()
         dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
-        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
+            # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
+            dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
+        engine = DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        engine.moe = held.moe
+        return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx)
 
 
@@ -53,4 +60,8 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
                             microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
     sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
-    return PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
+    if dp_group and mesh.size("ep") > 1:
+        sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
+    engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
+    engine.moe = held.moe
+    return engine

@@ -58,6 +58,9 @@ class Engine(Protocol):
 class DirectEngine:
     """No pipeline: this rank runs the whole (TP/FSDP/DDP-wrapped) model over its microbatches."""
 
+    moe = None
+    """MoE models: expert_parallel.MoERuntime (router-loss gradient weight, expert-load metrics)."""
+
     def __init__(self, dp: DataParallelModel, micro_batch_size: int, precision: str, device: torch.device,
                  loss_context: Callable[[], ContextManager]) -> None:
         self.dp = dp
@@ -75,6 +78,8 @@ class DirectEngine:
         """Gradients of the step's mean loss times `loss_scale` (fp16); returns the unscaled mean loss."""
         micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
         total = torch.zeros((), dtype=torch.float32)
+        if self.moe is not None:
+            self.moe.grad_scale = loss_scale / len(micro)  # the router losses weigh like the LM loss
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device), y.to(self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
@@ -107,6 +112,9 @@ class DirectEngine:
 class PipelineEngine:
     """This rank's pipeline chunks, driven by a torch.distributed.pipelining schedule."""
 
+    moe = None
+    """As DirectEngine.moe."""
+
     def __init__(self, runner, optimizer, stage_modules: List[nn.Module], pp_group, precision: str, device: torch.device,
                  loss_context: Callable[[], ContextManager], sync_gradients: Callable[[], None]) -> None:
         self.runner = runner
@@ -126,6 +134,8 @@ class PipelineEngine:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
         self.runner.loss_scale = loss_scale
+        if self.moe is not None:
+            self.moe.grad_scale = loss_scale  # torch divides every gradient by the microbatches afterwards
         with self.loss_context(), autocast_context(self.precision, self.device.type):
             loss = self.runner.step(inputs if first else None, labels if last else None)
         self.sync_gradients()

@@ -138,6 +138,9 @@ class Trainer:
                           tokens_per_s=self.v.tokens_per_step / dt, loss_scale=scale if self.loss_scale else None,
                           skipped=not stepped)
 
+    def _group(self, name: str):
+        return self.mesh[name].get_group() if self.mesh.size(name) > 1 else None
+
     def evaluate(self) -> Optional[float]:
         if self.eval_batches is None:
             return None
@@ -162,6 +165,8 @@ class Trainer:
                       "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s}
             if result.loss_scale is not None:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
+            if getattr(self.engine, "moe", None) is not None:
+                record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             self.metrics.write(record)
             self.on_step_end(result.step)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):

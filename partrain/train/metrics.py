@@ -57,6 +57,9 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
+                elif isinstance(value, list):  # per-expert values: one curve each
+                    for i, item in enumerate(value):
+                        self.tb.add_scalar(f"{key}/{i}", item, step)
 
     def close(self) -> None:
         if self.file is not None:

@@ -76,6 +76,17 @@ class ParallelConfig:
     """Sequence/context-parallel degree (Ulysses or ring attention over sequence shards)."""
     ep: int = 1
     """Expert-parallel degree for MoE models; carved out of dp x sp ranks, does not multiply the world size."""
+    moe_capacity_factor: Optional[float] = None
+    """MoE only: expert capacity factor. Unset = dropless (every routed token reaches its experts). A value
+    cf > 0 caps each expert at ceil(cf x tokens x top_k / num_experts) token slots per layer and microbatch
+    (tokens = this rank's tokens); routed tokens over the cap are dropped (that expert adds nothing for them)."""
+    moe_aux_loss_coef: Optional[float] = None
+    """MoE only: weight of the router load-balancing loss added to the LM loss. Unset = the HF config's
+    router_aux_loss_coef, added by default (HF itself adds it only when output_router_logits is true);
+    0 = no aux loss."""
+    moe_z_loss_coef: float = 0.0
+    """MoE only: weight of the router z-loss (mean squared logsumexp of router logits, ST-MoE); 0 = off
+    (Mixtral, Qwen2-MoE and Qwen3-MoE have none in HF)."""
     order: List[str] = field(default_factory=lambda: list(AXES))
     """Rank order of the axes, fastest-varying first (default tp, sp, dp, pp as in Megatron)."""
     zero_stage: int = 0

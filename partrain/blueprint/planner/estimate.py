@@ -75,6 +75,7 @@ from partrain.blueprint.planner.memory import (
     end_activations,
     korthikanti_layer_bytes,
 )
+from partrain.blueprint.planner.moe_report import moe_report
 from partrain.blueprint.planner.params import (
     param_count,
 )
@@ -239,7 +240,7 @@ def _rank_estimate(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankEstima
     sp_traffic(spec, r, s, compute.attention_core, traffic)
     ep_traffic(spec, r, s, traffic)
     pp_traffic(spec, r, s, traffic)
-    dp_traffic(spec, memory.unsharded_param_elements, s, traffic)
+    dp_traffic(spec, r, memory.unsharded_param_elements, s, traffic)
     t_dp = traffic.t_dp_microbatch
     exposed = max(0.0, t_dp - compute.t_compute) if spec.dp_overlap else t_dp
     return RankEstimate(r, n_if, memory, compute, traffic, exposed)
@@ -328,6 +329,9 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
         detail["korthikanti_layer_bytes"] = korthikanti_layer_bytes(spec.seq, spec.mbs, f.hidden, f.heads, spec.tp,
                                                                    spec.tp_sp, spec.recompute)
         detail["counted_layer_bytes"] = s.acts[False][0] * spec.sp
+    if f.is_moe:
+        rec = s.passes_extra if spec.recompute == "full" else 0.0
+        detail["moe"] = moe_report(spec, s.tokens, s.act_bytes, rec, max(e.rank.sparse for e in per_rank), s.dt)
     detail["notes"] = _notes(spec, {**out, **detail}, worst.memory.total, worst.rank.pp_rank, eff)
     return detail
 
@@ -349,7 +353,15 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
     if spec.sp > 1:
         notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
     if spec.ep > 1:
-        notes.append("expert parallel: experts split over ep, their states sharded over the remaining dp x sp ranks")
+        notes.append(f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their "
+                     f"states sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over "
+                     f"edp = {est['moe']['edp']} ranks; all-to-all (dispatch + combine, forward + backward) at the ep link "
+                     f"({est['links']['ep']})")
+    if spec.facts.is_moe:
+        cf = spec.moe_capacity_factor
+        notes.append("MoE routing: " + ("dropless" if cf is None else f"capacity factor {cf:g}, "
+                     f"{est['moe']['capacity_per_expert']} slots per expert per rank and microbatch") +
+                     "; expected volumes assume balanced routing (the dropped share is unknown before training)")
     if cl.measured:
         comm_note = f"communication at the bus bandwidths measured per op in {cl.bandwidth_source.split(':', 1)[1]}"
         if cl.nodes > 1 and not any(key.startswith("inter/") for key, _ in cl.measured):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence, Tuple
 
 from partrain.blueprint.model_facts import ModelFacts
+from partrain.blueprint.planner.moe import kept_fraction
 from partrain.blueprint.planner.params import TensorSpec, layer_is_sparse, layer_tensors
 from partrain.blueprint.planner.spec import ModelExtras, PlanSpec
 
@@ -104,14 +105,15 @@ def dtypes(precision: str, mixed: str = "zero") -> Dtypes:
 
 
 def tensor_state_elements(tensors: Sequence[TensorSpec], tp: int, ep: int, n_dense: int, n_expert: int, zero_stage: int,
-                          shard_index: int = 0) -> Tuple[int, int, int, int]:
+                          shard_index: int = 0, expert_index: int = -1) -> Tuple[int, int, int, int]:
     """(parameter elements, FSDP optimizer elements, ZeRO-1 group of >= 2-D tensors, ZeRO-1 group of
     the rest) that the rank at position `shard_index` of its shard group holds of `tensors`.
 
     Gradients have the parameters' shape. Optimizer elements count Adam's moments once (multiply by
     the optimizer bytes per parameter); for ZeRO 0/1 they follow from the two groups
     (`zero1_optimizer_elements`). FSDP (ZeRO 2/3) cuts dim 0 of each local tensor as torch.chunk does;
-    position 0 holds the largest shards (the worst rank); experts shard over n_expert ranks.
+    position 0 holds the largest shards (the worst rank); experts shard over n_expert ranks (their
+    edp group), where the rank sits at `expert_index` (-1: the same position as shard_index).
     """
     params = optim = group2 = group1 = 0
     for t in tensors:
@@ -119,7 +121,8 @@ def tensor_state_elements(tensors: Sequence[TensorSpec], tp: int, ep: int, n_den
         numel = math.prod(shape)
         if zero_stage >= 2:
             n = n_expert if t.expert else n_dense
-            local = numel // shape[0] * _chunk_rows(shape[0], n, shard_index % n) if shape[0] else 0
+            index = expert_index if t.expert and expert_index >= 0 else shard_index
+            local = numel // shape[0] * _chunk_rows(shape[0], n, index % n) if shape[0] else 0
             params += local
             optim += local
         else:
@@ -215,7 +218,8 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
             # the routing-weighted output in fp32; the weight; two int64 indices.
             per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch == "qwen2_moe" else 4) + 16
-            replicated = tokens * (router + k * per_assign)
+            # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
+            replicated = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
             if f.arch == "qwen2_moe" and f.shared_expert_ffn:
                 replicated += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
         else:

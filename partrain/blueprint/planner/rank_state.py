@@ -5,7 +5,6 @@ copy), exactly as partrain's runtime shards them (`partrain plan --simulate` che
 from __future__ import annotations
 
 import functools
-import math
 from typing import Dict, List, Sequence, Tuple
 
 from partrain.blueprint.planner.bubble import chunk_layer_counts, rank_chunks
@@ -14,6 +13,7 @@ from partrain.blueprint.planner.memory import (
     tensor_state_elements,
     zero1_optimizer_elements,
 )
+from partrain.blueprint.planner.moe import expert_layer_elements, expert_shard
 from partrain.blueprint.planner.params import (
     TensorSpec,
     embed_tensors,
@@ -26,10 +26,11 @@ from partrain.blueprint.planner.spec import PlanSpec, spec_from_validated
 
 
 @functools.lru_cache(maxsize=65536)
-def group_parts(spec_key: Tuple, kind: Tuple, shard_index: int) -> Tuple[int, int, int, int]:
+def group_parts(spec_key: Tuple, kind: Tuple, shard_index: int, expert_index: int = -1) -> Tuple[int, int, int, int]:
     """tensor_state_elements of one kind of tensor group (a dense or MoE layer, embeddings, ...)."""
     facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
-    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index)
+    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index,
+                                 expert_index)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -49,7 +50,7 @@ def _kind_tensors(facts, extras, kind: Tuple) -> List[TensorSpec]:
 
 def spec_key(spec: PlanSpec) -> Tuple:
     n_dense = spec.shard
-    n_exp = max(1, n_dense // math.gcd(n_dense, spec.ep))
+    n_exp = expert_shard(spec)
     return (spec.facts, spec.extras, spec.tp, spec.ep, n_dense, n_exp, spec.zero_stage)
 
 
@@ -91,12 +92,14 @@ class PipelineRank:
         return out
 
 
-def rank_state_elements(spec: PlanSpec, rank: PipelineRank, shard_index: int = 0) -> Tuple[int, int, int, int]:
-    """(params, grads, optimizer, unsharded local params) elements of one rank."""
+def rank_state_elements(spec: PlanSpec, rank: PipelineRank, shard_index: int = 0,
+                        expert_index: int = -1) -> Tuple[int, int, int, int]:
+    """(params, grads, optimizer, unsharded local params) elements of one rank (at `shard_index` of
+    its dense shard group and `expert_index` of its edp group; -1 = shard_index)."""
     key = spec_key(spec)
     p = o = g2 = g1 = 0
     for kind, count in rank.kinds(spec):
-        pp_, oo, a2, a1 = group_parts(key, kind, shard_index)
+        pp_, oo, a2, a1 = group_parts(key, kind, shard_index, expert_index)
         p += pp_ * count
         o += oo * count
         g2 += a2 * count
@@ -104,7 +107,11 @@ def rank_state_elements(spec: PlanSpec, rank: PipelineRank, shard_index: int = 0
     if spec.zero_stage >= 2:
         unsharded = sum(group_parts(key[:-1] + (0,), kind, 0)[0] * count for kind, count in rank.kinds(spec))
         return p, p, o, unsharded
-    return p, p, zero1_optimizer_elements(g2, g1, spec.shard, spec.zero_stage), p
+    # With ep > 1 the experts are their own ZeRO-1 parameter group, sharded over their replicas (edp).
+    e2 = rank.sparse * expert_layer_elements(spec) if spec.ep > 1 and spec.zero_stage == 1 else 0
+    o = zero1_optimizer_elements(g2 - e2, g1, spec.shard, spec.zero_stage) + \
+        zero1_optimizer_elements(e2, 0, expert_shard(spec), 1)
+    return p, p, o, p
 
 
 def pipeline_ranks(spec: PlanSpec) -> List[PipelineRank]:
@@ -130,9 +137,9 @@ def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
     d = dtypes(spec.precision, spec.mixed)
     lay = v.layout
     out: List[int] = []
-    cache: Dict[Tuple[int, int], int] = {}
+    cache: Dict[Tuple[int, int, int], int] = {}
     for rank in range(lay.world_size):
-        key = (lay.base_coords(rank)["pp"], _shard_index(lay, rank))
+        key = (lay.base_coords(rank)["pp"], _shard_index(lay, rank), lay.coords(rank)["edp"])
         if key not in cache:
             p, g, o = predicted_rank_elements(spec, lay, rank)
             cache[key] = p * d.param + g * d.grad + o * d.optim
@@ -152,5 +159,6 @@ def _shard_index(lay, rank: int) -> int:
 def predicted_rank_elements(spec: PlanSpec, lay, rank: int) -> Tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) elements that global `rank` of layout `lay` holds;
     optimizer elements count each Adam moment's element once (multiply by the optimizer bytes)."""
-    p, g, o, _ = rank_state_elements(spec, pipeline_ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank))
+    p, g, o, _ = rank_state_elements(spec, pipeline_ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank),
+                                     lay.coords(rank)["edp"])
     return p, g, o

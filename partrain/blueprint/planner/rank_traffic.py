@@ -11,6 +11,7 @@ from partrain.blueprint.planner.comm import (
     all_reduce_bytes,
     all_to_all_bytes,
 )
+from partrain.blueprint.planner.moe import all_to_all_layer_bytes, expert_dp, expert_layer_elements, expert_shard
 from partrain.blueprint.planner.rank_state import PipelineRank
 from partrain.blueprint.planner.spec import PlanSpec
 from partrain.blueprint.planner.step_inputs import StepInputs, mixed_bandwidth
@@ -75,10 +76,8 @@ def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_fl
 def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
     if spec.ep == 1 or not r.sparse:
         return
-    f = spec.facts
-    per_tok = s.tokens / (spec.tp if spec.tp_sp else 1) * f.experts_per_token * f.hidden * s.act_bytes
     rec = s.passes_extra if spec.recompute == "full" else 0.0
-    out.ep = r.sparse * (4 + 2 * rec) * all_to_all_bytes(per_tok, spec.ep)
+    out.ep = r.sparse * all_to_all_layer_bytes(spec, s.tokens, s.act_bytes, rec)["total"]
     out.t_ep = out.ep / s.bw["ep/all_to_all"]
 
 
@@ -90,25 +89,34 @@ def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
     out.t_pp = out.pp / s.bw["pp/send_recv"]
 
 
-def dp_traffic(spec: PlanSpec, grad_elems: int, s: StepInputs, out: RankTraffic) -> None:
-    dt, n_dense = s.dt, spec.shard
+def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, out: RankTraffic) -> None:
+    dt = s.dt
+    # (elements, ranks that reduce their gradients, ranks that shard them, replicas of a shard):
+    # dense tensors over dp x sp; with ep > 1 the local experts over their edp replicas only.
+    experts = r.sparse * expert_layer_elements(spec) if spec.ep > 1 else 0
+    n_exp, edp = expert_shard(spec), expert_dp(spec)
+    replicas = spec.dp // (spec.dp_shard or spec.dp)
+    parts = [(grad_elems - experts, spec.dp * spec.sp, spec.shard, replicas), (experts, edp, n_exp, edp // n_exp)]
     out.dp_link = mixed_bandwidth(s.bw, "dp_sp", s.dp_ops)
-    if spec.zero_stage == 1:
-        out.zero1_gather = all_gather_bytes(grad_elems * dt.param, n_dense)
     if spec.zero_stage <= 1:
-        n = spec.dp * spec.sp
-        if n > 1:
+        for elems, n, n_shard, _ in parts:
+            if n <= 1 or not elems:
+                continue
+            if spec.zero_stage == 1:
+                out.zero1_gather += all_gather_bytes(elems * dt.param, n_shard)
             if spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32":
-                out.dp_step = all_gather_bytes(grad_elems * dt.grad, n) + out.zero1_gather
+                out.dp_step += all_gather_bytes(elems * dt.grad, n)
             else:
-                out.dp_step = all_reduce_bytes(grad_elems * dt.grad, n) + out.zero1_gather
+                out.dp_step += all_reduce_bytes(elems * dt.grad, n)
+        out.dp_step += out.zero1_gather
     else:
-        replicas = spec.dp // (spec.dp_shard or spec.dp)
         n_ag = 1 if spec.zero_stage == 2 else 2
-        out.dp_microbatch = n_ag * all_gather_bytes(s.gathered_param_bytes * grad_elems, n_dense)
-        grad_sync = all_gather_bytes(grad_elems * dt.grad, n_dense)
-        if replicas > 1:
-            grad_sync += all_reduce_bytes(grad_elems * dt.grad / n_dense, replicas)
+        grad_sync = 0.0
+        for elems, _, n_shard, reps in parts:
+            out.dp_microbatch += n_ag * all_gather_bytes(s.gathered_param_bytes * elems, n_shard)
+            grad_sync += all_gather_bytes(elems * dt.grad, n_shard)
+            if reps > 1:
+                grad_sync += all_reduce_bytes(elems * dt.grad / n_shard, reps)
         if spec.fsdp_sync_once:
             out.dp_step = grad_sync
         else:

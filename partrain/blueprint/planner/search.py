@@ -176,7 +176,8 @@ def base_spec(v_or_run, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpe
     return PlanSpec(facts=facts, extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
                     cluster=cluster_spec(cl), tp=1, pp=1, dp=max(1, world // sp), sp=sp, order=tuple(run.parallel.order),
                     sp_mode=run.parallel.sp_mode, seq=run.train.seq_len, mbs=1, global_batch=run.train.global_batch_size,
-                    precision=run.train.precision, mixed=mixed, dp_overlap=dp_overlap)
+                    precision=run.train.precision, mixed=mixed, dp_overlap=dp_overlap,
+                    moe_capacity_factor=run.parallel.moe_capacity_factor)
 
 
 def _run_config(run, spec: PlanSpec):

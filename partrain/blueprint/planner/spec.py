@@ -180,6 +180,8 @@ class PlanSpec:
     dp_overlap: bool = True
     """Data-parallel gradient reduction overlaps the backward pass (DDP/FSDP buckets, as partrain
     runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
+    moe_capacity_factor: Optional[float] = None
+    """MoE expert capacity factor (parallel.moe_capacity_factor); None = dropless (planner/moe.py)."""
 
     @property
     def world(self) -> int:
@@ -242,5 +244,5 @@ def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> Plan
         layers_per_chunk=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
         tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1, sp_mode=p.sp_mode, seq=t.seq_len, mbs=t.micro_batch_size,
         global_batch=v.global_batch_size, precision=t.precision, mixed=mixed, dp_overlap=dp_overlap,
-        fsdp_grad_sync=p.fsdp_grad_sync,
+        fsdp_grad_sync=p.fsdp_grad_sync, moe_capacity_factor=p.moe_capacity_factor,
     )

@@ -57,6 +57,12 @@ def render_estimate(est: dict, console) -> None:
     comm = est["comm_bytes_per_step"]
     perf.add_row("communication per rank per step", ", ".join(f"{k} {_bytes(v)}" for k, v in comm.items() if v) or "none")
     perf.add_row("links", ", ".join(f"{k}: {v}" for k, v in est["links"].items()))
+    moe = est.get("moe")
+    if moe:
+        cap = "dropless" if moe["capacity_factor"] is None else f"capacity {moe['capacity_per_expert']} per expert (cf {moe['capacity_factor']:g})"
+        perf.add_row("experts", f"{moe['experts_per_rank']} of {moe['experts']} per rank (ep {moe['ep']}, edp {moe['edp']}), "
+                                f"{moe['expert_params_per_rank']:,} expert parameters per rank of {moe['expert_params_total']:,}; "
+                                f"{cap}; all-to-all {_bytes(moe['all_to_all_bytes_per_microbatch'])} per microbatch")
     source = est.get("bandwidth_source", "nominal")
     perf.add_row("bandwidths", "nominal (cluster.intra_node_gbps / inter_node_gbps)" if source == "nominal" else
                  f"measured bus bandwidths, {source}")

@@ -1,0 +1,500 @@
+"""Expert parallelism for Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+transformers 5 keeps a layer's routed experts fused in one module with two 3-D parameters,
+`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], called as `experts(hidden, top_k_index,
+top_k_weights)` after the router (its `base_model_ep_plan` names `layers.*.mlp.experts` as the
+dispatch point and the two parameters as the grouped weights; the adapter says the same for
+families without a plan). `apply_ep` swaps each such module for `RoutedExperts`, which
+
+- keeps experts [ep_rank*E/ep, (ep_rank+1)*E/ep) only: its parameters are DTensors Shard(0) over
+  the ep mesh, under the same FQNs, so DCP saves full-model tensors and reshards across ep degrees;
+- routes token copies to the owning ranks and back (moe_dispatch.py), dropless unless
+  `parallel.moe_capacity_factor` is set (drops decided locally, so ep=1 drops the same tokens);
+- adds the router load-balancing and z losses to the gradient (not to the reported LM loss), and
+  counts tokens per expert for the metrics.
+
+It runs for every MoE model, ep=1 included (plain parameters then, no exchange), so a layout and
+its single-process reference compute the same losses. The router and the shared expert stay
+dense: replicated over ep, tensor-parallel as before. Routed experts are replicated over tp.
+
+Gradients: dense parameters average over dp x sp as before; expert parameters are summed over the
+expert-data-parallel group (edp, ranks holding the same experts) and divided by the dp x sp size,
+because each expert's local gradient already sums the contributions of its whole ep group.
+
+Losses (per MoE layer l, over the layer's local tokens of one microbatch; then the mean over layers):
+
+    aux_l = E * sum_e f_e * P_e    f_e: share of tokens routed to e (top-k, before drops),
+                                   P_e: mean router probability of e (HF's load_balancing_loss_func)
+    z_l   = mean_t logsumexp(router_logits_t)^2                                    (ST-MoE)
+    loss  = lm_loss + aux_coef * mean_l aux_l + z_coef * mean_l z_l
+
+The extra terms enter as gradients at each MoE block's output (a pass-through autograd Function,
+as Megatron's aux-loss scaler does), so pipeline stages need no extra loss plumbing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from partrain.models.adapters import Adapter
+from partrain.parallel import moe_dispatch
+
+# ---- settings and the per-run state shared by the MoE layers ----------------------------------
+
+@dataclass
+class MoESettings:
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    """MoE layers in the whole model (the losses average over them, whatever a pipeline stage holds)."""
+    capacity_factor: Optional[float] = None
+    aux_coef: float = 0.0
+    z_coef: float = 0.0
+
+
+@dataclass
+class MoERuntime:
+    """What the engine, the trainer and the MoE layers share for one run (one per process)."""
+
+    settings: MoESettings
+    grad_scale: float = 1.0
+    """Weight of the aux/z loss gradients in the next backward (the engine sets it like its LM loss'
+    weight: 1/microbatches times the fp16 loss scale; pipelines divide by microbatches later)."""
+    layers: List["RoutedExperts"] = field(default_factory=list)
+    totals: Optional[torch.Tensor] = None
+    """Per layer and expert, routed tokens summed over the steps so far (every rank's tokens)."""
+    dropped_total: Optional[torch.Tensor] = None
+    moe_layer_index: Dict[int, int] = field(default_factory=dict)
+    """Decoder-layer index -> position among the model's MoE layers."""
+
+    def local_expert_bytes(self) -> int:
+        """Bytes of the expert parameters this rank holds (its local shards)."""
+        total = 0
+        for layer in self.layers:
+            for p in (layer.gate_up_proj, layer.down_proj):
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += local.numel() * local.element_size()
+        return total
+
+    def step_metrics(self, dp_sp_group, pp_group) -> Dict[str, object]:
+        """Load statistics of the step just done, over every rank; collective on all ranks.
+
+        One [L, 2E+3] table (routed, dropped per expert; aux, z sums; forwards), each stage filling
+        its layers, summed over dp x sp (distinct tokens) and over pipeline stages (distinct layers).
+        """
+        s = self.settings
+        E, L = s.num_experts, s.num_moe_layers
+        table = torch.zeros(L, 2 * E + 3, dtype=torch.float64)
+        for layer in self.layers:
+            table[layer.moe_index] = layer.take_stats()
+        for group in (dp_sp_group, pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                table = _all_reduce_sum(table, group)
+        routed, dropped = table[:, :E], table[:, E:2 * E]
+        forwards = table[:, -1].clamp(min=1)
+        per_layer_mean = routed.mean(1).clamp(min=1e-12)
+        self.totals = routed if self.totals is None else self.totals + routed
+        self.dropped_total = dropped if self.dropped_total is None else self.dropped_total + dropped
+        out: Dict[str, object] = {
+            "moe_tokens_per_expert": [int(v) for v in routed.sum(0).tolist()],
+            "moe_imbalance": float((routed.max(1).values / per_layer_mean).max()),
+            "moe_aux_loss": float((table[:, -3] / forwards).mean()),
+        }
+        if s.z_coef:
+            out["moe_z_loss"] = float((table[:, -2] / forwards).mean())
+        if s.capacity_factor is not None:
+            out["moe_dropped_share"] = float(dropped.sum() / routed.sum().clamp(min=1))
+        return out
+
+    def summary(self) -> Optional[dict]:
+        """Expert load over the whole run, for summary.json and the CLI's table."""
+        if self.totals is None:
+            return None
+        per_layer = self.totals
+        mean = per_layer.mean(1).clamp(min=1e-12)
+        out = {
+            "num_experts": self.settings.num_experts,
+            "top_k": self.settings.top_k,
+            "tokens_per_expert": [[int(v) for v in row] for row in per_layer.tolist()],
+            "imbalance_per_layer": [float(v) for v in (per_layer.max(1).values / mean).tolist()],
+            "capacity_factor": self.settings.capacity_factor,
+        }
+        if self.settings.capacity_factor is not None and self.dropped_total is not None:
+            out["dropped_share"] = float(self.dropped_total.sum() / per_layer.sum().clamp(min=1))
+        return out
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum a CPU tensor over `group` (through the GPU when the group is NCCL's)."""
+    if dist.get_backend(group) == "nccl":
+        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, group=group)
+        return on_device.cpu()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESettings]:
+    """The MoE settings of a (meta) model and the run's parallel config; None for a dense model."""
+    if not adapter.is_moe:
+        return None
+    config = model.config
+    attr = experts_attr(adapter, config)
+    found = [e for e in (_experts_of(layer, attr) for layer in _layers(model, adapter).values()) if e is not None]
+    n_moe = len(found)
+    if n_moe == 0:
+        return None
+    experts = found[0]
+    aux = getattr(parallel, "moe_aux_loss_coef", None)
+    if aux is None:
+        aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return MoESettings(num_experts=experts.gate_up_proj.shape[0], top_k=int(config.num_experts_per_tok),
+                       num_moe_layers=n_moe, capacity_factor=getattr(parallel, "moe_capacity_factor", None),
+                       aux_coef=float(aux), z_coef=float(getattr(parallel, "moe_z_loss_coef", 0.0) or 0.0))
+
+
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+"""What RoutedExperts computes with: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+
+
+def experts_attr(adapter: Adapter, config) -> str:
+    """Where a layer's experts module is: transformers' `base_model_ep_plan` when the config class
+    has one (its "ep_dispatch_experts" entry, with "grouped_gemm" weights), else the adapter."""
+    plan = adapter.hf_plan(config, "ep") or {}
+    prefix = adapter.layer_prefix + ".*."
+    dispatch = [k[len(prefix):] for k, style in plan.items() if style == "ep_dispatch_experts" and k.startswith(prefix)]
+    if not dispatch:
+        return adapter.experts_attr
+    attr = dispatch[0]
+    weights = tuple(sorted(k[len(prefix) + len(attr) + 1:] for k, style in plan.items()
+                           if style == "grouped_gemm" and k.startswith(prefix + attr + ".")))
+    if weights != tuple(sorted(FUSED_EXPERT_PARAMS)):
+        raise NotImplementedError(f"{config.model_type}: transformers' expert plan names weights {weights}; partrain's "
+                                  f"routed experts compute with {FUSED_EXPERT_PARAMS}")
+    return attr
+
+
+def _experts_of(layer: nn.Module, attr: str) -> Optional[nn.Module]:
+    try:
+        module = layer.get_submodule(attr)
+    except AttributeError:  # a dense layer (Qwen2-MoE mlp_only_layers)
+        return None
+    return module if hasattr(module, FUSED_EXPERT_PARAMS[0]) else None
+
+
+def _layers(model: nn.Module, adapter: Adapter) -> Dict[int, nn.Module]:
+    """Decoder layers by their index in the full model (a pipeline stage keeps the original keys)."""
+    container = adapter.layers(model)
+    if isinstance(container, nn.ModuleDict):
+        return {int(k): v for k, v in container.items()}
+    return dict(enumerate(container))
+
+
+# ---- the module ---------------------------------------------------------------------------------
+
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on the MoE output; in backward also sends d(extra loss) = grad_scale into `extra`."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, extra: torch.Tensor, runtime: MoERuntime) -> torch.Tensor:
+        ctx.runtime = runtime
+        return output.clone()  # not a view: FSDP's pre-backward hook must stay on what leaves the module
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.runtime.grad_scale, dtype=torch.float32, device=grad.device), None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity; multiplies the gradient by `factor` (exact for the powers of two used here)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def _in_recompute() -> bool:
+    """True while autograd runs (activation recomputation re-enters forward then): count once."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RoutedExperts(nn.Module):
+    """Drop-in for HF's fused experts module (same call, same parameter names), expert parallel."""
+
+    def __init__(self, hf_experts: nn.Module, runtime: MoERuntime, moe_index: int, ep_mesh) -> None:
+        super().__init__()
+        self.gate_up_proj = hf_experts.gate_up_proj
+        self.down_proj = hf_experts.down_proj
+        self.act_fn = hf_experts.act_fn
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.runtime = runtime
+        self.moe_index = moe_index
+        """Position among the model's MoE layers (rows of the metrics table)."""
+        self.ep_mesh = ep_mesh
+        self.ep = ep_mesh.size() if ep_mesh is not None else 1
+        self.router_logits: Optional[torch.Tensor] = None
+        """Set by a hook on the router just before this module runs."""
+        self._stats = torch.zeros(2 * self.num_experts + 3, dtype=torch.float64)
+        self.grad_factor = 1.0
+        """Under FSDP: 1/ep, so FSDP's average over edp becomes the sum over edp / (dp x sp)."""
+
+    def take_stats(self) -> torch.Tensor:
+        stats, self._stats = self._stats, torch.zeros_like(self._stats)
+        return stats
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, ep={self.ep}"
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        s = self.runtime.settings
+        E, tokens = self.num_experts, hidden_states.shape[0]
+        cap = moe_dispatch.capacity(s.capacity_factor, tokens, s.top_k, E)
+        routing = moe_dispatch.route(top_k_index, E, cap)
+        x = hidden_states[routing.token]
+        if self.ep > 1:
+            group = self.ep_mesh.get_group()
+            x, recv_counts, splits = moe_dispatch.dispatch(x, routing.kept, group, self.ep)
+            y = self._run_experts(x, recv_counts)
+            y = moe_dispatch.combine(y, splits, group)
+        else:
+            y = self._run_experts(x, routing.kept.view(1, -1))
+        weights = top_k_weights.reshape(-1)[routing.slot]
+        y = y * weights.unsqueeze(-1)
+        out = torch.zeros_like(hidden_states).index_add_(0, routing.token, y.to(hidden_states.dtype))
+        logits, self.router_logits = self.router_logits, None
+        counting = self.training and torch.is_grad_enabled() and not _in_recompute()
+        extra = self._router_losses(logits, routing.counts, tokens, counting)
+        if counting:
+            st = self._stats
+            st[:E] += routing.counts.double().cpu()
+            st[E:2 * E] += (routing.counts - routing.kept).double().cpu()
+            st[-1] += 1
+        if extra is not None and torch.is_grad_enabled():
+            out = _AddLossGradient.apply(out, extra, self.runtime)
+        return out
+
+    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows grouped by source then local expert; counts [sources, local experts]."""
+        gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
+        if self.grad_factor != 1.0:
+            gate_up, down = _ScaleGradient.apply(gate_up, self.grad_factor), _ScaleGradient.apply(down, self.grad_factor)
+        perm = moe_dispatch.by_local_expert(counts)
+        xs = x[perm]
+        outs = []
+        # Every local expert runs, even on no rows: each parameter then always gets a gradient
+        # (zero for idle experts), so the gradient sync sees the same tensors on every rank.
+        for e, chunk in enumerate(xs.split(counts.sum(0).tolist())):
+            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, down[e]))
+        ys = torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
+        return torch.empty_like(ys).index_copy_(0, perm, ys) if ys.numel() else ys
+
+    def _router_losses(self, logits: Optional[torch.Tensor], counts: torch.Tensor, tokens: int,
+                       counting: bool) -> Optional[torch.Tensor]:
+        s = self.runtime.settings
+        if logits is None or tokens == 0:
+            return None
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        logits = logits.float()
+        probs = torch.softmax(logits, dim=-1)
+        aux = s.num_experts * torch.sum(counts.to(probs.dtype) / tokens * probs.mean(0))
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if counting:
+            self._stats[-3] += float(aux.detach())
+            self._stats[-2] += float(z.detach())
+        if not (s.aux_coef or s.z_coef):
+            return None
+        return (s.aux_coef * aux + s.z_coef * z) / s.num_moe_layers
+
+
+def _keep_router_logits(experts: RoutedExperts):
+    def hook(_module, _inputs, output):
+        experts.router_logits = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
+# ---- applying it --------------------------------------------------------------------------------
+
+def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -> List[RoutedExperts]:
+    """Swap every experts module of `model` (a whole model or a pipeline stage, on meta) for a
+    `RoutedExperts` holding this rank's experts. Before FSDP; after tensor parallelism."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    moe_order = runtime.moe_layer_index
+    swapped = []
+    ep = ep_mesh.size() if ep_mesh is not None else 1
+    attr_path = experts_attr(adapter, model.config)
+    for index, layer in _layers(model, adapter).items():
+        hf = _experts_of(layer, attr_path)
+        if hf is None:
+            continue
+        if ep > 1:
+            rank, local = ep_mesh.get_local_rank(), hf.gate_up_proj.shape[0] // ep
+            for name in FUSED_EXPERT_PARAMS:
+                full = getattr(hf, name)
+                piece = full.detach()[rank * local:(rank + 1) * local]
+                setattr(hf, name, nn.Parameter(DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)))
+        new = RoutedExperts(hf, runtime, moe_order[index], ep_mesh if ep > 1 else None)
+        parent_path, _, attr = attr_path.rpartition(".")
+        setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, new)
+        adapter.router(layer).register_forward_hook(_keep_router_logits(new))
+        swapped.append(new)
+    runtime.layers.extend(swapped)
+    return swapped
+
+
+def new_runtime(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoERuntime]:
+    """The run's MoE state from the full meta model (before any pipeline split); None if dense."""
+    settings = settings_for(model, adapter, parallel)
+    if settings is None:
+        return None
+    attr = experts_attr(adapter, model.config)
+    moe_layers = [i for i, layer in sorted(_layers(model, adapter).items()) if _experts_of(layer, attr) is not None]
+    return MoERuntime(settings, moe_layer_index={layer: k for k, layer in enumerate(moe_layers)})
+
+
+def shard_experts_fsdp(model: nn.Module, mesh, zero_stage: int, precision: str) -> None:
+    """FSDP for the experts on their own mesh (edp: ranks holding the same experts), before the
+    layers are sharded over dp x sp (which then skips the experts' parameters).
+
+    FSDP averages over its mesh (edp); the expert gradient already sums the ep group's tokens, so
+    the right divisor is the whole dp x sp size: the missing 1/ep is applied in the experts'
+    backward (FSDP's set_gradient_divide_factor needs ReduceOp.PREMUL_SUM, which gloo lacks).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from partrain.parallel.precision import mixed_precision_policy
+
+    policy = mixed_precision_policy(precision)
+    extra = {"mp_policy": policy} if policy is not None else {}
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            fully_shard(module, mesh=mesh["edp"], reshard_after_forward=zero_stage == 3, **extra)
+            module.grad_factor = 1.0 / mesh.size("ep")
+
+
+def expert_parameters(parts: Sequence[nn.Module]) -> List[nn.Parameter]:
+    seen, out = set(), []
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, RoutedExperts):
+                for p in module.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+    return out
+
+
+def _local_grads(params) -> List[torch.Tensor]:
+    grads = []
+    for p in params:
+        if p.grad is None:
+            # Not expected (every local expert runs each step), but a missing gradient must not
+            # shift the flat buffer between ranks.
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    return grads
+
+
+def _sum_into(grads: List[torch.Tensor], group, divisor: int) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sync_gradients(parts: Sequence[nn.Module], mesh) -> None:
+    """Without FSDP: dense gradients averaged over dp x sp, expert gradients summed over edp and
+    divided by the dp x sp size (see the module docstring)."""
+    experts = {id(p) for p in expert_parameters(parts)}
+    dense, seen = [], set()
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is not None and id(p) not in seen and id(p) not in experts:
+                seen.add(id(p))
+                dense.append(p)
+    size = mesh.size("dp_sp")
+    if size > 1:
+        _sum_into(_local_grads(dense), mesh["dp_sp"].get_group(), size)
+    edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
+    if size > 1:
+        _sum_into(_local_grads(expert_parameters(parts)), edp, size)
+
+
+# ---- ZeRO-1 with expert parallelism --------------------------------------------------------------
+
+class ExpertSplitOptimizer:
+    """ZeRO-1 under expert parallelism: the dense parameters' state sharded over dp_shard by a
+    `ShardedOptimizer` (they are the same on every dp x sp rank), the expert shards (different on
+    each ep rank, already 1/ep of the experts) in a plain AdamW of their own.
+
+    The trainer sees one optimizer (param_groups, zero_grad, step, state_bytes); checkpoints save
+    both halves under the same per-parameter FQN keys as any other layout (checkpoint/state.py).
+    """
+
+    def __init__(self, dense, experts: torch.optim.Optimizer) -> None:
+        self.dense = dense
+        self.experts = experts
+
+    @property
+    def param_groups(self):
+        return [*self.dense.param_groups, *self.experts.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none)
+        self.experts.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.dense.step()
+        self.experts.step()
+
+    def state_bytes(self) -> int:
+        total = self.dense.state_bytes()
+        for state in self.experts.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    total += local.numel() * local.element_size()
+        return total
+
+
+def is_expert_shard(p: torch.Tensor) -> bool:
+    """An expert parameter sharded over the ep mesh (ZeRO-1 refuses tensor parallelism, so under
+    ZeRO-1 these are the only DTensor parameters)."""
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is not None and mesh.mesh_dim_names == ("ep",)
+
+
+def zero1_optimizer(groups, make_sharded, make_plain) -> ExpertSplitOptimizer:
+    """Split parameter groups into dense (-> make_sharded) and expert shards (-> make_plain)."""
+    dense, experts = [], []
+    for g in groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        d = [p for p in g["params"] if not is_expert_shard(p)]
+        e = [p for p in g["params"] if is_expert_shard(p)]
+        if d:
+            dense.append({**hyper, "params": d})
+        if e:
+            experts.append({**hyper, "params": e})
+    return ExpertSplitOptimizer(make_sharded(dense), make_plain(experts))
