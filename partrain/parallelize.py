@@ -21,6 +21,7 @@ from .models.build import build_meta_model
 from .models.init import materialize
 from .models.loss import token_loss
 from .parallel import data_parallel
+from .parallel.context_parallel import apply_sp, sequence_shard
 from .parallel.recompute import apply_recompute
 from .parallel.tensor_parallel import apply_tp, loss_context, shard_embedding_gradient
 from .runtime.mesh import ParallelMesh
@@ -31,6 +32,7 @@ from .train.optim import param_groups
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter) -> None:
     p = v.run.parallel
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode), v.run.train.seq_len)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
     if data_parallel.uses_fsdp(p.zero_stage):
         data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
@@ -80,7 +82,9 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device):
         shard_embedding_gradient(model, held.adapter)
         model.train()
         dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
-        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        shard = sequence_shard(mesh, run.parallel.sp_mode)
+        return DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx,
+                            **({"forward_loss": shard.forward_loss} if shard else {}))
     return _pipeline_engine(v, mesh, device, held, loss_ctx)
 
 
@@ -101,7 +105,9 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     # DTensor activations (sequence parallel) and autocast change what flows between stages:
     # let torch infer the shapes then.
     static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
-    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
-                            microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
+    shard = sequence_shard(mesh, p.sp_mode)  # context parallelism: local tokens, its own loss
+    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches,
+                            shard.loss if shard else token_loss, device, microbatch_size=run.train.micro_batch_size,
+                            seq_len=run.train.seq_len // mesh.size("sp"), static_shapes=static)
     sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
     return PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)

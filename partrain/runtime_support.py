@@ -15,7 +15,7 @@ from .config.validate import ValidatedRun
 IMPLEMENTED = {
     "tp": True,
     "pp": True,
-    "sp": False,
+    "sp": True,
     "ep": False,
     "recompute": True,
     "checkpoint": True,

@@ -68,4 +68,7 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
         "dp": _flatten(world, in_mesh_order("dp_replicate", "dp_shard"), "dp"),
         "dp_sp": _flatten(world, in_mesh_order("dp_replicate", "dp_shard", "sp"), "dp_sp"),
     }
+    if layout.sp > 1 and layout.dp_shard < layout.dp:
+        # Hybrid FSDP with sequence parallelism shards over dp_shard x sp (data_parallel.fsdp_mesh).
+        flat["dp_shard_sp"] = _flatten(world, in_mesh_order("dp_shard", "sp"), "dp_shard_sp")
     return ParallelMesh(world=world, layout=layout, flat=flat)
