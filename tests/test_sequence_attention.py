@@ -16,7 +16,7 @@ def _full(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64):
+def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64, kernel="auto"):
     """Max abs difference of output, dq, dk, dv between the sharded op and the full attention slice."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, w = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(4))
@@ -29,7 +29,7 @@ def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64):
     if mode == "ulysses":
         out = ulysses_attention(*local, group, lambda a, b, c: _full(a, b, c, causal))
     else:
-        out = ring_attention(*local, group, causal=causal, zigzag=mode == "zigzag")
+        out = ring_attention(*local, group, causal=causal, zigzag=mode == "zigzag", block_kernel=kernel)
     (out * w[:, :, pos].to(dtype)).sum().backward()
     errs = [(out.double() - ref[:, :, pos]).abs().max()]
     errs += [(loc.grad.double() - ref_t.grad[:, :, pos]).abs().max() for loc, ref_t in zip(local, full)]
@@ -42,14 +42,17 @@ def _all_cases(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
     results = {}
-    for mode in ("zigzag", "contiguous"):
-        for causal in (True, False):
-            results[f"ring-{mode}-causal{int(causal)}-sp4"] = _case(4, rank, None, mode, causal, seed=1)
-            results[f"ring-{mode}-causal{int(causal)}-sp2"] = _case(2, rank % 2, pair, mode, causal, seed=2 + rank // 2)
+    for kernel in ("flash_cpu", "math"):
+        for mode in ("zigzag", "contiguous"):
+            for causal in (True, False):
+                name = f"ring-{kernel}-{mode}-causal{int(causal)}"
+                results[f"{name}-sp4"] = _case(4, rank, None, mode, causal, 1, kernel=kernel)
+                results[f"{name}-sp2"] = _case(2, rank % 2, pair, mode, causal, 2 + rank // 2, kernel=kernel)
     results["ulysses-causal-sp2"] = _case(2, rank % 2, pair, "ulysses", True, seed=5)
     results["ulysses-sp4"] = _case(4, rank, None, "ulysses", False, seed=6)
     # bf16 inputs: the merge still accumulates in fp32, so the error is bf16 rounding, not worse
-    results["bf16-ring-zigzag-causal-sp4"] = _case(4, rank, None, "zigzag", True, seed=1, dtype=torch.bfloat16)
+    for kernel in ("flash_cpu", "math"):
+        results[f"bf16-ring-{kernel}-sp4"] = _case(4, rank, None, "zigzag", True, 1, torch.bfloat16, kernel)
     try:  # 3 heads over sp=2: refused before any collective
         ulysses_attention(*(torch.zeros(1, 3, 4, 2) for _ in range(3)), pair, lambda a, b, c: a)
         results["ulysses-refuses-3-heads"] = False
@@ -62,8 +65,8 @@ def _all_cases(rank, world):
 def test_ring_and_ulysses_match_full_attention(tmp_path):
     for rank, results in enumerate(run_spawned(_all_cases, 4, tmp_path)):
         assert results.pop("ulysses-refuses-3-heads") is True
-        assert results.pop("bf16-ring-zigzag-causal-sp4") < 0.05
-        assert len(results) == 10
+        assert results.pop("bf16-ring-flash_cpu-sp4") < 0.05 and results.pop("bf16-ring-math-sp4") < 0.05
+        assert len(results) == 18
         for name, err in results.items():
             assert err < 1e-6, (rank, name, err)
 
@@ -90,7 +93,9 @@ def test_bad_shapes_are_refused():
 def test_size_one_group_is_plain_attention():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 8, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    for zigzag in (True, False):
-        out = ring_attention(q, k, v, None, causal=True, zigzag=zigzag)
-        assert torch.allclose(out, _full(q, k, v, True), atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True), (q, k, v))
+    for kernel in ("flash_cpu", "math"):
+        for zigzag in (True, False):
+            out = ring_attention(q, k, v, None, causal=True, zigzag=zigzag, block_kernel=kernel)
+            assert torch.allclose(out, _full(q, k, v, True), atol=1e-12)
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel), (q, k, v))

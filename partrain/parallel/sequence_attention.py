@@ -16,8 +16,10 @@ Ulysses (`ulysses_attention`): an all-to-all turns sequence shards into head sha
 the whole sequence for heads/sp heads), any attention runs on that, an all-to-all turns the output
 back. The backward of each all-to-all is the inverse all-to-all.
 
-Per-block math is plain matmul/softmax in fp32 (fp64 inputs stay fp64) so it runs alike on CPU and
-CUDA; nothing here is device specific: buffers follow the inputs' device.
+Per-block math: torch's fused CPU flash-attention kernel (it returns the log-sum-exp) on CPU, and
+plain matmul/softmax in fp32 (fp64 stays fp64) elsewhere, so the same code runs on CUDA/NCCL; the
+merge of partial results and the dK/dV accumulators are fp32 whatever the input dtype. Nothing here
+is device specific: buffers follow the inputs' device.
 """
 
 from __future__ import annotations
@@ -125,6 +127,52 @@ def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
     return s
 
 
+# A block kernel computes one (query range, key range) block: forward gives the block's output and
+# the log-sum-exp of its scaled scores; backward gives the block's dq, dk, dv from the GLOBAL output
+# and log-sum-exp (softmax probabilities of the whole row), which makes the block terms add up to
+# the full gradient. "math" is portable matmul/softmax in fp32 (fp64 stays fp64); "flash_cpu" is
+# torch's fused CPU flash-attention kernel, which returns the log-sum-exp (about 4x faster here).
+
+def _math_fwd(q, k, v, scale, diag):
+    cdt = _compute_dtype(q)
+    s = _scores(q.to(cdt), k.to(cdt), scale, diag)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(cdt)), lse
+
+
+def _math_bwd(do, q, k, v, out, lse, scale, diag):
+    cdt = lse.dtype
+    q, k, v, do = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
+    p = torch.exp(_scores(q, k, scale, diag) - lse[..., None])
+    delta = (do * out.to(cdt)).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta)
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), do))
+
+
+def _flash_cpu_fwd(q, k, v, scale, diag):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diag, scale=scale)
+
+
+def _flash_cpu_bwd(do, q, k, v, out, lse, scale, diag):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.to(q.dtype).contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, diag, scale=scale)
+
+
+_KERNELS = {"math": (_math_fwd, _math_bwd), "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd)}
+
+
+def _pick_kernel(name: str, q: Tensor) -> str:
+    if name == "auto":
+        fused = q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        return "flash_cpu" if fused else "math"
+    if name not in _KERNELS:
+        raise ValueError(f"block_kernel={name!r}: choose auto, math or flash_cpu")
+    if name == "flash_cpu" and q.device.type != "cpu":
+        raise ValueError(f"block_kernel=flash_cpu runs on CPU tensors only; these are on {q.device}")
+    return name
+
+
 class _Ring:
     """Point-to-point exchange with the ring neighbours: send to rank+1, receive from rank-1."""
 
@@ -147,14 +195,14 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, sp, rank, causal, zigzag, scale):
+    def forward(ctx, q, k, v, group, sp, rank, causal, zigzag, scale, kernel):
+        block_fwd = _KERNELS[kernel][0]
         cdt = _compute_dtype(q)
         b, h, n, _ = q.shape
-        qc = q.to(cdt)
         out = torch.zeros(b, h, n, v.shape[-1], dtype=cdt, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), dtype=cdt, device=q.device)
         ring = _Ring(group, sp, rank) if sp > 1 else None
-        kv = torch.stack([k, v]) if k.shape == v.shape else None
+        kv = torch.stack([k, v]) if k.shape == v.shape else None  # one message per step when shapes allow
         cur_k, cur_v = k, v
         for step in range(sp):
             src = (rank - step) % sp
@@ -166,11 +214,9 @@ class _RingAttention(torch.autograd.Function):
                     nxt_v, reqs_v = ring.start(cur_v.contiguous(), 1)
                     reqs = reqs_k + reqs_v
             kc, vc = (kv[0], kv[1]) if kv is not None else (cur_k, cur_v)
-            kc, vc = kc.to(cdt), vc.to(cdt)
             for qs, ks, diag in _block_plan(rank, src, sp, n, zigzag, causal):
-                s = _scores(qc[:, :, qs], kc[:, :, ks], scale, diag)
-                blk_lse = torch.logsumexp(s, dim=-1)
-                blk_out = torch.matmul(torch.exp(s - blk_lse[..., None]), vc[:, :, ks])
+                blk_out, blk_lse = block_fwd(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], scale, diag)
+                blk_out, blk_lse = blk_out.to(cdt), blk_lse.to(cdt)
                 old = lse[:, :, qs]
                 new = torch.logaddexp(old, blk_lse)
                 out[:, :, qs] = out[:, :, qs] * torch.exp(old - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
@@ -183,22 +229,20 @@ class _RingAttention(torch.autograd.Function):
                     cur_k, cur_v = nxt_k, nxt_v
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)  # output kept in the inputs' dtype, as flash attention does
-        ctx.cfg = (group, sp, rank, causal, zigzag, scale)
+        ctx.cfg = (group, sp, rank, causal, zigzag, scale, kernel)
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, sp, rank, causal, zigzag, scale = ctx.cfg
+        group, sp, rank, causal, zigzag, scale, kernel = ctx.cfg
+        block_bwd = _KERNELS[kernel][1]
         cdt = lse.dtype
         n = q.shape[2]
-        qc, do = q.to(cdt), dout.to(cdt)
-        delta = (do * out.to(cdt)).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
-        dq = torch.zeros_like(qc)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         ring = _Ring(group, sp, rank) if sp > 1 else None
         kv = torch.stack([k, v]) if k.shape == v.shape else None
         cur_k, cur_v = k, v
-        dkv = None  # fp32 dK/dV accumulator of the block held now; it travels with the block
         for step in range(sp):
             src = (rank - step) % sp
             if step < sp - 1:
@@ -209,26 +253,22 @@ class _RingAttention(torch.autograd.Function):
                     nxt_v, reqs_v = ring.start(cur_v.contiguous(), 1)
                     reqs = reqs_k + reqs_v
             kc, vc = (kv[0], kv[1]) if kv is not None else (cur_k, cur_v)
-            kc, vc = kc.to(cdt), vc.to(cdt)
-            dk_blk = torch.zeros_like(kc)
-            dv_blk = torch.zeros_like(vc)
+            dk_blk = torch.zeros(kc.shape, dtype=cdt, device=q.device)
+            dv_blk = torch.zeros(vc.shape, dtype=cdt, device=q.device)
             for qs, ks, diag in _block_plan(rank, src, sp, n, zigzag, causal):
-                qb, kb, vb, dob = qc[:, :, qs], kc[:, :, ks], vc[:, :, ks], do[:, :, qs]
-                p = torch.exp(_scores(qb, kb, scale, diag) - lse[:, :, qs, None])
-                dv_blk[:, :, ks] += torch.matmul(p.transpose(-1, -2), dob)
-                ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[:, :, qs, None])
-                dq[:, :, qs] += torch.matmul(ds, kb) * scale
-                dk_blk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qb) * scale
-            if step > 0:  # the accumulator for this block arrives from the previous rank
+                gq, gk, gv = block_bwd(dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks], out[:, :, qs],
+                                       lse[:, :, qs], scale, diag)
+                dq[:, :, qs] += gq
+                dk_blk[:, :, ks] += gk
+                dv_blk[:, :, ks] += gv
+            if step > 0:  # the fp32 dK/dV accumulator of this block arrives from the previous rank
                 _Ring.finish(dreqs)
                 dk_blk += dkv_in[0]
                 dv_blk += dkv_in[1]
             dkv = (dk_blk, dv_blk)
-            if sp > 1:  # pass it on; after the last step it lands on the block's owner
-                packed = torch.stack(dkv) if dk_blk.shape == dv_blk.shape else None
-                if packed is not None:
-                    recv, dreqs = ring.start(packed, 2)
-                    dkv_in = recv
+            if sp > 1:  # pass it on with the block; after the last step it lands on the block's owner
+                if dk_blk.shape == dv_blk.shape:
+                    dkv_in, dreqs = ring.start(torch.stack(dkv), 2)
                 else:
                     rk, rq_k = ring.start(dk_blk, 2)
                     rv, rq_v = ring.start(dv_blk, 3)
@@ -244,7 +284,7 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = dkv_in[0], dkv_in[1]
         else:
             dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -257,7 +297,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigzag: bool,
-                   scale: Optional[float] = None) -> Tensor:
+                   scale: Optional[float] = None, block_kernel: str = "auto") -> Tensor:
     """Attention of the local queries over the whole sequence, K/V passed around the sp group.
 
     q, k, v: [batch, heads, local_seq, head_dim] (same head count); with zigzag=True the local
@@ -272,7 +312,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigz
     sp, rank = _group_size_rank(group)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _RingAttention.apply(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale))
+    kernel = _pick_kernel(block_kernel, q)
+    return _RingAttention.apply(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
 
 
 # ---------------------------------------------------------------------------------------------
