@@ -97,5 +97,6 @@ def test_size_one_group_is_plain_attention():
         for zigzag in (True, False):
             out = ring_attention(q, k, v, None, causal=True, zigzag=zigzag, block_kernel=kernel)
             assert torch.allclose(out, _full(q, k, v, True), atol=1e-12)
+        small = [t.detach()[:1, :2, :4, :2].clone().requires_grad_(True) for t in (q, k, v)]
         assert torch.autograd.gradcheck(
-            lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel), (q, k, v))
+            lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel), small)

@@ -199,7 +199,9 @@ class _RingAttention(torch.autograd.Function):
         block_fwd = _KERNELS[kernel][0]
         cdt = _compute_dtype(q)
         b, h, n, _ = q.shape
-        out = torch.zeros(b, h, n, v.shape[-1], dtype=cdt, device=q.device)
+        # [b, n, h, d] in memory: the caller's transpose(1, 2).contiguous() (HF attention does it
+        # before o_proj) is then free and o_proj saves the very storage saved here.
+        out = torch.zeros(b, n, h, v.shape[-1], dtype=cdt, device=q.device).transpose(1, 2)
         lse = torch.full((b, h, n), float("-inf"), dtype=cdt, device=q.device)
         ring = _Ring(group, sp, rank) if sp > 1 else None
         kv = torch.stack([k, v]) if k.shape == v.shape else None  # one message per step when shapes allow
@@ -336,7 +338,9 @@ def _head_to_seq(x: Tensor, group, sp: int) -> Tensor:
     send = x.reshape(b, hl, sp, n, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0: destination = slice
     recv = torch.empty_like(send)  # dim 0: source rank = which head group
     dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, hl * sp, n, d)
+    # Laid out [b, n, h, d] in memory, so the caller's transpose(1, 2).contiguous() before the output
+    # projection is free.
+    return recv.permute(1, 3, 0, 2, 4).reshape(b, n, hl * sp, d).transpose(1, 2)
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -347,7 +351,7 @@ class _SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _head_to_seq(g.contiguous(), ctx.group, ctx.sp), None, None
+        return _head_to_seq(g, ctx.group, ctx.sp), None, None
 
 
 class _HeadToSeq(torch.autograd.Function):
@@ -358,7 +362,7 @@ class _HeadToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_head(g.contiguous(), ctx.group, ctx.sp), None, None
+        return _seq_to_head(g, ctx.group, ctx.sp), None, None
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
