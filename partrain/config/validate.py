@@ -253,9 +253,12 @@ def _tp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
               f"pad it: model.config.vocab_size={padded}, or {fix}")
     # ZeRO-1 x TP and Megatron-SP on learned positions are consistent layouts this version cannot train:
     # runtime_support.unsupported_features says so (the dry run plans them, `train` refuses them).
-    if run.parallel.tp_sequence_parallel and run.train.seq_len % tp:
-        c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over tp={tp} ranks",
-              f"use a multiple of {tp}, e.g. {-(-run.train.seq_len // tp) * tp}")
+    # Megatron-SP splits each sp rank's tokens (seq_len / sp) again over tp.
+    cut = tp * d["sp"]
+    if run.parallel.tp_sequence_parallel and run.train.seq_len % cut:
+        over = f"tp={tp} ranks" if cut == tp else f"tp x sp = {cut} ranks"
+        c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over {over}",
+              f"use a multiple of {cut}, e.g. {-(-run.train.seq_len // cut) * cut}")
     if tp > cl.devices_per_node and not cl.allow_tp_across_nodes:
         c.add("parallel.tp", tp, f"a tensor-parallel group must fit in one node (cluster.devices_per_node={cl.devices_per_node})",
               f"use tp <= {cl.devices_per_node}, or set cluster.allow_tp_across_nodes=true")
@@ -368,8 +371,13 @@ def _sp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
         for name, heads in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
             if not c.check(heads % (tp * sp) == 0, "parallel.sp", sp,
                            f"Ulysses gives each rank heads / (tp x sp); the model's {heads} {name} are not divisible by tp x sp = {tp * sp}",
-                           "use parallel.sp_mode=ring, or an sp that divides the heads"):
+                           f"use parallel.sp_mode=ring, or a Ulysses sp in {_ulysses_sps(facts, tp)}"):
                 break  # one message per rule
+
+
+def _ulysses_sps(facts: ModelFacts, tp: int) -> List[int]:
+    """The sp degrees Ulysses allows with this tp: tp x sp divides the heads and the KV heads."""
+    return [s for s in divisors(math.gcd(facts.heads, facts.kv_heads)) if facts.heads % (tp * s) == 0 and facts.kv_heads % (tp * s) == 0]
 
 
 def _dp_shard(c: _Collector, run: RunConfig, dp: int) -> int:

@@ -28,6 +28,7 @@ checkpoints do not depend on the sp degree.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +42,8 @@ from . import sequence_attention as ops
 
 ATTENTION_NAMES = {"ulysses": "partrain_ulysses", "ring": "partrain_ring"}
 """The `config._attn_implementation` name of each sp mode (entries in transformers' registries)."""
+
+log = logging.getLogger("partrain")
 
 SP_ATTR = "partrain_sp"
 """Attribute set on each attention module: the `SequenceShard` its attention runs over."""
@@ -158,8 +161,8 @@ def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                            "did not give it an sp group")
     if attention_mask is not None:
         raise NotImplementedError("sequence-parallel attention supports causal attention without padding masks")
-    if dropout:
-        raise NotImplementedError("sequence-parallel attention does not implement attention dropout")
+    if dropout and shard.mode == "ring":  # apply_sp refuses such models; never drop it silently
+        raise NotImplementedError("ring attention does not implement attention dropout")
     causal = bool(getattr(module, "is_causal", True))
     n_rep = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
@@ -167,10 +170,26 @@ def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         out = ops.ring_attention(query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling)
     else:
         def full_sequence(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scaling)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling)
 
         out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_supported(config, mode: str, seq_len: int) -> None:
+    """Refuse what the sp attention would silently get wrong: sliding windows shorter than the
+    sequence (the ops are plain causal) and attention dropout under ring attention."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in types or (config.model_type in ("mistral", "mixtral") and window)
+    if windowed and window and window < seq_len:
+        raise NotImplementedError(f"sequence parallelism runs full causal attention; this {config.model_type} model uses "
+                                  f"a sliding window of {window} < train.seq_len={seq_len}: set "
+                                  "model.config.sliding_window=null or parallel.sp=1")
+    dropout = max(float(getattr(config, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop"))
+    if mode == "ring" and dropout > 0:
+        raise NotImplementedError(f"ring attention does not implement attention dropout ({dropout}): set the model's "
+                                  "attention dropout to 0 or use parallel.sp_mode=ulysses")
 
 
 def _no_mask(*args, **kwargs):
@@ -197,6 +216,7 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
     """
     if shard is None:
         return
+    _check_supported(model.config, shard.mode, seq_len)
     register_attention()
     name = ATTENTION_NAMES[shard.mode]
     layers = adapter.layers(model)
@@ -214,3 +234,12 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
             config._attn_implementation = name
     if hasattr(model, "position_ids"):
         model.position_ids = shard.position_ids(seq_len)
+    log.info("sequence parallel %s: sp rank %d of %d, %d attention layers, tokens at positions %s",
+             shard.mode, shard.rank, shard.size, found, _ranges(shard.positions(seq_len)))
+
+
+def _ranges(positions: torch.Tensor) -> str:
+    """'0-127, 384-511': the runs of consecutive positions (for the log)."""
+    p = positions.tolist()
+    starts = [i for i in range(len(p)) if i == 0 or p[i] != p[i - 1] + 1]
+    return ", ".join(f"{p[a]}-{p[b - 1]}" for a, b in zip(starts, starts[1:] + [len(p)]))
