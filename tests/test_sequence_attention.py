@@ -100,3 +100,16 @@ def test_size_one_group_is_plain_attention():
         small = [t.detach()[:1, :2, :4, :2].clone().requires_grad_(True) for t in (q, k, v)]
         assert torch.autograd.gradcheck(
             lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel), small)
+
+
+def test_autocast_inputs_are_cast_like_sdpa():
+    """Llama's rotary gives fp32 q, k beside a 16-bit v under autocast: the ring takes them as SDPA would."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(q, k, v.bfloat16(), None, causal=True, zigzag=True)
+        ref = _full(q, k, v.bfloat16(), True)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2)
+    with pytest.raises(ValueError, match="share a dtype"):
+        ring_attention(q, k, v.bfloat16(), None, causal=True, zigzag=True)

@@ -237,6 +237,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout, q, k, v, out, lse)
+
+    @staticmethod
+    def _backward(ctx, dout, q, k, v, out, lse):
         group, sp, rank, causal, zigzag, scale, kernel = ctx.cfg
         block_bwd = _KERNELS[kernel][1]
         cdt = lse.dtype
@@ -289,6 +294,18 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
+def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Under torch.autocast, q, k, v in the autocast dtype, as SDPA would take them (Llama's rotary
+    gives fp32 q and k beside a 16-bit v); outside it, they must share a dtype, as SDPA requires."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    return q, k, v
+
+
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [batch, heads, local_seq, head_dim]; got {tuple(q.shape)}, "
@@ -315,7 +332,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigz
     if scale is None:
         scale = q.shape[-1] ** -0.5
     kernel = _pick_kernel(block_kernel, q)
-    return _RingAttention.apply(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
+    q, k, v = _autocast_inputs(q, k, v)
+    with torch.autocast(q.device.type, enabled=False):  # the block math picks its own precision
+        return _RingAttention.apply(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +400,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
     if heads % sp:
         raise ValueError(f"Ulysses attention needs the head count divisible by sp: {heads} heads, sp={sp} "
                          f"(use sp_mode=ring or an sp that divides {heads})")
+    q, k, v = _autocast_inputs(q, k, v)  # also halves the all-to-all bytes of fp32 rotary outputs
     qh, kh, vh = (_SeqToHead.apply(t, group, sp) for t in (q, k, v))
     out = attention_fn(qh, kh, vh)
     return _HeadToSeq.apply(out, group, sp)
