@@ -17,9 +17,10 @@ Step-time model (documented in every report's "assumptions"):
   sequence parallelism the same bytes as all-gather + reduce-scatter; MoE layers 1 + 1 since their
   experts are replicated over TP), 2 more forward with full recompute, plus the vocabulary-parallel
   embedding (forward) and head (backward); never overlapped (as in Megatron-LM 2021).
-- SP (context parallel): Ulysses all-to-all of q, k, v and the attention output, forward and
-  backward; ring passes K and V around the ring (backward also their gradients), hidden behind
-  the attention kernel where it is long enough.
+- SP (context parallel, `_sp_comm`): Ulysses all-to-all of q, k, v and the attention output,
+  forward and backward, not overlapped; ring passes K and V around the ring (backward also their
+  fp32 gradients), each step's transfer hidden behind that step's attention block where the block
+  is long enough. K/V are moved with their heads repeated to the query count, as partrain runs it.
 - EP: dispatch and combine all-to-all per MoE layer, forward and backward.
 - PP: each chunk sends its output forward and its input gradient backward per microbatch, 1/tp of
   the activation per TP rank (sequence parallel shards, or Megatron's scatter/gather), not overlapped.
@@ -58,8 +59,8 @@ from typing import Dict, List, Sequence, Tuple
 
 from .comm import COMM_OPS, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups, link_of
 from .flops import head_forward_flops, layer_forward_flops, step_flops
-from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, tensor_state_elements,
-                     zero1_optimizer_elements)
+from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, sp_attention_transient,
+                     tensor_state_elements, zero1_optimizer_elements)
 from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, param_count, tied_head_copy
 from .pipeline import bubble_fraction, bubble_overhead, bubble_units, chunk_layer_counts, in_flight, rank_chunks
 from .spec import GB, GIB, PlanSpec, spec_from_validated
@@ -271,6 +272,38 @@ def _dp_volumes(spec: PlanSpec, reduce_scatter: bool) -> Dict[str, float]:
     return {"all_gather": 1.0 if spec.zero_stage == 2 else 2.0, "reduce_scatter": 1.0}
 
 
+def _sp_comm(spec: PlanSpec, layers: int, tokens: float, t_core: float, bw: Dict[str, float], act_bytes: int) -> Tuple[float, float]:
+    """(bytes one rank sends, exposed seconds) of the sp attention of `layers` layers for one
+    microbatch (forward, backward, and the recomputed forward under full recompute).
+
+    The sp attention gets K/V with their heads repeated to the query count (GQA), so every tensor
+    it moves is query-sized: qt = tokens x heads x head_dim / tp elements on a rank.
+    - ulysses: 4 all-to-alls forward (q, k, v to head shards, the output back), the same 4
+      backward (the output's gradient in, the q, k, v gradients back); each moves (sp-1)/sp of
+      its tensor; on the critical path (attention needs all of q, k, v).
+    - ring: forward, sp-1 steps each pass the K/V pair on (2 qt, input dtype); backward, the K/V
+      pair again at sp-1 steps plus the fp32 dK/dV accumulators at all sp steps. A step's transfer
+      overlaps that step's block of attention (t_core / sp forward, twice that backward); only
+      what exceeds it shows, and the last dK/dV hop, which nothing overlaps.
+    """
+    f = spec.facts
+    sp = spec.sp
+    qt = tokens * f.heads * f.head_dim / spec.tp
+    # Full and selective recompute (partrain re-runs the whole attention block) repeat the forward.
+    forwards = 1.0 + (1.0 / max(1, spec.recompute_every) if spec.recompute != "none" else 0.0)
+    if spec.sp_mode == "ulysses":
+        per_pass = 4 * all_to_all_bytes(qt * act_bytes, sp)
+        sent = layers * per_pass * (forwards + 1)
+        return sent, sent / bw["sp/all_to_all"]
+    link = bw["sp/send_recv"]
+    kv, dkv = 2 * qt * act_bytes, 2 * qt * 4
+    t_kv, t_dkv, t_blk = kv / link, dkv / link, t_core / sp
+    sent = layers * ((sp - 1) * kv * (forwards + 1) + sp * dkv)
+    exposed_fwd = (sp - 1) * max(0.0, t_kv - t_blk)
+    exposed_bwd = (sp - 1) * max(0.0, t_kv + t_dkv - 2 * t_blk) + t_dkv
+    return sent, layers * (exposed_fwd * forwards + exposed_bwd)
+
+
 def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     f, x, cl = spec.facts, spec.extras, spec.cluster
     dt = dtypes(spec.precision, spec.mixed)
@@ -309,13 +342,15 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         ends = end_activations(spec, r.first, r.last, tokens, spec.seq, b, dt)
         rotary_extra = 0.0
         if f.arch != "gpt2" and len(r.chunks) > 1:
-            rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq * f.head_dim * dt.resid
+            rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq / sp * f.head_dim * dt.resid
         activations = saved + chunk_mbs * (ends + rotary_extra)
         transient = 0.0
         if spec.recompute == "full":
             transient += max(acts[s][1] for s in acts)
         if r.last:
             transient += tokens * f.vocab / tp * 4  # fp32 gradient of the logits
+        if r.layers:
+            transient += sp_attention_transient(spec, tokens, dt)  # one layer's ring blocks / all-to-all buffers
         param_bytes_gathered = 4 if spec.precision == "fp32" else 2  # FSDP gathers 16-bit params (MixedPrecisionPolicy)
         if spec.zero_stage == 2:
             transient += (unsharded - p) * param_bytes_gathered
@@ -351,17 +386,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         # ---- SP (context parallel)
         sp_bytes = t_sp = 0.0
         if sp > 1:
-            q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
-            rec = passes_extra if spec.recompute == "full" else 0.0
-            if spec.sp_mode == "ulysses":
-                one = all_to_all_bytes(tokens * (2 * q + 2 * kv) / tp * act_bytes, sp)
-                sp_bytes = r.layers * one * (2 + rec)
-                t_sp = sp_bytes / bw["sp/all_to_all"]
-            else:
-                one = (sp - 1) * tokens * 2 * kv / tp * act_bytes
-                sp_bytes = r.layers * one * (3 + rec)
-                core_time = 3 * core / rate
-                t_sp = max(0.0, sp_bytes / bw["sp/send_recv"] - core_time)
+            sp_bytes, t_sp = _sp_comm(spec, r.layers, tokens, core / max(1, r.layers) / rate, bw, act_bytes)
         # ---- EP
         ep_bytes = t_ep = 0.0
         if spec.ep > 1 and r.sparse:
@@ -504,7 +529,9 @@ def _notes(spec: PlanSpec, est: dict, worst: dict, eff: float) -> List[str]:
             notes.append(f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit copy of each "
                          "weight saved per in-flight microbatch")
     if spec.sp > 1:
-        notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
+        over = "dp_shard (partrain's ZeRO-1 optimizer shards over dp only)" if spec.zero_stage == 1 else "dp_shard x sp"
+        notes.append(f"context parallel ({spec.sp_mode}): weights replicated over sp; model state sharded over {over}; "
+                     "activations of seq/sp tokens per rank")
     if spec.ep > 1:
         notes.append("expert parallel: experts split over ep, their states sharded over the remaining dp x sp ranks")
     if cl.measured:

@@ -183,13 +183,16 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     c, r = d.compute, d.resid
     h, a = f.hidden, f.heads
     q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
-    eager = x.attn_impl == "eager"
+    sp_attn = sp_attention_saved(spec)
+    eager = x.attn_impl == "eager" and not sp_attn  # sp > 1 replaces the attention function
     mask = 1 if x.resid_dropout else 0
     if f.arch == "gpt2":
         resid = tokens * (2 * h * r + 4 * 4 + 2 * h * mask)  # ln inputs + mean/rstd; residual dropout masks
         gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
         act = 5 if x.activation == "gelu_new" else 2
         sharded = tokens * (3 * h + h + act * f.ffn) * c  # qkv, attention output, MLP intermediates
+        if sp_attn:
+            sharded += tokens * h * c * sp_attn["extra_outputs"]
     else:
         resid = tokens * (4 * h * r + 2 * 4)  # two RMSNorms: input and normalised, rsqrt
         # Attention and MLP inputs. Under autocast every projection casts its input on its own, so
@@ -199,8 +202,10 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * (3 + mlp_casts) * h * c
         else:
             gathered = tokens * 2 * h * c
-        k_saved = q if eager else kv  # eager repeats the KV heads before the matmuls
+        k_saved = q if (eager or sp_attn) else kv  # eager and the sp attention repeat the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
+        if sp_attn:
+            sharded += tokens * q * c * sp_attn["extra_outputs"]
     scores = 0.0
     if eager:
         per_score = c + ((1 + c) if x.attn_dropout else 0)
@@ -230,6 +235,40 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
                             weights=weights, layer_input=tokens * h * r)
 
 
+def sp_attention_saved(spec: PlanSpec) -> Dict[str, int]:
+    """What partrain's sequence-parallel attention (`partrain.parallel.sequence_attention`, wired by
+    `context_parallel.apply_sp`) keeps per layer beyond what SDPA keeps without sp; {} when sp == 1.
+
+    Both modes get q, k, v with the KV heads already repeated (GQA), so K and V are saved at the
+    query width, whatever the model's attn_implementation (eager is replaced). Per local token:
+    - ring: q, k, v, the output (laid out so the o_proj input is the same storage) and the fp32
+      log-sum-exp: SDPA's set, no extra output;
+    - ulysses: SDPA on the head-sharded full sequence keeps q, k, v, its output and log-sum-exp
+      (1/sp of the heads x sp times the tokens = the same bytes per local token); the all-to-all
+      back makes the o_proj input a second copy of the output: one extra output per layer.
+    """
+    if spec.sp <= 1:
+        return {}
+    return {"extra_outputs": 1 if spec.sp_mode == "ulysses" else 0}
+
+
+def sp_attention_transient(spec: PlanSpec, tokens: float, dt=None) -> float:
+    """Bytes the sp attention of one layer holds only while it runs (not saved for backward), per
+    rank, for `tokens` local tokens; the largest moment is the backward.
+
+    - ring: the K/V pair being computed with and the pair arriving (input dtype, KV heads repeated),
+      the fp32 dK/dV of the held block, the one being sent and the one arriving, the fp32 dq;
+    - ulysses: the send and receive buffers of one all-to-all of q, k and v (input dtype).
+    """
+    if spec.sp <= 1:
+        return 0.0
+    d = dt or dtypes(spec.precision, spec.mixed)
+    q = spec.facts.heads * spec.facts.head_dim / spec.tp
+    if spec.sp_mode == "ring":
+        return tokens * q * (2 * 2 * d.compute + 3 * 2 * 4 + 4)
+    return tokens * q * 3 * 2 * d.compute
+
+
 def _sparse_index(f: ModelFacts, x: ModelExtras) -> int:
     for i in range(f.n_layers):
         if layer_is_sparse(f, x, i):
@@ -253,12 +292,13 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
     d = dt or dtypes(spec.precision, spec.mixed)
     h, tp = f.hidden, spec.tp
     out = 0.0
+    local_seq = seq / max(1, spec.sp)  # sp ranks get the position ids of their own tokens
     if f.arch != "gpt2":
-        out += 2 * seq * f.head_dim * d.resid
+        out += 2 * local_seq * f.head_dim * d.resid
     if first:
         out += tokens * 8
         if f.arch == "gpt2":
-            out += seq * 8 + (tokens * h if x.embd_dropout else 0)
+            out += local_seq * 8 + (tokens * h if x.embd_dropout else 0)
     if last:
         div = tp if spec.tp_sp else 1
         if f.arch == "gpt2":
