@@ -1,0 +1,259 @@
+"""Sequence/context parallelism: saved-activation bytes per rank against the planner, and ring vs Ulysses time.
+
+    python benchmarks/sp.py            # everything (about 3-4 min on 2 idle cores)
+    python benchmarks/sp.py --quick    # activations only, plus a short op timing (about 1 min)
+
+Every sp rank is a real gloo process (`partrain.testing.multiproc.run_spawned`, one torch thread
+each) that builds the model with partrain's own code: `build_meta_model` -> `apply_sp` (the sp
+attention wiring of `partrain.parallel.context_parallel`) -> `materialize`; the rank's tokens are
+cut by `SequenceShard.take`, positions and loss come from `SequenceShard.forward_loss`.
+
+1. Activations: bytes saved for backward during one microbatch's forward + loss, per rank
+   (`partrain.testing.activations.count_saved_bytes`: each storage once, parameters and their
+   views excluded), at sp=1, sp=2 Ulysses and sp=2 ring, for llama-tiny (GQA: 4 heads, 2 KV heads)
+   and gpt2-tiny, fp32 and bf16 autocast, against the planner (`estimate(v, mixed="autocast")`,
+   "activations" of the worst rank). Checks: predicted within 15% of measured; measured sp=2
+   within 15% of measured sp=1 / 2.
+2. Step time (not with --quick): forward + backward + gradient all-reduce over the sp group (DDP) +
+   AdamW of a compute-bound Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, 1024 tokens),
+   median over the timed steps, rank 0; sp=1 in one process, then sp=2 Ulysses and ring in two
+   (alternating, same data). Ideal sp=2 / sp=1 on 2 free cores: 0.5 (each rank has half the tokens).
+3. Op: `ring_attention` / `ulysses_attention` forward + backward alone at 2048 tokens
+   (8 heads x 64) against full SDPA on the whole sequence, timed in the same two processes.
+
+The "other load" column is the cores used by other processes meanwhile (benchmarks/_machine_load.py):
+on this 2-core machine, timings taken with other load above ~0.3 cores are not worth comparing.
+Exit code 0 when the activation checks hold, 3 when one misses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TIME_MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0)
+ACT_MODELS = ("llama-tiny", "gpt2-tiny")
+ACT_SEQ, ACT_MICRO = 512, 2
+TOLERANCE = 0.15
+
+
+# ---- what one rank runs --------------------------------------------------------------------------
+
+def _build(cfg, mode: str, rank: int, world: int, seq: int):
+    import torch.distributed as dist
+
+    from partrain.models.adapters import get_adapter
+    from partrain.models.build import build_meta_model
+    from partrain.models.init import materialize
+    from partrain.parallel.context_parallel import SequenceShard, apply_sp
+
+    model = build_meta_model(cfg)
+    shard = SequenceShard(mode=mode, size=world, rank=rank, group=dist.group.WORLD) if world > 1 else None
+    apply_sp(model, get_adapter(model), shard, seq)
+    return materialize(model, cfg, seed=3, device="cpu").train(), shard
+
+
+def _loss(model, shard, x, y):
+    from partrain.models.loss import forward_loss
+
+    if shard is None:
+        return forward_loss(model, x, y)
+    return shard.forward_loss(model, shard.take(x), shard.take(y))
+
+
+def _saved_bytes(model_name: str, mode: str, precision: str, rank: int, world: int) -> int:
+    import contextlib
+
+    import torch
+
+    from partrain.planner.measure import model_config
+    from partrain.testing.activations import count_saved_bytes
+
+    cfg = model_config(model_name)
+    model, shard = _build(cfg, mode, rank, world, ACT_SEQ)
+    ids = torch.randint(0, 256, (ACT_MICRO, ACT_SEQ + 1), generator=torch.Generator().manual_seed(0))
+    cast = contextlib.nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)
+    with count_saved_bytes(model.parameters()) as counted, cast:
+        loss = _loss(model, shard, ids[:, :-1], ids[:, 1:])
+    loss.backward()  # the graph was complete
+    return counted["bytes"]
+
+
+def _activations_child(rank: int, world: int) -> dict:
+    """sp=1 on rank 0 alone, then sp=2 with both ranks, every model and precision."""
+    import torch.distributed as dist
+
+    out = {}
+    for model_name in ACT_MODELS:
+        for precision in ("fp32", "bf16"):
+            if rank == 0:
+                out[f"{model_name}/{precision}/1/-"] = _saved_bytes(model_name, "ring", precision, 0, 1)
+            dist.barrier()
+            for mode in ("ulysses", "ring"):
+                out[f"{model_name}/{precision}/2/{mode}"] = _saved_bytes(model_name, mode, precision, rank, world)
+    return out
+
+
+def _steps_child(rank: int, world: int, seq: int, steps: int, modes: list) -> dict:
+    """Median step time per mode (modes alternate step by step so load drifts hit both alike)."""
+    import torch
+    import torch.distributed as dist
+
+    from partrain.config.schema import ModelConfig
+
+    cfg = ModelConfig(arch="llama", config=TIME_MODEL)
+    runs = {}
+    for mode in modes:
+        model, shard = _build(cfg, mode, rank, world, seq)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        runs[mode] = (ddp, shard, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
+    gen = torch.Generator().manual_seed(0)
+    times = {mode: [] for mode in modes}
+    for step in range(steps):
+        ids = torch.randint(0, 256, (1, seq + 1), generator=gen)
+        for mode, (model, shard, opt) in runs.items():
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            _loss(model, shard, ids[:, :-1], ids[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times[mode].append(time.perf_counter() - t0)
+    skip = 2 if steps > 4 else 1
+    return {mode: statistics.median(t[skip:]) for mode, t in times.items()}
+
+
+def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from partrain.parallel.sequence_attention import ring_attention, ulysses_attention
+
+    gen = torch.Generator().manual_seed(rank)
+    shape = (1, 8, seq // world, 64)
+    q, k, v = (torch.randn(*shape, generator=gen, requires_grad=True) for _ in range(3))
+    qf, kf, vf = (torch.randn(1, 8, seq, 64, generator=gen, requires_grad=True) for _ in range(3))
+
+    def sdpa(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    cases = {
+        "full SDPA, whole sequence": lambda: sdpa(qf, kf, vf).sum().backward(),
+        "ring (zig-zag, fused CPU blocks)": lambda: ring_attention(q, k, v, None, causal=True, zigzag=True).sum().backward(),
+        "ring (zig-zag, fp32 math blocks)": lambda: ring_attention(q, k, v, None, causal=True, zigzag=True,
+                                                                  block_kernel="math").sum().backward(),
+        "ulysses (SDPA on head shards)": lambda: ulysses_attention(q, k, v, None, sdpa).sum().backward(),
+    }
+    out = {}
+    for name, fn in cases.items():
+        ts = []
+        for _ in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out[name] = statistics.median(ts[1:])
+    return out
+
+
+# ---- the parent --------------------------------------------------------------------------------
+
+def _spawn(fn, world: int, *args):
+    from _machine_load import ForeignLoad
+
+    from partrain.testing.multiproc import run_spawned
+
+    with tempfile.TemporaryDirectory() as folder, ForeignLoad() as load:
+        results = run_spawned(fn, world, Path(folder), *args, timeout_s=1200)
+    return results, load.cores
+
+
+def _predicted(model_name: str, sp: int, mode: str, precision: str) -> int:
+    from partrain.config.compose import compose
+    from partrain.config.validate import validate
+    from partrain.planner.estimate import estimate
+
+    v = validate(compose([f"model={model_name}", "cluster=local-cpu", f"cluster.devices_per_node={sp}", "parallel.dp=1",
+                          f"parallel.sp={sp}", f"parallel.sp_mode={mode}", f"train.seq_len={ACT_SEQ}",
+                          f"train.micro_batch_size={ACT_MICRO}", f"train.global_batch_size={ACT_MICRO}",
+                          f"train.precision={precision}"]))
+    return estimate(v, mixed="autocast")["memory_bytes"]["activations"]
+
+
+def activations() -> bool:
+    results, load = _spawn(_activations_child, 2)
+    merged = {key: [r[key] for r in results if key in r] for key in results[0]}
+    print(f"1. saved activations per rank, one microbatch of {ACT_MICRO} x {ACT_SEQ} tokens (MiB = 2**20 bytes)")
+    print(f"{'model':<11} {'prec':<5} {'sp':>2} {'mode':<8} {'measured MiB':>13} {'predicted MiB':>14} "
+          f"{'pred/meas':>9} {'meas / sp1':>10} {'check':>6}")
+    ok = True
+    for key, values in merged.items():
+        model_name, precision, sp, mode = key.split("/")
+        sp = int(sp)
+        measured = max(values)
+        same = len(set(values)) == 1
+        predicted = _predicted(model_name, sp, mode if sp > 1 else "ring", precision)
+        base = max(merged[f"{model_name}/{precision}/1/-"])
+        ratio = measured / base
+        good = abs(predicted / measured - 1) <= TOLERANCE and abs(ratio * sp - 1) <= TOLERANCE and same
+        ok &= good
+        print(f"{model_name:<11} {precision:<5} {sp:>2} {mode:<8} {measured / 2**20:>13.3f} {predicted / 2**20:>14.3f} "
+              f"{predicted / measured:>9.3f} {ratio:>10.3f} {'ok' if good else 'MISS':>6}" + ("" if same else "  (ranks differ)"))
+    print(f"   (other load during the runs: {load:.2f} cores)")
+    return ok
+
+
+def step_times(seq: int, steps: int) -> None:
+    one, load1 = _spawn(_steps_child, 1, seq, steps, ["none"])
+    two, load2 = _spawn(_steps_child, 2, seq, steps, ["ulysses", "ring"])
+    base = one[0]["none"]
+    print(f"2. step time, Llama hidden 256, 4 layers, 8 heads / 4 KV heads, 1 x {seq} tokens, fp32, "
+          f"median of {steps} steps less warm-up, slowest rank")
+    print(f"{'layout':<16} {'step ms':>9} {'vs sp=1':>8} {'other load':>11}")
+    print(f"{'sp=1':<16} {base * 1e3:>9.1f} {1.0:>8.2f} {load1:>11.2f}")
+    for mode in ("ulysses", "ring"):
+        t = max(r[mode] for r in two)
+        print(f"{'sp=2 ' + mode:<16} {t * 1e3:>9.1f} {t / base:>8.2f} {load2:>11.2f}")
+    print("   ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores")
+
+
+def op_times(seq: int, reps: int) -> None:
+    results, load = _spawn(_op_child, 2, seq, reps)
+    print(f"3. attention op alone, forward + backward, {seq} tokens, 8 heads x 64, causal, fp32, sp=2, "
+          f"median of {reps}, slowest rank (other load {load:.2f} cores)")
+    full = max(r["full SDPA, whole sequence"] for r in results)
+    print(f"{'op':<36} {'ms':>8} {'vs full SDPA':>13}")
+    for name in results[0]:
+        t = max(r[name] for r in results)
+        print(f"{name:<36} {t * 1e3:>8.1f} {t / full:>13.2f}")
+    print("   full SDPA runs on each of the two processes at the same time, so all rows share the same contention;"
+          " ideal for sp=2: 0.50 (the zig-zag split gives each rank half the causal work)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="activations and a short op timing only")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length of the step-time runs")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    ok = activations()
+    if not args.quick:
+        step_times(args.seq, args.steps)
+    op_times(2048, 2 if args.quick else 5)
+    print(f"activation checks: {'all hold' if ok else 'MISSED'}; {time.perf_counter() - started:.0f} s")
+    return 0 if ok else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
