@@ -13,13 +13,14 @@ B, H, S, D = 2, 4, 16, 8
 
 
 def _full(q, k, v, causal):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64, kernel="auto"):
+def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64, kernel="auto", kv_heads=H):
     """Max abs difference of output, dq, dk, dv between the sharded op and the full attention slice."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, w = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(4))
+    q, w = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = _full(*full, causal)
     (ref * w).sum().backward()
@@ -50,6 +51,13 @@ def _all_cases(rank, world):
                 results[f"{name}-sp2"] = _case(2, rank % 2, pair, mode, causal, 2 + rank // 2, kernel=kernel)
     results["ulysses-causal-sp2"] = _case(2, rank % 2, pair, "ulysses", True, seed=5)
     results["ulysses-sp4"] = _case(4, rank, None, "ulysses", False, seed=6)
+    # GQA (2 K/V heads for 4 query heads): the ring moves unrepeated K/V; Ulysses moves them as they
+    # are when sp divides them (sp=2), repeated once first otherwise (sp=4).
+    for kernel in ("flash_cpu", "math"):
+        results[f"gqa-ring-{kernel}-sp4"] = _case(4, rank, None, "zigzag", True, 7, kernel=kernel, kv_heads=2)
+        results[f"gqa-ring-{kernel}-sp2"] = _case(2, rank % 2, pair, "contiguous", True, 8, kernel=kernel, kv_heads=1)
+    results["gqa-ulysses-sp2"] = _case(2, rank % 2, pair, "ulysses", True, 9, kv_heads=2)
+    results["gqa-ulysses-sp4"] = _case(4, rank, None, "ulysses", True, 10, kv_heads=2)
     # bf16 inputs: the merge still accumulates in fp32, so the error is bf16 rounding, not worse
     for kernel in ("flash_cpu", "math"):
         results[f"bf16-ring-{kernel}-sp4"] = _case(4, rank, None, "zigzag", True, 1, torch.bfloat16, kernel)
@@ -66,7 +74,7 @@ def test_ring_and_ulysses_match_full_attention(tmp_path):
     for rank, results in enumerate(run_spawned(_all_cases, 4, tmp_path)):
         assert results.pop("ulysses-refuses-3-heads") is True
         assert results.pop("bf16-ring-flash_cpu-sp4") < 0.05 and results.pop("bf16-ring-math-sp4") < 0.05
-        assert len(results) == 18
+        assert len(results) == 24
         for name, err in results.items():
             assert err < 1e-6, (rank, name, err)
 
@@ -86,8 +94,8 @@ def test_bad_shapes_are_refused():
         ring_attention(q, q, q, None, causal=True, zigzag=True)
     with pytest.raises(ValueError, match="multiple of 4"):
         zigzag_positions(10, 2, 0)
-    with pytest.raises(ValueError, match="agree in batch, heads"):
-        ring_attention(q, torch.zeros(1, 1, 5, 4), q, None, causal=True, zigzag=False)
+    with pytest.raises(ValueError, match="must divide the query heads"):
+        ring_attention(q, torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), None, causal=True, zigzag=False)
 
 
 def test_size_one_group_is_plain_attention():

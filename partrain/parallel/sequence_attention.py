@@ -133,21 +133,36 @@ def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
 # the full gradient. "math" is portable matmul/softmax in fp32 (fp64 stays fp64); "flash_cpu" is
 # torch's fused CPU flash-attention kernel, which returns the log-sum-exp (about 4x faster here).
 
+def _grouped(q: Tensor, kv_heads: int) -> Tensor:
+    """[b, h, n, d] -> [b, kv_heads, h / kv_heads, n, d]: query heads grouped by the K/V head they
+    share (HF's GQA order: query head i uses K/V head i // (h / kv_heads))."""
+    b, h, n, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, n, d)
+
+
 def _math_fwd(q, k, v, scale, diag):
     cdt = _compute_dtype(q)
-    s = _scores(q.to(cdt), k.to(cdt), scale, diag)
+    b, h, n, _ = q.shape
+    kvh = k.shape[1]
+    s = _scores(_grouped(q.to(cdt), kvh), k.to(cdt).unsqueeze(2), scale, diag)  # K/V broadcast over the group
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.to(cdt)), lse
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(cdt).unsqueeze(2))
+    return out.reshape(b, h, n, v.shape[-1]), lse.reshape(b, h, n)
 
 
 def _math_bwd(do, q, k, v, out, lse, scale, diag):
     cdt = lse.dtype
-    q, k, v, do = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
-    p = torch.exp(_scores(q, k, scale, diag) - lse[..., None])
-    delta = (do * out.to(cdt)).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta)
-    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
-            torch.matmul(p.transpose(-1, -2), do))
+    b, h, n, _ = q.shape
+    kvh = k.shape[1]
+    q5, do5, out5 = (_grouped(t.to(cdt), kvh) for t in (q, do, out))
+    k5, v5 = k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
+    p = torch.exp(_scores(q5, k5, scale, diag) - lse.reshape(b, kvh, h // kvh, n)[..., None])
+    delta = (do5 * out5).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
+    ds = p * (torch.matmul(do5, v5.transpose(-1, -2)) - delta)
+    dq = (torch.matmul(ds, k5) * scale).reshape(q.shape)
+    dk = (torch.matmul(ds.transpose(-1, -2), q5) * scale).sum(2)  # summed over the query heads sharing it
+    dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+    return dq, dk, dv
 
 
 def _flash_cpu_fwd(q, k, v, scale, diag):
@@ -310,18 +325,22 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [batch, heads, local_seq, head_dim]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads "
-                         "(repeat KV heads for GQA first) and local length")
+    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]) or v.shape[:3] != k.shape[:3] \
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch and local "
+                         "length, k in head_dim, and the K/V heads must divide the query heads (GQA)")
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigzag: bool,
                    scale: Optional[float] = None, block_kernel: str = "auto") -> Tensor:
     """Attention of the local queries over the whole sequence, K/V passed around the sp group.
 
-    q, k, v: [batch, heads, local_seq, head_dim] (same head count); with zigzag=True the local
-    tokens are `zigzag_positions` order, else contiguous slice sp_rank. Returns [batch, heads,
-    local_seq, head_dim] in q's dtype. Group of size 1 (or None without torch.distributed): plain attention.
+    q: [batch, heads, local_seq, head_dim]; k, v: [batch, kv_heads, local_seq, head_dim] with
+    kv_heads dividing heads (GQA, HF's head order; equal counts when the caller repeated them).
+    Unrepeated K/V are better: the ring then moves and saves kv_heads, not heads. With zigzag=True
+    the local tokens are `zigzag_positions` order, else contiguous slice sp_rank. Returns [batch,
+    heads, local_seq, head_dim] in q's dtype. Group of size 1 (or None without torch.distributed):
+    plain attention.
     """
     _check_qkv(q, k, v)
     n = q.shape[2]
@@ -384,13 +403,32 @@ class _HeadToSeq(torch.autograd.Function):
         return _seq_to_head(g, ctx.group, ctx.sp), None, None
 
 
+def _kv_repeat_for(heads: int, kv_heads: int, sp: int) -> int:
+    """Smallest repeat r of the K/V heads (r divides heads / kv_heads) with kv_heads * r divisible by sp."""
+    group = heads // kv_heads
+    return next(r for r in range(1, group + 1) if group % r == 0 and (kv_heads * r) % sp == 0)
+
+
+def _repeat_heads(t: Tensor, r: int) -> Tensor:
+    """[b, kv, n, d] -> [b, kv * r, n, d], each head repeated r times in place (HF's repeat_kv order)."""
+    if r == 1:
+        return t
+    b, kv, n, d = t.shape
+    return t[:, :, None].expand(b, kv, r, n, d).reshape(b, kv * r, n, d)
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
                       attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
     """Sequence-sharded q, k, v -> head-sharded full sequences -> attention_fn -> back.
 
-    q, k, v: [batch, heads, local_seq, head_dim], contiguous sequence slices in sp-rank order;
-    attention_fn gets [batch, heads/sp, seq, head_dim] tensors (causal masking is its business) and
-    returns [batch, heads/sp, seq, head_dim]. Returns [batch, heads, local_seq, head_dim].
+    q: [batch, heads, local_seq, head_dim], k, v: [batch, kv_heads, local_seq, head_dim] (kv_heads
+    divides heads; equal when the caller repeated them), contiguous sequence slices in sp-rank order.
+    attention_fn gets q [batch, heads/sp, seq, head_dim] and k, v [batch, kv_heads'/sp, seq, head_dim]
+    (causal masking is its business) and returns [batch, heads/sp, seq, head_dim]. kv_heads' =
+    kv_heads when sp divides it (the all-to-all moves only the K/V heads there are), else the K/V
+    heads are first repeated just enough for sp to divide them; with kv_heads' < heads,
+    attention_fn must do grouped-query attention (SDPA: enable_gqa=True).
+    Returns [batch, heads, local_seq, head_dim].
     """
     _check_qkv(q, k, v)
     sp, _ = _group_size_rank(group)
@@ -401,6 +439,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
         raise ValueError(f"Ulysses attention needs the head count divisible by sp: {heads} heads, sp={sp} "
                          f"(use sp_mode=ring or an sp that divides {heads})")
     q, k, v = _autocast_inputs(q, k, v)  # also halves the all-to-all bytes of fp32 rotary outputs
+    r = _kv_repeat_for(heads, k.shape[1], sp)
+    k, v = _repeat_heads(k, r), _repeat_heads(v, r)
     qh, kh, vh = (_SeqToHead.apply(t, group, sp) for t in (q, k, v))
     out = attention_fn(qh, kh, vh)
     return _HeadToSeq.apply(out, group, sp)
