@@ -63,20 +63,32 @@ def test_activation_bytes_per_rank_fall_as_one_over_sp(mode):
         assert acts[4] / acts[2] == pytest.approx(0.5, rel=0.02)
 
 
-def test_sp_communication_per_mode():
-    """Bytes one rank sends per step, by hand: llama-tiny (4 heads x 32 = 128 query width), 4 layers,
-    256 tokens over sp=2 -> 128 local tokens, fp32, one microbatch."""
+@pytest.mark.parametrize("repeats_kv", [True, False])
+def test_sp_communication_per_mode(repeats_kv, monkeypatch):
+    """Bytes one rank sends per step, by hand: llama-tiny (4 heads x 32 = 128 query width, 2 KV
+    heads), 4 layers, 256 tokens over sp=2 -> 128 local tokens, fp32, one microbatch. K and V are
+    query-sized while the wiring repeats the KV heads, half that when the ops get them unrepeated
+    (sp=2 divides the 2 KV heads, so Ulysses needs no repeat either)."""
+    from partrain.planner import memory
+
+    monkeypatch.setattr(memory, "SP_REPEATS_KV", repeats_kv)
     q_bytes = 128 * 128 * 4  # one query-sized tensor of the rank
+    kv_bytes = q_bytes if repeats_kv else q_bytes // 2
     layers = 4
     uly = estimate(_run(2, 1, 0, "ulysses"))
-    # 4 all-to-alls forward + 4 backward, each sending (sp-1)/sp of its tensor.
-    assert uly["comm_bytes_per_step"]["sp"] == pytest.approx(layers * 8 * q_bytes / 2)
+    # 4 all-to-alls forward (q, k, v, output) + 4 backward, each sending (sp-1)/sp of its tensor.
+    assert uly["comm_bytes_per_step"]["sp"] == pytest.approx(layers * 2 * (2 * q_bytes + 2 * kv_bytes) / 2)
     ring = estimate(_run(2, 1, 0, "ring"))
     # K/V pair (sp-1) times forward and backward, fp32 dK/dV pair sp times backward.
-    assert ring["comm_bytes_per_step"]["sp"] == pytest.approx(layers * (2 * 1 * 2 * q_bytes + 2 * 2 * q_bytes))
+    assert ring["comm_bytes_per_step"]["sp"] == pytest.approx(layers * (2 * 1 * 2 * kv_bytes + 2 * 2 * kv_bytes))
     # Full recompute re-runs the forward's exchanges.
     rec = estimate(_run(2, 1, 0, "ulysses", ["parallel.recompute=full"]))
-    assert rec["comm_bytes_per_step"]["sp"] == pytest.approx(layers * 12 * q_bytes / 2)
+    assert rec["comm_bytes_per_step"]["sp"] == pytest.approx(layers * 3 * (2 * q_bytes + 2 * kv_bytes) / 2)
+    # Saved K/V follow the same width: the unrepeated ring keeps 2 x (q - kv) bytes less per layer.
+    acts = estimate(_run(2, 1, 0, "ring"), mixed="autocast")["memory_bytes"]["activations"]
+    monkeypatch.setattr(memory, "SP_REPEATS_KV", not repeats_kv)
+    other = estimate(_run(2, 1, 0, "ring"), mixed="autocast")["memory_bytes"]["activations"]
+    assert abs(acts - other) == layers * 2 * (q_bytes - q_bytes // 2)
 
 
 def test_ring_traffic_hides_behind_attention_blocks():
@@ -90,7 +102,10 @@ def test_ring_traffic_hides_behind_attention_blocks():
     link = 450e9  # h100x8 NVLink GB/s per direction
     for est in (ring, uly):
         assert est["comm_bytes_per_step"]["sp"] > 0
-    last_hops = 32 * 2 * 4096 * 1024 * 4 / link
+    from partrain.planner.memory import SP_REPEATS_KV
+
+    kv_width = 1024 if SP_REPEATS_KV else 256  # 32 query / 8 KV heads of 128 over tp=4
+    last_hops = 32 * 2 * 4096 * kv_width * 4 / link
     assert ring["time_breakdown_s"]["sp"] == pytest.approx(last_hops, rel=0.01)
     assert ring["time_breakdown_s"]["sp"] < 0.5 * ring["comm_bytes_per_step"]["sp"] / link
     assert uly["time_breakdown_s"]["sp"] == pytest.approx(uly["comm_bytes_per_step"]["sp"] / link, rel=0.01)

@@ -20,7 +20,7 @@ Step-time model (documented in every report's "assumptions"):
 - SP (context parallel, `_sp_comm`): Ulysses all-to-all of q, k, v and the attention output,
   forward and backward, not overlapped; ring passes K and V around the ring (backward also their
   fp32 gradients), each step's transfer hidden behind that step's attention block where the block
-  is long enough. K/V are moved with their heads repeated to the query count, as partrain runs it.
+  is long enough. K/V at the width partrain's sp attention moves them (memory.sp_kv_width).
 - EP: dispatch and combine all-to-all per MoE layer, forward and backward.
 - PP: each chunk sends its output forward and its input gradient backward per microbatch, 1/tp of
   the activation per TP rank (sequence parallel shards, or Megatron's scatter/gather), not overlapped.
@@ -60,7 +60,7 @@ from typing import Dict, List, Sequence, Tuple
 from .comm import COMM_OPS, all_gather_bytes, all_reduce_bytes, all_to_all_bytes, bandwidth, family_groups, link_of
 from .flops import head_forward_flops, layer_forward_flops, step_flops
 from .memory import (LayerActivations, dtypes, end_activations, korthikanti_layer_bytes, layer_activations, sp_attention_transient,
-                     tensor_state_elements, zero1_optimizer_elements)
+                     sp_kv_width, tensor_state_elements, zero1_optimizer_elements)
 from .params import TensorSpec, embed_tensors, final_tensors, layer_is_sparse, layer_tensors, param_count, tied_head_copy
 from .pipeline import bubble_fraction, bubble_overhead, bubble_units, chunk_layer_counts, in_flight, rank_chunks
 from .spec import GB, GIB, PlanSpec, spec_from_validated
@@ -276,27 +276,28 @@ def _sp_comm(spec: PlanSpec, layers: int, tokens: float, t_core: float, bw: Dict
     """(bytes one rank sends, exposed seconds) of the sp attention of `layers` layers for one
     microbatch (forward, backward, and the recomputed forward under full recompute).
 
-    The sp attention gets K/V with their heads repeated to the query count (GQA), so every tensor
-    it moves is query-sized: qt = tokens x heads x head_dim / tp elements on a rank.
+    Tensors per local token and TP rank: qw = heads x head_dim / tp (q, the output) and kvw (each
+    of K and V: `memory.sp_kv_width`, the query width while partrain repeats the K/V heads).
     - ulysses: 4 all-to-alls forward (q, k, v to head shards, the output back), the same 4
       backward (the output's gradient in, the q, k, v gradients back); each moves (sp-1)/sp of
       its tensor; on the critical path (attention needs all of q, k, v).
-    - ring: forward, sp-1 steps each pass the K/V pair on (2 qt, input dtype); backward, the K/V
-      pair again at sp-1 steps plus the fp32 dK/dV accumulators at all sp steps. A step's transfer
+    - ring: forward, sp-1 steps each pass the K/V pair on (input dtype); backward, the K/V pair
+      again at sp-1 steps plus the fp32 dK/dV accumulators at all sp steps. A step's transfer
       overlaps that step's block of attention (t_core / sp forward, twice that backward); only
       what exceeds it shows, and the last dK/dV hop, which nothing overlaps.
     """
     f = spec.facts
     sp = spec.sp
     qt = tokens * f.heads * f.head_dim / spec.tp
+    kvt = tokens * sp_kv_width(spec)
     # Full and selective recompute (partrain re-runs the whole attention block) repeat the forward.
     forwards = 1.0 + (1.0 / max(1, spec.recompute_every) if spec.recompute != "none" else 0.0)
     if spec.sp_mode == "ulysses":
-        per_pass = 4 * all_to_all_bytes(qt * act_bytes, sp)
+        per_pass = all_to_all_bytes((2 * qt + 2 * kvt) * act_bytes, sp)
         sent = layers * per_pass * (forwards + 1)
         return sent, sent / bw["sp/all_to_all"]
     link = bw["sp/send_recv"]
-    kv, dkv = 2 * qt * act_bytes, 2 * qt * 4
+    kv, dkv = 2 * kvt * act_bytes, 2 * kvt * 4
     t_kv, t_dkv, t_blk = kv / link, dkv / link, t_core / sp
     sent = layers * ((sp - 1) * kv * (forwards + 1) + sp * dkv)
     exposed_fwd = (sp - 1) * max(0.0, t_kv - t_blk)

@@ -202,7 +202,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * (3 + mlp_casts) * h * c
         else:
             gathered = tokens * 2 * h * c
-        k_saved = q if (eager or sp_attn) else kv  # eager and the sp attention repeat the KV heads first
+        k_saved = sp_attn["kv_width"] if sp_attn else (q if eager else kv)  # eager repeats the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
         if sp_attn:
             sharded += tokens * q * c * sp_attn["extra_outputs"]
@@ -235,38 +235,59 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
                             weights=weights, layer_input=tokens * h * r)
 
 
-def sp_attention_saved(spec: PlanSpec) -> Dict[str, int]:
-    """What partrain's sequence-parallel attention (`partrain.parallel.sequence_attention`, wired by
-    `context_parallel.apply_sp`) keeps per layer beyond what SDPA keeps without sp; {} when sp == 1.
+SP_REPEATS_KV = True
+"""partrain's sp attention (`context_parallel._sp_attention`) repeats the K/V heads to the query count
+before calling the ring / Ulysses ops. The ops also take grouped-query K/V unrepeated (then the ring
+moves and keeps only the K/V heads there are); set False when the wiring stops repeating."""
 
-    Both modes get q, k, v with the KV heads already repeated (GQA), so K and V are saved at the
-    query width, whatever the model's attn_implementation (eager is replaced). Per local token:
-    - ring: q, k, v, the output (laid out so the o_proj input is the same storage) and the fp32
-      log-sum-exp: SDPA's set, no extra output;
+
+def sp_kv_width(spec: PlanSpec) -> float:
+    """Elements per local token of K (and of V) that the sp attention moves and keeps, per TP rank."""
+    f = spec.facts
+    heads, kv_heads = f.heads / spec.tp, f.kv_heads / spec.tp
+    if SP_REPEATS_KV or f.arch == "gpt2":
+        return heads * f.head_dim
+    if spec.sp_mode == "ring":
+        return kv_heads * f.head_dim
+    # Ulysses repeats the K/V heads just enough for sp to divide them (sequence_attention._kv_repeat_for).
+    group = int(heads // kv_heads)
+    r = next((r for r in range(1, group + 1) if group % r == 0 and (kv_heads * r) % spec.sp == 0), group)
+    return kv_heads * r * f.head_dim
+
+
+def sp_attention_saved(spec: PlanSpec) -> Dict[str, float]:
+    """What partrain's sequence-parallel attention (`partrain.parallel.sequence_attention`, wired by
+    `context_parallel.apply_sp`) keeps per layer; {} when sp == 1.
+
+    "kv_width": elements per token of each of K and V it keeps (`sp_kv_width`, before TP), whatever
+    the model's attn_implementation (eager is replaced). "extra_outputs": outputs kept beyond SDPA's
+    set of q, k, v, output and fp32 log-sum-exp:
+    - ring: none (the output is laid out so that the o_proj input is the same storage);
     - ulysses: SDPA on the head-sharded full sequence keeps q, k, v, its output and log-sum-exp
       (1/sp of the heads x sp times the tokens = the same bytes per local token); the all-to-all
       back makes the o_proj input a second copy of the output: one extra output per layer.
     """
     if spec.sp <= 1:
         return {}
-    return {"extra_outputs": 1 if spec.sp_mode == "ulysses" else 0}
+    return {"kv_width": sp_kv_width(spec) * spec.tp, "extra_outputs": 1 if spec.sp_mode == "ulysses" else 0}
 
 
 def sp_attention_transient(spec: PlanSpec, tokens: float, dt=None) -> float:
     """Bytes the sp attention of one layer holds only while it runs (not saved for backward), per
     rank, for `tokens` local tokens; the largest moment is the backward.
 
-    - ring: the K/V pair being computed with and the pair arriving (input dtype, KV heads repeated),
-      the fp32 dK/dV of the held block, the one being sent and the one arriving, the fp32 dq;
+    - ring: the K/V pair being computed with and the pair arriving (input dtype), the fp32 dK/dV of
+      the held block, the one being sent and the one arriving, the fp32 dq;
     - ulysses: the send and receive buffers of one all-to-all of q, k and v (input dtype).
     """
     if spec.sp <= 1:
         return 0.0
     d = dt or dtypes(spec.precision, spec.mixed)
     q = spec.facts.heads * spec.facts.head_dim / spec.tp
+    kvw = sp_kv_width(spec)
     if spec.sp_mode == "ring":
-        return tokens * q * (2 * 2 * d.compute + 3 * 2 * 4 + 4)
-    return tokens * q * 3 * 2 * d.compute
+        return tokens * (2 * 2 * kvw * d.compute + 3 * 2 * kvw * 4 + q * 4)
+    return tokens * (q + 2 * kvw) * 2 * d.compute
 
 
 def _sparse_index(f: ModelFacts, x: ModelExtras) -> int:
