@@ -33,10 +33,10 @@ GPT2 = ["recipe=gpt-dp", "model.config.n_layer=2"]
 LAYOUTS = {
     "llama-ulysses-sp2": (LLAMA, 512, ["parallel.sp=2", "parallel.sp_mode=ulysses"], 2),
     "llama-ring-sp2-seq2048": (LLAMA, 2048, ["parallel.sp=2", "parallel.sp_mode=ring"], 2),
-    "llama-ring-sp4": (LLAMA, 512, ["parallel.sp=4", "parallel.sp_mode=ring"], 4),
     "llama-ring-sp2-tp2": (LLAMA, 512, ["parallel.sp=2", "parallel.tp=2", "parallel.sp_mode=ring"], 4),
+    # Also saves the step-3 checkpoint that ring sp4 resumes from (test_checkpoint_resumes_under_ring_sp4).
     "llama-ulysses-sp2-dp2-fsdp": (LLAMA, 512, ["parallel.sp=2", "parallel.dp=2", "parallel.zero_stage=3",
-                                                "parallel.sp_mode=ulysses"], 4),
+                                                "parallel.sp_mode=ulysses", "checkpoint.every_steps=3"], 4),
     "llama-ring-sp2-pp2": (LLAMA, 512, ["parallel.sp=2", "parallel.pp=2", "parallel.sp_mode=ring"], 4),
     "qwen2-ring-sp2": (QWEN2, 512, ["parallel.sp=2", "parallel.sp_mode=ring"], 2),
     "gpt2-ulysses-sp2": (GPT2, 512, ["parallel.sp=2", "parallel.sp_mode=ulysses"], 2),
@@ -86,25 +86,37 @@ def _parity(ref: RunRecord, got: RunRecord) -> dict:
     return diffs
 
 
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, data_cache):
+    """The run of each LAYOUTS entry, run once per module (the resume test reuses a checkpoint)."""
+    cache = {}
+
+    def get(name: str) -> RunRecord:
+        if name not in cache:
+            model, seq, layout, procs = LAYOUTS[name]
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            cache[name] = train(_base(model, seq, data_cache) + layout + [f"cluster.devices_per_node={procs}"], run_dir)
+            assert len(cache[name].summary["ranks"]) == procs
+        return cache[name]
+    return get
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, references, tmp_path, data_cache):
-    model, seq, layout, procs = LAYOUTS[name]
-    got = train(_base(model, seq, data_cache) + layout + [f"cluster.devices_per_node={procs}"], tmp_path / "run")
-    assert len(got.summary["ranks"]) == procs
-    print(name, _parity(references(model, seq), got))
+def test_layout_matches_single_process(name, references, layouts):
+    model, seq, _, _ = LAYOUTS[name]
+    print(name, _parity(references(model, seq), layouts(name)))
 
 
-def test_checkpoint_from_sp2_resumes_under_sp4(references, tmp_path, data_cache):
-    """Saved at step 3 under ulysses sp2 x dp2, resumed under ring sp4: steps 4-5 match the one-process run
-    (sp holds no parameter shards, so the checkpoint does not depend on it)."""
-    base = _base(LLAMA, 512, data_cache)
-    saved = tmp_path / "saved"
-    train(base + ["parallel.sp=2", "parallel.dp=2", "cluster.devices_per_node=4", "checkpoint.every_steps=3"], saved, 3)
-    resumed = train(base + ["parallel.sp=4", "parallel.sp_mode=ring", "cluster.devices_per_node=4",
-                            f"checkpoint.resume={saved / 'checkpoints' / 'step-00000003'}"], tmp_path / "resumed")
+def test_checkpoint_resumes_under_ring_sp4(references, layouts, tmp_path, data_cache):
+    """Saved at step 3 under Ulysses sp2 x dp2 with FSDP, resumed under ring sp4 (DDP): steps 4-5 and the
+    eval match the one-process run (sp holds no parameter shards, so the checkpoint does not depend on
+    it). This is also the ring sp4 parity case."""
+    saved = layouts("llama-ulysses-sp2-dp2-fsdp").run_dir / "checkpoints" / "step-00000003"
+    resumed = train(_base(LLAMA, 512, data_cache) + ["parallel.sp=4", "parallel.sp_mode=ring", "cluster.devices_per_node=4",
+                                                     f"checkpoint.resume={saved}"], tmp_path / "resumed")
     ref = references(LLAMA, 512)
-    assert len(resumed.losses) == 2
-    print("resume sp2 -> sp4", _parity(RunRecord(ref.losses[3:], ref.grad_norms[3:], ref.run_dir, ref.summary), resumed))
+    assert len(resumed.losses) == 2 and len(resumed.summary["ranks"]) == 4
+    print("resume fsdp sp2 -> ring sp4", _parity(RunRecord(ref.losses[3:], ref.grad_norms[3:], ref.run_dir, ref.summary), resumed))
 
 
 SP = "recipe=llama-long-sp"  # dp2 x sp2 Ulysses; 4 heads, 2 KV heads, seq 4096
