@@ -168,11 +168,12 @@ def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
 
 # ---- the parent --------------------------------------------------------------------------------
 
-def _spawn(fn, world: int, *args):
-    from _machine_load import ForeignLoad
+def _spawn(fn, world: int, *args, settle_s: float = 5.0):
+    from _machine_load import ForeignLoad, settle
 
     from partrain.testing.multiproc import run_spawned
 
+    settle(settle_s)
     with tempfile.TemporaryDirectory() as folder, ForeignLoad() as load:
         results = run_spawned(fn, world, Path(folder), *args, timeout_s=1200)
     return results, load.cores
@@ -190,8 +191,8 @@ def _predicted(model_name: str, sp: int, mode: str, precision: str) -> int:
     return estimate(v, mixed="autocast")["memory_bytes"]["activations"]
 
 
-def activations() -> bool:
-    results, load = _spawn(_activations_child, 2)
+def activations(settle_s: float) -> bool:
+    results, load = _spawn(_activations_child, 2, settle_s=settle_s)
     merged = {key: [r[key] for r in results if key in r] for key in results[0]}
     print(f"1. saved activations per rank, one microbatch of {ACT_MICRO} x {ACT_SEQ} tokens (MiB = 2**20 bytes)")
     print(f"{'model':<11} {'prec':<5} {'sp':>2} {'mode':<8} {'measured MiB':>13} {'predicted MiB':>14} "
@@ -213,9 +214,9 @@ def activations() -> bool:
     return ok
 
 
-def step_times(seq: int, steps: int) -> None:
-    one, load1 = _spawn(_steps_child, 1, seq, steps, ["none"])
-    two, load2 = _spawn(_steps_child, 2, seq, steps, ["ulysses", "ring"])
+def step_times(seq: int, steps: int, settle_s: float) -> None:
+    one, load1 = _spawn(_steps_child, 1, seq, steps, ["none"], settle_s=settle_s)
+    two, load2 = _spawn(_steps_child, 2, seq, steps, ["ulysses", "ring"], settle_s=settle_s)
     base = one[0]["none"]
     print(f"2. step time, Llama hidden 256, 4 layers, 8 heads / 4 KV heads, 1 x {seq} tokens, fp32, "
           f"median of {steps} steps less warm-up, slowest rank")
@@ -227,8 +228,8 @@ def step_times(seq: int, steps: int) -> None:
     print("   ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores")
 
 
-def op_times(seq: int, reps: int) -> None:
-    results, load = _spawn(_op_child, 2, seq, reps)
+def op_times(seq: int, reps: int, settle_s: float) -> None:
+    results, load = _spawn(_op_child, 2, seq, reps, settle_s=settle_s)
     print(f"3. attention op alone, forward + backward, {seq} tokens, 8 heads x 64, causal, fp32, sp=2, "
           f"median of {reps}, slowest rank (other load {load:.2f} cores)")
     full = max(r["full SDPA, whole sequence"] for r in results)
@@ -245,12 +246,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="activations and a short op timing only")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length of the step-time runs")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--settle", type=float, default=5.0, help="wait up to this many s for a quiet machine before each run")
     args = parser.parse_args()
     started = time.perf_counter()
-    ok = activations()
+    ok = activations(args.settle)
     if not args.quick:
-        step_times(args.seq, args.steps)
-    op_times(2048, 2 if args.quick else 5)
+        step_times(args.seq, args.steps, args.settle)
+    op_times(2048, 2 if args.quick else 5, args.settle)
     print(f"activation checks: {'all hold' if ok else 'MISSED'}; {time.perf_counter() - started:.0f} s")
     return 0 if ok else 3
 
