@@ -24,6 +24,11 @@ What partrain really holds:
   paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
   34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
   paper neglects.
+- Sequence/context parallelism (sp > 1): every per-token term above for the rank's seq/sp tokens,
+  rotary tables and position ids of the local positions, and what the ring / Ulysses attention
+  keeps instead of SDPA (`sp_attention_saved`: K/V width as the wiring passes them, Ulysses' second
+  copy of the attention output) plus its transient buffers (`sp_attention_transient`); checked
+  against saved-tensor hooks in real sp processes by benchmarks/sp.py.
 """
 
 from __future__ import annotations
