@@ -201,7 +201,7 @@ def _sp_ok(run: RunConfig, facts: Optional[ModelFacts], tp: int, sp: int) -> boo
     if seq % (2 * sp if run.parallel.sp_mode == "ring" and sp > 1 else sp):
         return False
     if facts is not None and run.parallel.sp_mode == "ulysses":
-        return facts.heads % (tp * sp) == 0 and facts.kv_heads % (tp * sp) == 0
+        return facts.heads % (tp * sp) == 0
     return True
 
 
@@ -367,17 +367,16 @@ def _sp_problems(c: _Collector, run: RunConfig, facts: ModelFacts, d: Dict[str, 
     why = "load-balanced causal ring attention splits the sequence into 2 x sp chunks" if need != sp else "each rank holds seq_len / sp tokens"
     c.check(seq % need == 0, "train.seq_len", seq, f"must be divisible by {need} ({why})",
             f"use train.seq_len={-(-seq // need) * need}")
+    # Grouped-query K/V heads need not divide: Ulysses repeats them just enough (sequence_attention).
     if run.parallel.sp_mode == "ulysses":
-        for name, heads in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
-            if not c.check(heads % (tp * sp) == 0, "parallel.sp", sp,
-                           f"Ulysses gives each rank heads / (tp x sp); the model's {heads} {name} are not divisible by tp x sp = {tp * sp}",
-                           f"use parallel.sp_mode=ring, or a Ulysses sp in {_ulysses_sps(facts, tp)}"):
-                break  # one message per rule
+        c.check(facts.heads % (tp * sp) == 0, "parallel.sp", sp,
+                f"Ulysses gives each rank heads / (tp x sp); the model's {facts.heads} attention heads are not divisible by tp x sp = {tp * sp}",
+                f"use parallel.sp_mode=ring, or a Ulysses sp in {_ulysses_sps(facts, tp)}")
 
 
 def _ulysses_sps(facts: ModelFacts, tp: int) -> List[int]:
-    """The sp degrees Ulysses allows with this tp: tp x sp divides the heads and the KV heads."""
-    return [s for s in divisors(math.gcd(facts.heads, facts.kv_heads)) if facts.heads % (tp * s) == 0 and facts.kv_heads % (tp * s) == 0]
+    """The sp degrees Ulysses allows with this tp: tp x sp divides the attention heads."""
+    return [s for s in divisors(facts.heads) if facts.heads % (tp * s) == 0]
 
 
 def _dp_shard(c: _Collector, run: RunConfig, dp: int) -> int:

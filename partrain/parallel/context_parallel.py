@@ -12,8 +12,8 @@ What `parallel.sp > 1` changes, and where:
 - attention (`apply_sp`): HF v5 models call the attention function named by
   `config._attn_implementation` with q/k/v [B, H, S_local, D] after rotary. `apply_sp` selects a
   partrain function (one registry name per mode, registered once in transformers' own registry)
-  and tells each attention module its sp group; the function repeats K/V heads (GQA) and runs
-  `ring_attention` or `ulysses_attention` over that group. A mask function of the same name
+  and tells each attention module its sp group; the function runs `ring_attention` or
+  `ulysses_attention` over that group (grouped-query K/V unrepeated). A mask function of the same name
   returns no mask: the causal structure is the ops' business (HF would otherwise read zig-zag
   position_ids as packed documents). sp == 1 leaves the model on SDPA.
 - loss (`SequenceShard.loss`): each rank returns sp x (its summed token losses) / (the labelled
@@ -143,14 +143,6 @@ def shard_batches(batches, evals, shard: Optional[SequenceShard]):
 
 # ---- attention --------------------------------------------------------------------------------
 
-def _repeat_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, KV, S, D] -> [B, KV * n_rep, S, D], each KV head repeated for its query heads (HF's order)."""
-    if n_rep == 1:
-        return t
-    b, kv, s, d = t.shape
-    return t[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
-
-
 def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                   **kwargs):
@@ -164,13 +156,14 @@ def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if dropout and shard.mode == "ring":  # apply_sp refuses such models; never drop it silently
         raise NotImplementedError("ring attention does not implement attention dropout")
     causal = bool(getattr(module, "is_causal", True))
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    # Grouped-query K/V go to the ops unrepeated: the ring moves and keeps only the K/V heads there
+    # are, Ulysses repeats them just enough for sp to divide them.
     if shard.mode == "ring":
         out = ops.ring_attention(query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling)
     else:
         def full_sequence(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
 
         out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
     return out.transpose(1, 2).contiguous(), None
