@@ -240,10 +240,11 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
                             weights=weights, layer_input=tokens * h * r)
 
 
-SP_REPEATS_KV = True
-"""partrain's sp attention (`context_parallel._sp_attention`) repeats the K/V heads to the query count
-before calling the ring / Ulysses ops. The ops also take grouped-query K/V unrepeated (then the ring
-moves and keeps only the K/V heads there are); set False when the wiring stops repeating."""
+SP_REPEATS_KV = False
+"""Whether partrain's sp attention (`context_parallel._sp_attention`) repeats the K/V heads to the
+query count before the ring / Ulysses ops. It does not: grouped-query K/V reach the ops unrepeated,
+the ring moves and keeps only the K/V heads there are, Ulysses repeats them just enough for sp to
+divide them. (True describes the earlier wiring; the tests check the byte counts both ways.)"""
 
 
 def sp_kv_width(spec: PlanSpec) -> float:
