@@ -131,6 +131,11 @@ BAD = [  # (command-line arguments, the key the one error names, words of the va
                   "model.config.num_key_value_heads=4", "train.seq_len=1022"], "train.seq_len", "multiple of 4",
                  id="megatron-sp-times-sp"),
     pytest.param([SP, "parallel.sp_mode=zigzag"], "parallel.sp_mode", "ring", id="unknown-mode"),
+    # Consistent layouts the sp attention does not do (partrain.runtime_support): refused, never silently wrong.
+    pytest.param([SP, "model=mistral-tiny", "model.config.sliding_window=128", "train.seq_len=256"], "parallel.sp",
+                 "sliding attention window of 128", id="sliding-window-shorter-than-seq"),
+    pytest.param(["recipe=gpt-dp", "parallel.sp=2", "parallel.dp=1", "parallel.sp_mode=ring", "model.config.attn_pdrop=0.1",
+                  "train.seq_len=256"], "parallel.sp_mode", "attention dropout 0.1", id="ring-attention-dropout"),
 ]
 
 
