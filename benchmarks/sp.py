@@ -16,8 +16,9 @@ cut by `SequenceShard.take`, positions and loss come from `SequenceShard.forward
    within 15% of measured sp=1 / 2.
 2. Step time (not with --quick): forward + backward + gradient all-reduce over the sp group (DDP) +
    AdamW of a compute-bound Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, 1024 tokens),
-   median over the timed steps, rank 0; sp=1 in one process, then sp=2 Ulysses and ring in two
-   (alternating, same data). Ideal sp=2 / sp=1 on 2 free cores: 0.5 (each rank has half the tokens).
+   median over the timed steps, slowest rank; sp=1 (rank 0 alone), sp=2 Ulysses and sp=2 ring
+   alternate step by step in the same two processes, same data. Ideal sp=2 / sp=1 on 2 free
+   cores: 0.5 (each rank has half the tokens).
 3. Op: `ring_attention` / `ulysses_attention` forward + backward alone at 2048 tokens
    (8 heads x 64) against full SDPA on the whole sequence, timed in the same two processes.
 
@@ -103,8 +104,9 @@ def _activations_child(rank: int, world: int) -> dict:
     return out
 
 
-def _steps_child(rank: int, world: int, seq: int, steps: int, modes: list) -> dict:
-    """Median step time per mode (modes alternate step by step so load drifts hit both alike)."""
+def _steps_child(rank: int, world: int, seq: int, steps: int) -> dict:
+    """Median step time of sp=1 (rank 0 alone, rank 1 waiting at a barrier), sp=2 Ulysses and sp=2
+    ring; the three alternate step by step so that load drifts hit them alike."""
     import torch
     import torch.distributed as dist
 
@@ -112,24 +114,28 @@ def _steps_child(rank: int, world: int, seq: int, steps: int, modes: list) -> di
 
     cfg = ModelConfig(arch="llama", config=TIME_MODEL)
     runs = {}
-    for mode in modes:
+    if rank == 0:
+        model, _ = _build(cfg, "ring", 0, 1, seq)
+        runs["sp=1"] = (model, None, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
+    for mode in ("ulysses", "ring"):
         model, shard = _build(cfg, mode, rank, world, seq)
-        ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-        runs[mode] = (ddp, shard, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)  # the gradient all-reduce over sp
+        runs[f"sp=2 {mode}"] = (ddp, shard, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
     gen = torch.Generator().manual_seed(0)
-    times = {mode: [] for mode in modes}
+    times = {name: [] for name in ("sp=1", "sp=2 ulysses", "sp=2 ring")}
     for step in range(steps):
         ids = torch.randint(0, 256, (1, seq + 1), generator=gen)
-        for mode, (model, shard, opt) in runs.items():
-            if world > 1:
-                dist.barrier()
-            t0 = time.perf_counter()
-            _loss(model, shard, ids[:, :-1], ids[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times[mode].append(time.perf_counter() - t0)
+        for name in times:
+            dist.barrier()
+            if name in runs:
+                model, shard, opt = runs[name]
+                t0 = time.perf_counter()
+                _loss(model, shard, ids[:, :-1], ids[:, 1:]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times[name].append(time.perf_counter() - t0)
     skip = 2 if steps > 4 else 1
-    return {mode: statistics.median(t[skip:]) for mode, t in times.items()}
+    return {name: statistics.median(t[skip:]) for name, t in times.items() if t}
 
 
 def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
@@ -215,17 +221,16 @@ def activations(settle_s: float) -> bool:
 
 
 def step_times(seq: int, steps: int, settle_s: float) -> None:
-    one, load1 = _spawn(_steps_child, 1, seq, steps, ["none"], settle_s=settle_s)
-    two, load2 = _spawn(_steps_child, 2, seq, steps, ["ulysses", "ring"], settle_s=settle_s)
-    base = one[0]["none"]
+    results, load = _spawn(_steps_child, 2, seq, steps, settle_s=settle_s)
+    base = results[0]["sp=1"]
     print(f"2. step time, Llama hidden 256, 4 layers, 8 heads / 4 KV heads, 1 x {seq} tokens, fp32, "
-          f"median of {steps} steps less warm-up, slowest rank")
-    print(f"{'layout':<16} {'step ms':>9} {'vs sp=1':>8} {'other load':>11}")
-    print(f"{'sp=1':<16} {base * 1e3:>9.1f} {1.0:>8.2f} {load1:>11.2f}")
-    for mode in ("ulysses", "ring"):
-        t = max(r[mode] for r in two)
-        print(f"{'sp=2 ' + mode:<16} {t * 1e3:>9.1f} {t / base:>8.2f} {load2:>11.2f}")
-    print("   ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores")
+          f"median of {steps} steps less warm-up, slowest rank (other load {load:.2f} cores)")
+    print(f"{'layout':<16} {'step ms':>9} {'vs sp=1':>8}")
+    for name in ("sp=1", "sp=2 ulysses", "sp=2 ring"):
+        t = max(r[name] for r in results if name in r)
+        print(f"{name:<16} {t * 1e3:>9.1f} {t / base:>8.2f}")
+    print("   sp=1 runs on rank 0 while rank 1 waits, alternating with the sp=2 steps; "
+          "ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores")
 
 
 def op_times(seq: int, reps: int, settle_s: float) -> None:
