@@ -79,6 +79,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_data(v, run_dir)
+    from partrain.parallel.context_parallel import sequence_shard, shard_batches
+
+    batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
     loss_scale = DynamicLossScale.for_run(run.train)
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
     start_step = checkpoints.resume()

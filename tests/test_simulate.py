@@ -117,7 +117,6 @@ def test_cli_terminal_tables(cli):
 @pytest.mark.parametrize("args, key", [
     (["recipe=gpt-3d", "--simulate-rank", "8"], "--simulate-rank"),
     (["recipe=gpt-3d", "--simulate-rank", "-1"], "--simulate-rank"),
-    (["recipe=llama-long-sp", "--simulate"], "parallel.sp"),
 ])
 def test_cli_bad_simulation_requests_exit_2(cli, args, key):
     ran = cli("plan", *args)

@@ -72,7 +72,7 @@ def _sp_ok(run: RunConfig, facts: Optional[ModelFacts], tp: int, sp: int) -> boo
     if seq % (2 * sp if run.parallel.sp_mode == "ring" and sp > 1 else sp):
         return False
     if facts is not None and run.parallel.sp_mode == "ulysses":
-        return facts.heads % (tp * sp) == 0 and facts.kv_heads % (tp * sp) == 0
+        return facts.heads % (tp * sp) == 0
     return True
 
 
@@ -116,9 +116,12 @@ def tp_problems(c: ProblemCollector, run: RunConfig, facts: ModelFacts, d: Dict[
               f"pad it: model.config.vocab_size={padded}, or {fix}")
     # ZeRO-1 x TP and Megatron-SP on learned positions are consistent layouts this version cannot train:
     # trainable.unsupported_features says so (the dry run plans them, `train` refuses them).
-    if run.parallel.tp_sequence_parallel and run.train.seq_len % tp:
-        c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over tp={tp} ranks",
-              f"use a multiple of {tp}, e.g. {-(-run.train.seq_len // tp) * tp}")
+    # Megatron-SP splits each sp rank's tokens (seq_len / sp) again over tp.
+    cut = tp * d["sp"]
+    if run.parallel.tp_sequence_parallel and run.train.seq_len % cut:
+        over = f"tp={tp} ranks" if cut == tp else f"tp x sp = {cut} ranks"
+        c.add("train.seq_len", run.train.seq_len, f"sequence parallelism splits the sequence over {over}",
+              f"use a multiple of {cut}, e.g. {-(-run.train.seq_len // cut) * cut}")
     if tp > cl.devices_per_node and not cl.allow_tp_across_nodes:
         c.add("parallel.tp", tp, f"a tensor-parallel group must fit in one node (cluster.devices_per_node={cl.devices_per_node})",
               f"use tp <= {cl.devices_per_node}, or set cluster.allow_tp_across_nodes=true")
@@ -214,12 +217,17 @@ def sp_problems(c: ProblemCollector, run: RunConfig, facts: ModelFacts, d: Dict[
     why = "load-balanced causal ring attention splits the sequence into 2 x sp chunks" if need != sp else "each rank holds seq_len / sp tokens"
     c.check(seq % need == 0, "train.seq_len", seq, f"must be divisible by {need} ({why})",
             f"use train.seq_len={-(-seq // need) * need}")
+    # Grouped-query K/V heads need not divide: Ulysses repeats them just enough (sequence_attention).
     if run.parallel.sp_mode == "ulysses":
-        for name, heads in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
-            if not c.check(heads % (tp * sp) == 0, "parallel.sp", sp,
-                           f"Ulysses gives each rank heads / (tp x sp); the model's {heads} {name} are not divisible by tp x sp = {tp * sp}",
-                           "use parallel.sp_mode=ring, or an sp that divides the heads"):
-                break  # one message per rule
+        c.check(facts.heads % (tp * sp) == 0, "parallel.sp", sp,
+                f"Ulysses gives each rank heads / (tp x sp); the model's {facts.heads} attention heads are not "
+                f"divisible by tp x sp = {tp * sp}",
+                f"use parallel.sp_mode=ring, or a Ulysses sp in {_ulysses_sps(facts, tp)}")
+
+
+def _ulysses_sps(facts: ModelFacts, tp: int) -> List[int]:
+    """The sp degrees Ulysses allows with this tp: tp x sp divides the attention heads."""
+    return [s for s in divisors(facts.heads) if facts.heads % (tp * s) == 0]
 
 
 def dp_shard_degree(c: ProblemCollector, run: RunConfig, dp: int) -> int:

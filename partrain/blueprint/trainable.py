@@ -15,13 +15,15 @@ from partrain.blueprint.validate import ValidatedRun
 IMPLEMENTED = {
     "tp": True,
     "pp": True,
-    "sp": False,
+    "sp": True,
     "ep": True,
     "recompute": True,
     "checkpoint": True,
     "fp16": True,
     "zero1-tp": False,
     "tp-sp-learned-positions": False,
+    "sp-sliding-window": False,
+    "sp-ring-dropout": False,
 }
 
 
@@ -37,7 +39,30 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "zero1-tp": (p.zero_stage == 1 and layout.tp > 1, "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)"),
         "tp-sp-learned-positions": (p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
                                     f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)"),
+        **_sp_limits(v),
         "checkpoint": (v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
                        "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)"),
     }
     return [text for key, (used, text) in wanted.items() if used and not IMPLEMENTED[key]]
+
+
+def _sp_limits(v: ValidatedRun) -> dict:
+    """What partrain's sp attention (parallel.context_parallel) does not do: sliding windows shorter
+    than the sequence (it runs full causal attention) and attention dropout inside ring attention."""
+    layout, seq = v.layout, v.run.train.seq_len
+    if layout.sp == 1:
+        return {}
+    from partrain.blueprint.model_facts import load_snapshot, merged_kwargs
+
+    m = v.run.model
+    cfg = merged_kwargs(m.arch, m.config or {}, m.pretrained, load_snapshot())
+    window = cfg.get("sliding_window") or 0
+    windowed = m.arch in ("mistral", "mixtral") or cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])
+    dropout = max(float(cfg.get("attention_dropout") or 0.0), float(cfg.get("attn_pdrop") or 0.0))
+    return {
+        "sp-sliding-window": (bool(windowed and 0 < window < seq),
+                              f"parallel.sp={layout.sp} (sequence parallelism with a sliding attention window of {window} tokens "
+                              f"< train.seq_len={seq}, i.e. model.config.sliding_window)"),
+        "sp-ring-dropout": (v.run.parallel.sp_mode == "ring" and dropout > 0,
+                            f"parallel.sp_mode=ring (attention dropout {dropout} inside ring attention; Ulysses supports it)"),
+    }

@@ -36,9 +36,12 @@ def uses_fsdp(zero_stage: int) -> bool:
 
 
 def fsdp_mesh(mesh: ParallelMesh):
+    """FSDP shards over dp x sp (sequence-parallel ranks hold the same weights and reduce gradients
+    like data-parallel ones); hybrid: replicate over dp_replicate, shard over dp_shard x sp."""
+    sp = mesh.size("sp") > 1
     if mesh.layout.dp_shard == mesh.layout.dp:
-        return mesh["dp"]
-    return mesh.world["dp_replicate", "dp_shard"]
+        return mesh["dp_sp"] if sp else mesh["dp"]
+    return mesh.world["dp_replicate", "dp_shard_sp"] if sp else mesh.world["dp_replicate", "dp_shard"]
 
 
 def apply_fsdp(model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int, precision: str = "fp32") -> None:

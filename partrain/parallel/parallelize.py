@@ -1,7 +1,8 @@
 """Shard this rank's share of the model on the meta device, in one documented order.
 
-    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> expert parallel
-    -> recompute -> FSDP (zero_stage 2/3; experts on their own edp mesh)
+    meta model -> pipeline split (this rank's chunks) -> tensor parallel (and Megatron-SP)
+    -> context parallel (sp attention) -> expert parallel -> recompute
+    -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
 `partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
 optimizer and the engine. Everything here `materialize` runs on the meta device, so no rank ever allocates the full model
@@ -19,6 +20,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
 from partrain.parallel import data_parallel, expert_parallel
+from partrain.parallel.context_parallel import apply_sp, sequence_shard
 from partrain.parallel.recompute import apply_recompute
 from partrain.parallel.tensor_parallel import apply_tp
 from partrain.runtime.mesh import ParallelMesh
@@ -27,6 +29,7 @@ from partrain.runtime.mesh import ParallelMesh
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode), v.run.train.seq_len)
     if moe is not None:
         expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)

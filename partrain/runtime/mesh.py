@@ -71,4 +71,7 @@ def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     # Expert parallelism splits the flattened dp x sp index into ep (fastest) x edp, as layout.py does.
     expert = flat["dp_sp"]._unflatten(0, (flat["dp_sp"].size() // layout.ep, layout.ep), ("edp", "ep"))
     flat.update(ep=expert["ep"], edp=expert["edp"], edp_ep=expert)
+    if layout.sp > 1 and layout.dp_shard < layout.dp:
+        # Hybrid FSDP with sequence parallelism shards over dp_shard x sp (data_parallel.fsdp_mesh).
+        flat["dp_shard_sp"] = _flatten(world, in_mesh_order("dp_shard", "sp"), "dp_shard_sp")
     return ParallelMesh(world=world, layout=layout, flat=flat)

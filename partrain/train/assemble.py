@@ -15,6 +15,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.models.loss import token_loss
 from partrain.models.materialize import materialize
 from partrain.parallel import data_parallel, expert_parallel
+from partrain.parallel.context_parallel import sequence_shard
 from partrain.parallel.optimizer import make_optimizer, param_groups
 from partrain.parallel.parallelize import RankModules, shard_on_meta
 from partrain.parallel.pipeline import PipelineRunner
@@ -36,7 +37,9 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
         if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
             dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
-        engine = DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx)
+        shard = sequence_shard(mesh, run.parallel.sp_mode)
+        engine = DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx,
+                              **({"forward_loss": shard.forward_loss} if shard else {}))
         engine.moe = held.moe
         return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx)
@@ -57,8 +60,10 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     # DTensor activations (sequence parallel) and autocast change what flows between stages:
     # let torch infer the shapes then.
     static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
-    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches, token_loss, device,
-                            microbatch_size=run.train.micro_batch_size, seq_len=run.train.seq_len, static_shapes=static)
+    shard = sequence_shard(mesh, p.sp_mode)  # context parallelism: local tokens, its own loss
+    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches,
+                            shard.loss if shard else token_loss, device, microbatch_size=run.train.micro_batch_size,
+                            seq_len=run.train.seq_len // mesh.size("sp"), static_shapes=static)
     sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
     if dp_group and mesh.size("ep") > 1:
         sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp

@@ -62,8 +62,10 @@ class DirectEngine:
     """MoE models: expert_parallel.MoERuntime (router-loss gradient weight, expert-load metrics)."""
 
     def __init__(self, dp: DataParallelModel, micro_batch_size: int, precision: str, device: torch.device,
-                 loss_context: Callable[[], ContextManager]) -> None:
+                 loss_context: Callable[[], ContextManager], forward_loss: Callable = forward_loss) -> None:
         self.dp = dp
+        self.forward_loss = forward_loss
+        """forward_loss(model, inputs, labels) -> loss (context parallelism passes its own)."""
         self.optimizer = dp.optimizer
         self.micro_batch_size = micro_batch_size
         self.precision = precision
@@ -84,7 +86,7 @@ class DirectEngine:
             x, y = x.to(self.device), y.to(self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(self.precision, self.device.type):
-                    loss = forward_loss(self.dp.module, x, y)
+                    loss = self.forward_loss(self.dp.module, x, y)
                 (loss * (loss_scale / len(micro))).backward()
             total += local_scalar(loss.detach()).float().cpu()
         self.dp.finish_gradients()
@@ -103,7 +105,7 @@ class DirectEngine:
         total, count = torch.zeros((), dtype=torch.float32), 0
         for x, y in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)):
             with autocast_context(self.precision, self.device.type), self.loss_context():
-                total += local_scalar(forward_loss(module, x.to(self.device), y.to(self.device))).float().cpu()
+                total += local_scalar(self.forward_loss(module, x.to(self.device), y.to(self.device))).float().cpu()
             count += 1
         module.train()
         return float(total) / count

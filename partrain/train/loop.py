@@ -106,7 +106,9 @@ class Trainer:
         self.state = TrainState()
         self.dp_rank = mesh.local("dp")
         self.dp_size = mesh.layout.dp
-        self.loss_group = mesh["dp"].get_group()
+        # Sequence-parallel ranks hold parts of each loss (context_parallel.SequenceShard.loss): average over dp x sp.
+        self.loss_group = mesh["dp_sp"].get_group()
+        self.loss_size = mesh.size("dp_sp")
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -118,7 +120,7 @@ class Trainer:
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         local_loss = self.engine.forward_backward(inputs, labels, scale)
-        loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.dp_size)
+        loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
         if self.loss_scale:
             unscale_gradients(self.engine.model_parts, scale)
         grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
@@ -148,7 +150,7 @@ class Trainer:
         for i in range(self.cfg.train.eval_batches):
             inputs, labels = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
             values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels)))
-        return _mean_over(sum(values) / len(values), self.loss_group, self.dp_size)
+        return _mean_over(sum(values) / len(values), self.loss_group, self.loss_size)
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> TrainState:

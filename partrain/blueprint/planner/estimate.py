@@ -17,9 +17,10 @@ Step-time model (documented in every report's "assumptions"):
   sequence parallelism the same bytes as all-gather + reduce-scatter; MoE layers 1 + 1 since their
   experts are replicated over TP), 2 more forward with full recompute, plus the vocabulary-parallel
   embedding (forward) and head (backward); never overlapped (as in Megatron-LM 2021).
-- SP (context parallel): Ulysses all-to-all of q, k, v and the attention output, forward and
-  backward; ring passes K and V around the ring (backward also their gradients), hidden behind
-  the attention kernel where it is long enough.
+- SP (context parallel, `rank_traffic.sp_traffic`): Ulysses all-to-all of q, k, v and the attention
+  output, forward and backward, not overlapped; ring passes K and V around the ring (backward also
+  their fp32 gradients), each step's transfer hidden behind that step's attention block where the
+  block is long enough. K/V at the width partrain's sp attention moves them (memory.sp_kv_width).
 - EP: dispatch and combine all-to-all per MoE layer, forward and backward.
 - PP: each chunk sends its output forward and its input gradient backward per microbatch, 1/tp of
   the activation per TP rank (sequence parallel shards, or Megatron's scatter/gather), not overlapped.
@@ -74,6 +75,7 @@ from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
     korthikanti_layer_bytes,
+    sp_attention_transient,
 )
 from partrain.blueprint.planner.moe_report import moe_report
 from partrain.blueprint.planner.params import (
@@ -153,12 +155,14 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     ends = end_activations(spec, r.first, r.last, s.tokens, spec.seq, spec.mbs, dt)
     rotary_extra = 0.0
     if f.arch != "gpt2" and len(r.chunks) > 1:
-        rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq * f.head_dim * dt.resid
+        rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq / spec.sp * f.head_dim * dt.resid
     transient = 0.0
     if spec.recompute == "full":
         transient += max(s.acts[k][1] for k in s.acts)
     if r.last:
         transient += s.tokens * f.vocab / spec.tp * 4  # fp32 gradient of the logits
+    if r.layers:
+        transient += sp_attention_transient(spec, s.tokens, dt)  # one layer's ring blocks / all-to-all buffers
     transient += _fsdp_gathered(spec, r, p, unsharded, s.gathered_param_bytes)
     if spec.fsdp_sync_once:
         transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
@@ -351,7 +355,9 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
             notes.append(f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit copy of each "
                          "weight saved per in-flight microbatch")
     if spec.sp > 1:
-        notes.append("context parallel: ZeRO/FSDP assumed to shard over dp_shard x sp (the dp_sp group)")
+        over = "dp_shard (partrain's ZeRO-1 optimizer shards over dp only)" if spec.zero_stage == 1 else "dp_shard x sp"
+        notes.append(f"context parallel ({spec.sp_mode}): weights replicated over sp; model state sharded over {over}; "
+                     "activations of seq/sp tokens per rank")
     if spec.ep > 1:
         notes.append(f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their "
                      f"states sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over "

@@ -24,13 +24,18 @@ What partrain really holds:
   paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
   34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
   paper neglects.
+- Sequence/context parallelism (sp > 1): every per-token term above for the rank's seq/sp tokens,
+  rotary tables and position ids of the local positions, and what the ring / Ulysses attention
+  keeps instead of SDPA (`sp_attention_saved`: K/V width as the wiring passes them, Ulysses' second
+  copy of the attention output) plus its transient buffers (`sp_attention_transient`); checked
+  against saved-tensor hooks in real sp processes by benchmarks/sp.py.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from partrain.blueprint.model_facts import ModelFacts
 from partrain.blueprint.planner.moe import kept_fraction
@@ -186,13 +191,16 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     c, r = d.compute, d.resid
     h, a = f.hidden, f.heads
     q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
-    eager = x.attn_impl == "eager"
+    sp_attn = sp_attention_saved(spec)
+    eager = x.attn_impl == "eager" and not sp_attn  # sp > 1 replaces the attention function
     mask = 1 if x.resid_dropout else 0
     if f.arch == "gpt2":
         resid = tokens * (2 * h * r + 4 * 4 + 2 * h * mask)  # ln inputs + mean/rstd; residual dropout masks
         gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
         act = 5 if x.activation == "gelu_new" else 2
         sharded = tokens * (3 * h + h + act * f.ffn) * c  # qkv, attention output, MLP intermediates
+        if sp_attn:
+            sharded += tokens * h * c * sp_attn["extra_outputs"]
     else:
         resid = tokens * (4 * h * r + 2 * 4)  # two RMSNorms: input and normalised, rsqrt
         # Attention and MLP inputs. Under autocast every projection casts its input on its own, so
@@ -202,8 +210,10 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * (3 + mlp_casts) * h * c
         else:
             gathered = tokens * 2 * h * c
-        k_saved = q if eager else kv  # eager repeats the KV heads before the matmuls
+        k_saved = sp_attn["kv_width"] if sp_attn else (q if eager else kv)  # eager repeats the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
+        if sp_attn:
+            sharded += tokens * q * c * sp_attn["extra_outputs"]
     scores = 0.0
     if eager:
         per_score = c + ((1 + c) if x.attn_dropout else 0)
@@ -234,6 +244,62 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
                             weights=weights, layer_input=tokens * h * r)
 
 
+SP_REPEATS_KV = False
+"""Whether partrain's sp attention (`context_parallel._sp_attention`) repeats the K/V heads to the
+query count before the ring / Ulysses ops. It does not: grouped-query K/V reach the ops unrepeated,
+the ring moves and keeps only the K/V heads there are, Ulysses repeats them just enough for sp to
+divide them. (True describes the earlier wiring; the tests check the byte counts both ways.)"""
+
+
+def sp_kv_width(spec: PlanSpec) -> float:
+    """Elements per local token of K (and of V) that the sp attention moves and keeps, per TP rank."""
+    f = spec.facts
+    heads, kv_heads = f.heads / spec.tp, f.kv_heads / spec.tp
+    if SP_REPEATS_KV or f.arch == "gpt2":
+        return heads * f.head_dim
+    if spec.sp_mode == "ring":
+        return kv_heads * f.head_dim
+    # Ulysses repeats the K/V heads just enough for sp to divide them (sequence_attention._kv_repeat_for).
+    group = int(heads // kv_heads)
+    r = next((r for r in range(1, group + 1) if group % r == 0 and (kv_heads * r) % spec.sp == 0), group)
+    return kv_heads * r * f.head_dim
+
+
+def sp_attention_saved(spec: PlanSpec) -> Dict[str, float]:
+    """What partrain's sequence-parallel attention (`partrain.parallel.sequence_attention`, wired by
+    `context_parallel.apply_sp`) keeps per layer; {} when sp == 1.
+
+    "kv_width": elements per token of each of K and V it keeps (`sp_kv_width`, before TP), whatever
+    the model's attn_implementation (eager is replaced). "extra_outputs": outputs kept beyond SDPA's
+    set of q, k, v, output and fp32 log-sum-exp:
+    - ring: none (the output is laid out so that the o_proj input is the same storage);
+    - ulysses: SDPA on the head-sharded full sequence keeps q, k, v, its output and log-sum-exp
+      (1/sp of the heads x sp times the tokens = the same bytes per local token); the all-to-all
+      back makes the o_proj input a second copy of the output: one extra output per layer.
+    """
+    if spec.sp <= 1:
+        return {}
+    return {"kv_width": sp_kv_width(spec) * spec.tp, "extra_outputs": 1 if spec.sp_mode == "ulysses" else 0}
+
+
+def sp_attention_transient(spec: PlanSpec, tokens: float, dt=None) -> float:
+    """Bytes the sp attention of one layer holds only while it runs (not saved for backward), per
+    rank, for `tokens` local tokens; the largest moment is the backward.
+
+    - ring: the K/V pair being computed with and the pair arriving (input dtype), the fp32 dK/dV of
+      the held block, the one being sent and the one arriving, the fp32 dq;
+    - ulysses: the send and receive buffers of one all-to-all of q, k and v (input dtype).
+    """
+    if spec.sp <= 1:
+        return 0.0
+    d = dt or dtypes(spec.precision, spec.mixed)
+    q = spec.facts.heads * spec.facts.head_dim / spec.tp
+    kvw = sp_kv_width(spec)
+    if spec.sp_mode == "ring":
+        return tokens * (2 * 2 * kvw * d.compute + 3 * 2 * kvw * 4 + q * 4)
+    return tokens * (q + 2 * kvw) * 2 * d.compute
+
+
 def _sparse_index(f: ModelFacts, x: ModelExtras) -> int:
     for i in range(f.n_layers):
         if layer_is_sparse(f, x, i):
@@ -257,12 +323,13 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
     d = dt or dtypes(spec.precision, spec.mixed)
     h, tp = f.hidden, spec.tp
     out = 0.0
+    local_seq = seq / max(1, spec.sp)  # sp ranks get the position ids of their own tokens
     if f.arch != "gpt2":
-        out += 2 * seq * f.head_dim * d.resid
+        out += 2 * local_seq * f.head_dim * d.resid
     if first:
         out += tokens * 8
         if f.arch == "gpt2":
-            out += seq * 8 + (tokens * h if x.embd_dropout else 0)
+            out += local_seq * 8 + (tokens * h if x.embd_dropout else 0)
     if last:
         div = tp if spec.tp_sp else 1
         if f.arch == "gpt2":

@@ -11,6 +11,7 @@ from partrain.blueprint.planner.comm import (
     all_reduce_bytes,
     all_to_all_bytes,
 )
+from partrain.blueprint.planner.memory import sp_kv_width
 from partrain.blueprint.planner.moe import all_to_all_layer_bytes, expert_dp, expert_layer_elements, expert_shard
 from partrain.blueprint.planner.rank_state import PipelineRank
 from partrain.blueprint.planner.spec import PlanSpec
@@ -57,20 +58,39 @@ def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
 
 
 def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_flops: float, out: RankTraffic) -> None:
+    """Bytes one rank sends and exposed seconds of the sp attention of its layers for one microbatch
+    (forward, backward, and the recomputed forward under recompute).
+
+    Tensors per local token and TP rank: qw = heads x head_dim / tp (q, the output) and kvw (each
+    of K and V: `memory.sp_kv_width`, the width partrain's sp attention moves them at).
+    - ulysses: 4 all-to-alls forward (q, k, v to head shards, the output back), the same 4
+      backward (the output's gradient in, the q, k, v gradients back); each moves (sp-1)/sp of
+      its tensor; on the critical path (attention needs all of q, k, v).
+    - ring: forward, sp-1 steps each pass the K/V pair on (input dtype); backward, the K/V pair
+      again at sp-1 steps plus the fp32 dK/dV accumulators at all sp steps. A step's transfer
+      overlaps that step's block of attention (t_core / sp forward, twice that backward); only
+      what exceeds it shows, and the last dK/dV hop, which nothing overlaps.
+    """
     sp, f = spec.sp, spec.facts
     if sp == 1:
         return
-    q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
-    rec = s.passes_extra if spec.recompute == "full" else 0.0
+    t_core = attention_core_flops / max(1, r.layers) / s.rate
+    qt = s.tokens * f.heads * f.head_dim / spec.tp
+    kvt = s.tokens * sp_kv_width(spec)
+    # Full and selective recompute (partrain re-runs the whole attention block) repeat the forward.
+    forwards = 1.0 + (1.0 / max(1, spec.recompute_every) if spec.recompute != "none" else 0.0)
     if spec.sp_mode == "ulysses":
-        one = all_to_all_bytes(s.tokens * (2 * q + 2 * kv) / spec.tp * s.act_bytes, sp)
-        out.sp = r.layers * one * (2 + rec)
+        per_pass = all_to_all_bytes((2 * qt + 2 * kvt) * s.act_bytes, sp)
+        out.sp = r.layers * per_pass * (forwards + 1)
         out.t_sp = out.sp / s.bw["sp/all_to_all"]
-    else:
-        one = (sp - 1) * s.tokens * 2 * kv / spec.tp * s.act_bytes
-        out.sp = r.layers * one * (3 + rec)
-        core_time = 3 * attention_core_flops / s.rate
-        out.t_sp = max(0.0, out.sp / s.bw["sp/send_recv"] - core_time)
+        return
+    link = s.bw["sp/send_recv"]
+    kv, dkv = 2 * kvt * s.act_bytes, 2 * kvt * 4
+    t_kv, t_dkv, t_blk = kv / link, dkv / link, t_core / sp
+    out.sp = r.layers * ((sp - 1) * kv * (forwards + 1) + sp * dkv)
+    exposed_fwd = (sp - 1) * max(0.0, t_kv - t_blk)
+    exposed_bwd = (sp - 1) * max(0.0, t_kv + t_dkv - 2 * t_blk) + t_dkv
+    out.t_sp = r.layers * (exposed_fwd * forwards + exposed_bwd)
 
 
 def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:

@@ -200,8 +200,10 @@ class PlanSpec:
 
     @property
     def shard(self) -> int:
-        """Size of the group that shards dense model state (ZeRO / FSDP): dp_shard x sp."""
-        return (self.dp_shard or self.dp) * self.sp
+        """Size of the group that shards dense model state: dp_shard x sp for FSDP (ZeRO 2/3);
+        dp_shard for ZeRO-1 (partrain's sharded optimizer runs over the dp_shard group, so the sp
+        ranks of one dp rank hold the same optimizer slice)."""
+        return (self.dp_shard or self.dp) * (1 if self.zero_stage == 1 else self.sp)
 
     @property
     def tokens_per_step(self) -> int:

@@ -31,6 +31,8 @@ class PipelineStageModule(nn.Module):
         self.tied = adapter.tied_embeddings(full)
         self.seq_len: Optional[int] = None
         """Full sequence length when activations are sequence-sharded (SP); None = from the input."""
+        self.position_ids: Optional[torch.Tensor] = None
+        """[1, local seq] global positions of this rank's tokens under context parallelism (apply_sp)."""
 
         base_prefix = adapter.base_prefix
         base = full.get_submodule(base_prefix)
@@ -94,7 +96,10 @@ class PipelineStageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         adapter, base = self.adapter, self.get_submodule(self.adapter.base_prefix)
         seq = self.seq_len or x.shape[1]
-        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        if self.position_ids is None:
+            position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
+        else:
+            position_ids = self.position_ids.to(x.device)
         if self.is_first:
             h = self.get_submodule(adapter.embedding_paths[0])(x)
             for path in adapter.embedding_paths[1:]:  # learned positions (GPT-2 wpe)

@@ -1,0 +1,238 @@
+"""Sequence (context) parallelism: each rank of an sp group trains on a slice of every sequence.
+
+What `parallel.sp > 1` changes, and where:
+
+- data (`SequenceSharded`): every sp rank of a data-parallel replica reads the same rows and keeps
+  its slice of each row, inputs and the already shifted labels alike, so the target of a slice's
+  last token is the true next token. Ulysses keeps contiguous slice r; ring keeps the zig-zag
+  chunks r and 2*sp-1-r of 2*sp chunks (every rank then does equal causal work).
+- positions (`SequenceShard.position_ids`): the global positions of the kept tokens, passed to
+  the model explicitly, so rotary embeddings (Llama, Qwen2, Mistral) and GPT-2's learned `wpe`
+  see the positions the unsplit model would.
+- attention (`apply_sp`): HF v5 models call the attention function named by
+  `config._attn_implementation` with q/k/v [B, H, S_local, D] after rotary. `apply_sp` selects a
+  partrain function (one registry name per mode, registered once in transformers' own registry)
+  and tells each attention module its sp group; the function runs `ring_attention` or
+  `ulysses_attention` over that group (grouped-query K/V unrepeated). A mask function of the same name
+  returns no mask: the causal structure is the ops' business (HF would otherwise read zig-zag
+  position_ids as packed documents). sp == 1 leaves the model on SDPA.
+- loss (`SequenceShard.loss`): each rank returns sp x (its summed token losses) / (the labelled
+  tokens of the whole microbatch, summed over the sp group). The sp values add up to sp x the
+  unsplit mean, and the gradient average over dp x sp (DDP, FSDP, the pipeline's all-reduce, all
+  over the `dp_sp` mesh) divides by sp again: gradients equal the unsplit model's. The trainer
+  averages the reported loss over dp x sp for the same reason.
+
+No parameter is sharded over sp (weights are replicated on sp ranks like on dp ranks), so
+checkpoints do not depend on the sp degree.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from partrain.models.loss import IGNORE_INDEX
+from partrain.parallel import sequence_attention as ops
+
+ATTENTION_NAMES = {"ulysses": "partrain_ulysses", "ring": "partrain_ring"}
+"""The `config._attn_implementation` name of each sp mode (entries in transformers' registries)."""
+
+log = logging.getLogger("partrain")
+
+SP_ATTR = "partrain_sp"
+"""Attribute set on each attention module: the `SequenceShard` its attention runs over."""
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's share of the sequence dimension."""
+
+    mode: str
+    """ulysses (contiguous slices) or ring (zig-zag chunks)."""
+    size: int
+    """sp degree."""
+    rank: int
+    """This rank's coordinate on the sp axis."""
+    group: Optional[dist.ProcessGroup]
+    """The sp process group."""
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions of this rank's tokens, LongTensor [seq_len // sp]."""
+        if self.mode == "ring":
+            return ops.zigzag_positions(seq_len, self.size, self.rank)
+        return ops.contiguous_positions(seq_len, self.size, self.rank)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of each row of `t` [B, S] (or [B, S, ...])."""
+        return t.index_select(1, self.positions(t.shape[1]).to(t.device)).contiguous()
+
+    def position_ids(self, seq_len: int, device=None) -> torch.Tensor:
+        """[1, seq_len // sp] position ids for the model; seq_len is the full length."""
+        return self.positions(seq_len).to(device).unsqueeze(0)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """sp x this rank's summed token loss / the microbatch's labelled tokens over the sp group.
+
+        Summed over the sp ranks this is sp x the unsplit mean (see the module docstring for why).
+        Works on vocabulary-sharded logits inside `loss_parallel()` like `token_loss`.
+        """
+        count = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        if self.size > 1:
+            dist.all_reduce(count, group=self.group)
+        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return total * (self.size / max(float(count.item()), 1.0))
+
+    def forward_loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`models.loss.forward_loss` for sequence-sharded rows (already `take`n): global position ids, sp loss."""
+        seq_len = input_ids.shape[1] * self.size
+        logits = model(input_ids=input_ids, position_ids=self.position_ids(seq_len, input_ids.device)).logits
+        return self.loss(logits, labels)
+
+
+def sequence_shard(mesh, mode: str) -> Optional[SequenceShard]:
+    """This rank's `SequenceShard`, or None when the sp axis has size 1."""
+    if mesh.size("sp") == 1:
+        return None
+    if mode not in ATTENTION_NAMES:
+        raise ValueError(f"parallel.sp_mode must be one of {sorted(ATTENTION_NAMES)}, not {mode!r}")
+    return SequenceShard(mode=mode, size=mesh.size("sp"), rank=mesh.local("sp"), group=mesh["sp"].get_group())
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+class SequenceSharded:
+    """Train or eval batches with each row cut to this rank's tokens (inputs and labels alike).
+
+    Wraps `TokenBatches` / `EvalBatches`: the same rows as the other ranks of the data-parallel
+    replica, this rank's positions of them. Data position (state_dict) is the wrapped object's.
+    """
+
+    def __init__(self, batches, shard: SequenceShard) -> None:
+        self.inner = batches
+        self.shard = shard
+
+    def _cut(self, batch):
+        inputs, labels = batch
+        return self.shard.take(inputs), self.shard.take(labels)
+
+    def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1):
+        return self._cut(self.inner.rank_batch(step, dp_rank, dp_size))
+
+    def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1):
+        return self._cut(self.inner.eval_batch(i, dp_rank, dp_size))
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
+
+
+def shard_batches(batches, evals, shard: Optional[SequenceShard]):
+    """(batches, evals) cut to this rank's tokens; unchanged without sequence parallelism."""
+    if shard is None:
+        return batches, evals
+    return SequenceSharded(batches, shard), (SequenceSharded(evals, shard) if evals is not None else None)
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                  **kwargs):
+    """The attention function HF calls (see `transformers.AttentionInterface`); returns [B, S, H, D]."""
+    shard: Optional[SequenceShard] = getattr(module, SP_ATTR, None)
+    if shard is None:
+        raise RuntimeError(f"{type(module).__name__} runs partrain's sequence-parallel attention but apply_sp "
+                           "did not give it an sp group")
+    if attention_mask is not None:
+        raise NotImplementedError("sequence-parallel attention supports causal attention without padding masks")
+    if dropout and shard.mode == "ring":  # apply_sp refuses such models; never drop it silently
+        raise NotImplementedError("ring attention does not implement attention dropout")
+    causal = bool(getattr(module, "is_causal", True))
+    # Grouped-query K/V go to the ops unrepeated: the ring moves and keeps only the K/V heads there
+    # are, Ulysses repeats them just enough for sp to divide them.
+    if shard.mode == "ring":
+        out = ops.ring_attention(query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling)
+    else:
+        def full_sequence(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+
+        out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_supported(config, mode: str, seq_len: int) -> None:
+    """Refuse what the sp attention would silently get wrong: sliding windows shorter than the
+    sequence (the ops are plain causal) and attention dropout under ring attention."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in types or (config.model_type in ("mistral", "mixtral") and window)
+    if windowed and window and window < seq_len:
+        raise NotImplementedError(f"sequence parallelism runs full causal attention; this {config.model_type} model uses "
+                                  f"a sliding window of {window} < train.seq_len={seq_len}: set "
+                                  "model.config.sliding_window=null or parallel.sp=1")
+    dropout = max(float(getattr(config, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop"))
+    if mode == "ring" and dropout > 0:
+        raise NotImplementedError(f"ring attention does not implement attention dropout ({dropout}): set the model's "
+                                  "attention dropout to 0 or use parallel.sp_mode=ulysses")
+
+
+def _no_mask(*args, **kwargs):
+    """Mask function for the sp attention names: causality is handled inside the attention ops."""
+    return None
+
+
+def register_attention() -> None:
+    """Add the sp attention names to transformers' attention and mask registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for name in ATTENTION_NAMES.values():
+        AttentionInterface.register(name, _sp_attention)
+        AttentionMaskInterface.register(name, _no_mask)
+
+
+def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len: int) -> None:
+    """Route every attention layer of `model` (an HF model or a pipeline stage) through the sp group.
+
+    Call after tensor parallelism (heads are then the local tp heads; Ulysses splits them again
+    over sp) and before recompute and FSDP. Pipeline stages also get their position ids
+    (`position_ids` attribute, the stage builds none then). No-op without sequence parallelism.
+    """
+    if shard is None:
+        return
+    _check_supported(model.config, shard.mode, seq_len)
+    register_attention()
+    name = ATTENTION_NAMES[shard.mode]
+    layers = adapter.layers(model)
+    found = 0
+    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+        attn = adapter.attention(layer)
+        setattr(attn, SP_ATTR, shard)
+        found += 1
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no decoder layers for sequence parallelism")
+    # Every config object the modules read (a pipeline stage deep-copies its layers' config).
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+    if hasattr(model, "position_ids"):
+        model.position_ids = shard.position_ids(seq_len)
+    log.info("sequence parallel %s: sp rank %d of %d, %d attention layers, tokens at positions %s",
+             shard.mode, shard.rank, shard.size, found, _ranges(shard.positions(seq_len)))
+
+
+def _ranges(positions: torch.Tensor) -> str:
+    """'0-127, 384-511': the runs of consecutive positions (for the log)."""
+    p = positions.tolist()
+    starts = [i for i in range(len(p)) if i == 0 or p[i] != p[i - 1] + 1]
+    return ", ".join(f"{p[a]}-{p[b - 1]}" for a, b in zip(starts, starts[1:] + [len(p)]))
