@@ -225,7 +225,7 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = name
-    if hasattr(model, "position_ids"):
+    if "position_ids" in vars(model):  # a PipelineStageModule's plain attribute (never an HF buffer)
         model.position_ids = shard.position_ids(seq_len)
     log.info("sequence parallel %s: sp rank %d of %d, %d attention layers, tokens at positions %s",
              shard.mode, shard.rank, shard.size, found, _ranges(shard.positions(seq_len)))
