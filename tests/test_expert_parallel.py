@@ -1,7 +1,7 @@
 """Expert parallelism for real (several gloo processes, the `partrain train` path) against ep=1.
 
 Every layout is compared with the one-process run of the same model, data and seed (dropless,
-router aux loss on as the HF config says, fp32, 5 steps, 1e-5 relative on loss and gradient norm).
+router losses on, fp32, 5 steps, 1e-5 relative on loss and gradient norm).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
-MIXTRAL = ["recipe=mixtral-ep"]  # tiny Mixtral, 4 experts top-2, dp2 x ep2
-QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert
+# Tiny Mixtral, 4 experts top-2, dp2 x ep2. Router losses 100x HF's default weight and a z-loss:
+# they change the gradient norm by about 1%, so a wrongly scaled router-loss gradient cannot hide.
+MIXTRAL = ["recipe=mixtral-ep", "parallel.moe_aux_loss_coef=0.1", "parallel.moe_z_loss_coef=0.01"]
+QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert; HF's aux weight
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
@@ -70,7 +72,7 @@ def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_e
     tokens_per_step = 8 * 64 * 2 * 2  # global batch x seq_len x top_k x MoE layers
     for rec in records:
         assert sum(rec["moe_tokens_per_expert"]) == tokens_per_step
-        assert rec["moe_imbalance"] >= 1.0 and rec["moe_aux_loss"] > 0
+        assert rec["moe_imbalance"] >= 1.0 and rec["moe_aux_loss"] > 0 and rec["moe_z_loss"] > 0
     ref_records = [json.loads(line) for line in (ref.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["moe_tokens_per_expert"] for r in ref_records] == [r["moe_tokens_per_expert"] for r in records]
     load = mixtral_ep2.summary["moe"]
