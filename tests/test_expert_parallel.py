@@ -26,7 +26,9 @@ FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
     "mixtral-ep4": (MIXTRAL, FOUR + ["parallel.ep=4"]),
-    "mixtral-ep2-tp2": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "cluster.devices_per_node=4"]),
+    # Megatron-SP on: the MoE block gathers the sequence, its experts (replicated over tp) see every token.
+    "mixtral-ep2-tp2-sp": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.tp_sequence_parallel=true",
+                                     "cluster.devices_per_node=4"]),
     "mixtral-ep2-pp2-recompute": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4",
                                             "parallel.recompute=full"]),
     "mixtral-ep2-fsdp-zero3": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=3"]),  # edp=2: FSDP over edp
