@@ -1,7 +1,8 @@
 """Build this rank's share of the model and the engine that trains it, in one documented order.
 
-    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> expert parallel -> recompute
-    -> FSDP (zero_stage 2/3) -> materialize weights -> DDP / gradient sync -> optimizer -> engine
+    meta model -> pipeline split (this rank's chunks) -> tensor/sequence parallel -> expert parallel
+    -> recompute -> FSDP (zero_stage 2/3) -> materialize weights -> DDP / gradient sync -> optimizer
+    -> engine
 
 Everything before `materialize` runs on the meta device, so no rank ever allocates the full model
 when the layout shards it. Every axis exists (size 1 when unused); the code asks the mesh.
