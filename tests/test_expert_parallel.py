@@ -32,6 +32,7 @@ LAYOUTS = {
     "mixtral-ep2-pp2-recompute": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4",
                                             "parallel.recompute=full"]),
     "mixtral-ep2-fsdp-zero3": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=3"]),  # edp=2: FSDP over edp
+    "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
 }
 
@@ -170,8 +171,8 @@ def _steps(run_dir: Path):
 
 def test_resume_under_another_ep_degree(mixtral_ep2, tmp_path, data_cache):
     """Saved at ep=2 after step 3 (experts as Shard(0) DTensors under full FQNs), resumed at ep=4
-    with ZeRO-1 (dense Adam state sharded over dp, expert shards' state in their own AdamW): steps
-    4 and 5 match the uninterrupted ep=2 run."""
+    with ZeRO-1 (dense Adam state sharded over dp_shard, the expert shards' over edp): steps 4 and 5
+    match the uninterrupted ep=2 run."""
     ckpt = mixtral_ep2.run_dir / "checkpoints" / "step-00000003"
     run_training(_base(MIXTRAL, data_cache) + FOUR + ["parallel.ep=4", "parallel.zero_stage=1", f"checkpoint.resume={ckpt}"],
                  tmp_path / "run", STEPS)
