@@ -1,7 +1,7 @@
 """Expert parallelism for real (several gloo processes, the `partrain train` path) against ep=1.
 
 Every layout is compared with the one-process run of the same model, data and seed (dropless,
-router aux loss on as the HF config says, fp32, 5 steps, 1e-5 relative on loss and gradient norm).
+router losses on, fp32, 5 steps, 1e-5 relative on loss and gradient norm).
 """
 
 from __future__ import annotations
@@ -18,16 +18,21 @@ pytestmark = pytest.mark.slow
 
 STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
-MIXTRAL = ["recipe=mixtral-ep"]  # tiny Mixtral, 4 experts top-2, dp2 x ep2
-QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert
+# Tiny Mixtral, 4 experts top-2, dp2 x ep2. Router losses 100x HF's default weight and a z-loss:
+# they change the gradient norm by about 1%, so a wrongly scaled router-loss gradient cannot hide.
+MIXTRAL = ["recipe=mixtral-ep", "parallel.moe_aux_loss_coef=0.1", "parallel.moe_z_loss_coef=0.01"]
+QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert; HF's aux weight
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
     "mixtral-ep4": (MIXTRAL, FOUR + ["parallel.ep=4"]),
-    "mixtral-ep2-tp2": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "cluster.devices_per_node=4"]),
+    # Megatron-SP on: the MoE block gathers the sequence, its experts (replicated over tp) see every token.
+    "mixtral-ep2-tp2-sp": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.tp_sequence_parallel=true",
+                                     "cluster.devices_per_node=4"]),
     "mixtral-ep2-pp2-recompute": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4",
                                             "parallel.recompute=full"]),
     "mixtral-ep2-fsdp-zero3": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=3"]),  # edp=2: FSDP over edp
+    "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
 }
 
@@ -70,7 +75,7 @@ def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_e
     tokens_per_step = 8 * 64 * 2 * 2  # global batch x seq_len x top_k x MoE layers
     for rec in records:
         assert sum(rec["moe_tokens_per_expert"]) == tokens_per_step
-        assert rec["moe_imbalance"] >= 1.0 and rec["moe_aux_loss"] > 0
+        assert rec["moe_imbalance"] >= 1.0 and rec["moe_aux_loss"] > 0 and rec["moe_z_loss"] > 0
     ref_records = [json.loads(line) for line in (ref.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["moe_tokens_per_expert"] for r in ref_records] == [r["moe_tokens_per_expert"] for r in records]
     load = mixtral_ep2.summary["moe"]
@@ -166,8 +171,8 @@ def _steps(run_dir: Path):
 
 def test_resume_under_another_ep_degree(mixtral_ep2, tmp_path, data_cache):
     """Saved at ep=2 after step 3 (experts as Shard(0) DTensors under full FQNs), resumed at ep=4
-    with ZeRO-1 (dense Adam state sharded over dp, expert shards' state in their own AdamW): steps
-    4 and 5 match the uninterrupted ep=2 run."""
+    with ZeRO-1 (dense Adam state sharded over dp_shard, the expert shards' over edp): steps 4 and 5
+    match the uninterrupted ep=2 run."""
     ckpt = mixtral_ep2.run_dir / "checkpoints" / "step-00000003"
     run_training(_base(MIXTRAL, data_cache) + FOUR + ["parallel.ep=4", "parallel.zero_stage=1", f"checkpoint.resume={ckpt}"],
                  tmp_path / "run", STEPS)

@@ -90,7 +90,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
     if optimizer is None:
         return {}
     if isinstance(optimizer, ExpertSplitOptimizer):  # ZeRO-1 with expert parallelism: both halves
-        return {**optimizer_state(parts, optimizer.dense, template), **_optimizer_state_by_fqn(parts, optimizer.experts)}
+        return {**optimizer_state(parts, optimizer.dense, template), **optimizer.experts.full_state(param_fqns(parts), template)}
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):
         if len(optimizers) != 1:
@@ -111,7 +111,7 @@ def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[
         return
     if isinstance(optimizer, ExpertSplitOptimizer):
         set_optimizer_state(parts, optimizer.dense, state)
-        _load_optimizer_state_by_fqn(parts, optimizer.experts, state)
+        optimizer.experts.load_full_state(param_fqns(parts), state)
         return
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):

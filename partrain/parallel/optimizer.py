@@ -40,8 +40,10 @@ def make_optimizer(groups, mesh: ParallelMesh, zero_stage: int, optim_cfg: Optim
             return ShardedOptimizer(gs, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
 
         if mesh.size("ep") > 1:  # expert shards differ per ep rank: they stay out of the flat buffers
-            from partrain.parallel.expert_parallel import zero1_optimizer
+            from partrain.parallel.expert_parallel import ExpertShardOptimizer, zero1_optimizer
 
-            return zero1_optimizer(groups, sharded, lambda gs: make_adamw(gs, optim_cfg))
+            edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
+            return zero1_optimizer(groups, sharded,
+                                   lambda gs: ExpertShardOptimizer(gs, edp, lambda inner: make_adamw(inner, optim_cfg)))
         return sharded(groups)
     return make_adamw(groups, optim_cfg)

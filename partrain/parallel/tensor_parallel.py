@@ -183,8 +183,9 @@ def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter) -> Dict[st
     mlp_in = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     if adapter.experts(layer) is not None:
         # Replicated experts return a full local tensor: hand the residual stream back as sequence shards.
+        # Local output: the residual stream between blocks is plain local shards (as after down_proj).
         plan[adapter.mlp_attr] = [mlp_in, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                                              use_local_output=False)]
+                                                              use_local_output=True)]
     else:
         plan[adapter.mlp_attr] = mlp_in
     return plan
