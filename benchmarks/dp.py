@@ -71,9 +71,14 @@ class RunResult:
 
 
 def model_overrides(args) -> List[str]:
-    return [f"model.config.n_embd={args.n_embd}", f"model.config.n_layer={args.n_layer}",
-            f"model.config.n_head={args.n_head}", f"train.seq_len={args.seq_len}",
-            f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}"]
+    return [
+        f"model.config.n_embd={args.n_embd}",
+        f"model.config.n_layer={args.n_layer}",
+        f"model.config.n_head={args.n_head}",
+        f"train.seq_len={args.seq_len}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.micro_batch_size={args.micro_batch}",
+    ]
 
 
 def configs(args) -> List[Config]:
@@ -83,22 +88,49 @@ def configs(args) -> List[Config]:
         Config("plain", "plain PyTorch loop, 1 proc", "plain", 1, short="plain loop"),
         Config("pt1", "partrain dp=1", "partrain", 1, dp1, baseline="plain", target=0.95),
         Config("acc-ddp", "Accelerate DDP, 2 procs", "accelerate-ddp", 2, short="Accelerate DDP"),
-        Config("pt-ddp", "partrain dp=2 zero0 (DDP)", "partrain", 2, dp2 + ["parallel.zero_stage=0"],
-               baseline="acc-ddp", target=1.0),
+        Config(
+            "pt-ddp",
+            "partrain dp=2 zero0 (DDP)",
+            "partrain",
+            2,
+            dp2 + ["parallel.zero_stage=0"],
+            baseline="acc-ddp",
+            target=1.0,
+        ),
         Config("acc-fsdp", "Accelerate FSDP2, 2 procs", "accelerate-fsdp", 2, short="Accelerate FSDP2"),
         # Accelerate reduce-scatters once per step (no_sync on all but the last microbatch): the
         # like-for-like partrain setting is fsdp_grad_sync=last_microbatch. partrain's default
         # (every microbatch: gradients stay sharded, more traffic) is shown beside it, no target.
-        Config("pt-fsdp", "partrain dp=2 zero3 sync last", "partrain", 2,
-               dp2 + ["parallel.zero_stage=3", "parallel.fsdp_grad_sync=last_microbatch"], baseline="acc-fsdp", target=1.0),
-        Config("pt-fsdp-every", "partrain dp=2 zero3 sync every", "partrain", 2,
-               dp2 + ["parallel.zero_stage=3", "parallel.fsdp_grad_sync=every_microbatch"], baseline="acc-fsdp"),
+        Config(
+            "pt-fsdp",
+            "partrain dp=2 zero3 sync last",
+            "partrain",
+            2,
+            dp2 + ["parallel.zero_stage=3", "parallel.fsdp_grad_sync=last_microbatch"],
+            baseline="acc-fsdp",
+            target=1.0,
+        ),
+        Config(
+            "pt-fsdp-every",
+            "partrain dp=2 zero3 sync every",
+            "partrain",
+            2,
+            dp2 + ["parallel.zero_stage=3", "parallel.fsdp_grad_sync=every_microbatch"],
+            baseline="acc-fsdp",
+        ),
     ]
 
 
 def common_overrides(args, cache: Path) -> List[str]:
-    return ["recipe=gpt-dp", *model_overrides(args), f"train.steps={args.steps}", "train.eval_every=0",
-            "train.eval_batches=0", "train.threads_per_process=1", f"data.cache_dir={cache}"]
+    return [
+        "recipe=gpt-dp",
+        *model_overrides(args),
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        "train.threads_per_process=1",
+        f"data.cache_dir={cache}",
+    ]
 
 
 def make_spec(args, cache: Path) -> dict:
@@ -115,12 +147,26 @@ def make_spec(args, cache: Path) -> dict:
     attn = kwargs.pop("attn_implementation", ATTN_IMPLEMENTATION)
     kwargs.pop("experts_implementation", None)
     o = run.optim
-    return {"arch": run.model.arch, "config": kwargs, "attn_implementation": attn, "meta_path": str(packed.meta_path),
-            "seq_len": run.train.seq_len, "global_batch_size": v.global_batch_size,
-            "micro_batch_size": run.train.micro_batch_size, "steps": args.steps, "seed": run.train.seed,
-            "lr": o.lr, "min_lr_ratio": o.min_lr_ratio, "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay,
-            "beta1": o.beta1, "beta2": o.beta2, "eps": o.eps, "grad_clip": o.grad_clip,
-            "tokens_per_step": v.tokens_per_step}
+    return {
+        "arch": run.model.arch,
+        "config": kwargs,
+        "attn_implementation": attn,
+        "meta_path": str(packed.meta_path),
+        "seq_len": run.train.seq_len,
+        "global_batch_size": v.global_batch_size,
+        "micro_batch_size": run.train.micro_batch_size,
+        "steps": args.steps,
+        "seed": run.train.seed,
+        "lr": o.lr,
+        "min_lr_ratio": o.min_lr_ratio,
+        "warmup_steps": o.warmup_steps,
+        "weight_decay": o.weight_decay,
+        "beta1": o.beta1,
+        "beta2": o.beta2,
+        "eps": o.eps,
+        "grad_clip": o.grad_clip,
+        "tokens_per_step": v.tokens_per_step,
+    }
 
 
 def _env() -> Dict[str, str]:
@@ -130,8 +176,15 @@ def _env() -> Dict[str, str]:
 
 
 def run_partrain(cfg: Config, args, cache: Path, run_dir: Path) -> RunResult:
-    cmd = [sys.executable, "-m", "partrain.cli", "train", *common_overrides(args, cache), *cfg.overrides,
-           f"train.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "partrain.cli",
+        "train",
+        *common_overrides(args, cache),
+        *cfg.overrides,
+        f"train.run_dir={run_dir}",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env())
     wall = time.perf_counter() - t0
@@ -175,19 +228,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one run per configuration, 8 steps (about 2 minutes)")
     parser.add_argument("--steps", type=int, default=16, help="steps per run, warmup included")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per configuration, interleaved A B A B ... (run-to-run spread is a few %%: use >= 3)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per configuration, interleaved A B A B ... (run-to-run spread is a few %%: use >= 3)",
+    )
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--only", default="", help="comma-separated config keys (plain,pt1,acc-ddp,pt-ddp,acc-fsdp,pt-fsdp,pt-fsdp-every)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated config keys (plain,pt1,acc-ddp,pt-ddp,acc-fsdp,pt-fsdp,pt-fsdp-every)",
+    )
     parser.add_argument("--keep", default="", help="keep run folders here instead of a temporary folder")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
-    parser.add_argument("--settle", type=float, default=5.0,
-                        help="before each run wait up to this many seconds for other processes to use < 0.25 cores (0: never)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="before each run wait up to this many seconds for other processes to use < 0.25 cores (0: never)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 8, 2, 1
@@ -215,10 +280,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         tokens = spec["tokens_per_step"]
-        console.print(f"[bold]dp benchmark[/bold]: gpt2 n_embd={args.n_embd} n_layer={args.n_layer} n_head={args.n_head}, "
-                      f"global batch {args.global_batch} x {args.seq_len} tokens, micro batch {args.micro_batch}, "
-                      f"{args.steps} steps/run ({args.warmup} warmup), {args.repeats} repetition(s), 1 thread/process; "
-                      f"runs in {root}")
+        console.print(
+            f"[bold]dp benchmark[/bold]: gpt2 n_embd={args.n_embd} n_layer={args.n_layer} n_head={args.n_head}, "
+            f"global batch {args.global_batch} x {args.seq_len} tokens, micro batch {args.micro_batch}, "
+            f"{args.steps} steps/run ({args.warmup} warmup), {args.repeats} repetition(s), 1 thread/process; "
+            f"runs in {root}"
+        )
 
         # Order: each baseline/partrain pair A B A B, pairs one after the other.
         # (A baseline shared by several partrain configs runs once per repetition: A B C A B C.)
@@ -253,23 +320,36 @@ def main(argv: Optional[List[str]] = None) -> int:
                         console.print(f"[red]{cfg.label} failed[/red]:\n{exc}", markup=True)
                         continue
                     results[cfg.key].append(r)
-                    timed = r.step_times[args.warmup:]
-                    console.print(f"  {cfg.label:<30} run {rep + 1}: median {statistics.median(timed) * 1e3:7.1f} ms/step, "
-                                  f"process wall {r.wall_s:5.1f} s, other processes used {r.foreign_cores:.2f} cores"
-                                  + (f" (waited {waited:.0f} s for a quiet moment)" if waited >= 2 else ""), highlight=False)
+                    timed = r.step_times[args.warmup :]
+                    console.print(
+                        f"  {cfg.label:<30} run {rep + 1}: median {statistics.median(timed) * 1e3:7.1f} ms/step, "
+                        f"process wall {r.wall_s:5.1f} s, other processes used {r.foreign_cores:.2f} cores"
+                        + (f" (waited {waited:.0f} s for a quiet moment)" if waited >= 2 else ""),
+                        highlight=False,
+                    )
 
         # Figures.
         med: Dict[str, float] = {}
         for key, runs in results.items():
-            timed = [t for r in runs for t in r.step_times[args.warmup:]]
+            timed = [t for r in runs for t in r.step_times[args.warmup :]]
             if timed:
                 med[key] = statistics.median(timed)
 
-        table = Table(title=f"data-parallel throughput (median over {args.steps - args.warmup} timed steps x "
-                            f"{args.repeats} runs; {tokens} tokens/step)", title_justify="left")
-        for col, just in (("config", "left"), ("tokens/s", "right"), ("step ms (median)", "right"),
-                          ("ratio vs baseline", "right"), ("target", "right"), ("met?", "center"),
-                          ("per-run median ms", "right"), ("other load (cores)", "right")):
+        table = Table(
+            title=f"data-parallel throughput (median over {args.steps - args.warmup} timed steps x "
+            f"{args.repeats} runs; {tokens} tokens/step)",
+            title_justify="left",
+        )
+        for col, just in (
+            ("config", "left"),
+            ("tokens/s", "right"),
+            ("step ms (median)", "right"),
+            ("ratio vs baseline", "right"),
+            ("target", "right"),
+            ("met?", "center"),
+            ("per-run median ms", "right"),
+            ("other load (cores)", "right"),
+        ):
             table.add_column(col, justify=just)
         all_met = True
         for c in all_cfgs:
@@ -289,10 +369,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         met = "[green]yes[/green]" if ok else "[red]no[/red]"
                 else:
                     met = "no baseline"
-            per_run = " / ".join(f"{statistics.median(r.step_times[args.warmup:]) * 1e3:.0f}" for r in results[c.key])
-            others = " / ".join(f"{r.foreign_cores:.2f}" + ("*" if r.foreign_cores > NOISY_CORES else "")
-                                for r in results[c.key])
-            table.add_row(c.label, f"{tokens / med[c.key]:,.0f}", f"{med[c.key] * 1e3:.1f}", ratio, target, met, per_run, others)
+            per_run = " / ".join(f"{statistics.median(r.step_times[args.warmup :]) * 1e3:.0f}" for r in results[c.key])
+            others = " / ".join(
+                f"{r.foreign_cores:.2f}" + ("*" if r.foreign_cores > NOISY_CORES else "") for r in results[c.key]
+            )
+            table.add_row(
+                c.label, f"{tokens / med[c.key]:,.0f}", f"{med[c.key] * 1e3:.1f}", ratio, target, met, per_run, others
+            )
         console.print(table)
 
         scale = Table(title="scaling (1 process, 1 thread -> 2 processes x 1 thread)", title_justify="left")
@@ -318,8 +401,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             sharded = c.kind == "accelerate-fsdp" or "parallel.zero_stage=3" in c.overrides
             for r in sorted(results[c.key][0].ranks, key=lambda x: x["rank"]):
                 ideal = (full / c.procs if sharded else full) if full else None
-                mem.add_row(c.label, str(r["rank"]), _fmt_bytes(r["model_state_bytes"]),
-                            _fmt_bytes(ideal) if ideal else "?", f"{r['model_state_bytes'] / ideal:.3f}x" if ideal else "?")
+                mem.add_row(
+                    c.label,
+                    str(r["rank"]),
+                    _fmt_bytes(r["model_state_bytes"]),
+                    _fmt_bytes(ideal) if ideal else "?",
+                    f"{r['model_state_bytes'] / ideal:.3f}x" if ideal else "?",
+                )
         console.print(mem)
 
         notes = []
@@ -328,17 +416,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             if kinds:
                 notes.append(f"{c.label}: Accelerate ran {', '.join(sorted(kinds))}")
         first = {k: rs[0].losses[:3] for k, rs in results.items() if rs}
-        notes.append("first losses (sanity; partrain and the baselines initialise weights differently): "
-                     + "; ".join(f"{by_key[k].label}: {', '.join(f'{x:.3f}' for x in v)}" for k, v in first.items()))
-        notes.append(f"total benchmark wall time {time.perf_counter() - started:.0f} s; load average at start "
-                     f"{load_start}, at end {_load()} (other processes on these cores make every figure noisier)")
+        notes.append(
+            "first losses (sanity; partrain and the baselines initialise weights differently): "
+            + "; ".join(f"{by_key[k].label}: {', '.join(f'{x:.3f}' for x in v)}" for k, v in first.items())
+        )
+        notes.append(
+            f"total benchmark wall time {time.perf_counter() - started:.0f} s; load average at start "
+            f"{load_start}, at end {_load()} (other processes on these cores make every figure noisier)"
+        )
         for n in notes:
             console.print(n, highlight=False)
         noisy = sum(r.foreign_cores > NOISY_CORES for rs in results.values() for r in rs)
         if noisy:
-            console.print(f"[yellow]warning: in {noisy} run(s) (marked *) other processes used more than {NOISY_CORES} "
-                          "cores: those step times are inflated by contention and the ratios are unreliable; "
-                          "rerun on a quiet machine[/yellow]")
+            console.print(
+                f"[yellow]warning: in {noisy} run(s) (marked *) other processes used more than {NOISY_CORES} "
+                "cores: those step times are inflated by contention and the ratios are unreliable; "
+                "rerun on a quiet machine[/yellow]"
+            )
         if errors:
             console.print(f"[red]{len(errors)} configuration(s) failed: {', '.join(errors)}[/red]")
             return 1

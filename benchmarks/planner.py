@@ -37,10 +37,21 @@ LAYOUTS = [
     ("gpt-dp zero2 (FSDP2)", ["recipe=gpt-dp", "parallel.zero_stage=2"]),
     ("gpt-dp zero3 (FSDP2)", ["recipe=gpt-dp", "parallel.zero_stage=3"]),
     ("llama tp2 x dp2 zero3 +SP", ["recipe=llama-fsdp-tp"]),
-    ("gpt2 tp2 x dp2 zero0", ["recipe=gpt-dp", "cluster.devices_per_node=4", "parallel.dp=2", "parallel.tp=2", "train.global_batch_size=8"]),
+    (
+        "gpt2 tp2 x dp2 zero0",
+        ["recipe=gpt-dp", "cluster.devices_per_node=4", "parallel.dp=2", "parallel.tp=2", "train.global_batch_size=8"],
+    ),
     ("mixtral ep2 over dp2 zero0", ["recipe=mixtral-ep", "parallel.zero_stage=0"]),
-    ("qwen2-moe ep2 over dp4 zero3 (edp 2)", ["recipe=mixtral-ep", "model=qwen2-moe-tiny", "cluster.devices_per_node=4", "parallel.dp=4",
-                                              "parallel.zero_stage=3"]),
+    (
+        "qwen2-moe ep2 over dp4 zero3 (edp 2)",
+        [
+            "recipe=mixtral-ep",
+            "model=qwen2-moe-tiny",
+            "cluster.devices_per_node=4",
+            "parallel.dp=4",
+            "parallel.zero_stage=3",
+        ],
+    ),
 ]
 FAST = ["train.seq_len=64", "data.max_bytes=200000"]
 
@@ -63,9 +74,21 @@ def model_states(quick: bool) -> None:
         from partrain.simulate.fake_world import simulate
 
         print("== 1. parameter elements per rank: planner vs TP/FSDP-sharded meta models (fake process group)")
-        for label, overrides in LAYOUTS + [("qwen2-moe tp2 x dp4 hybrid(2) zero3", ["model=qwen2-moe-tiny", "cluster.devices_per_node=8",
-                                           "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=3",
-                                           "train.global_batch_size=8", "train.micro_batch_size=2"])]:
+        for label, overrides in LAYOUTS + [
+            (
+                "qwen2-moe tp2 x dp4 hybrid(2) zero3",
+                [
+                    "model=qwen2-moe-tiny",
+                    "cluster.devices_per_node=8",
+                    "parallel.tp=2",
+                    "parallel.dp=4",
+                    "parallel.dp_shard=2",
+                    "parallel.zero_stage=3",
+                    "train.global_batch_size=8",
+                    "train.micro_batch_size=2",
+                ],
+            )
+        ]:
             v = validate(compose(overrides))
             lay = v.layout
             sim = simulate(v, range(lay.world_size))
@@ -73,7 +96,9 @@ def model_states(quick: bool) -> None:
             meas = [r.simulated["param_elements"] for r in sim.ranks]
             worst = max(abs(p / m - 1) for p, m in zip(pred, meas))
             rows.append([label, lay.world_size, min(meas), max(meas), min(pred), max(pred), f"{1 + worst:.4f}"])
-        table(rows, ["layout", "ranks", "measured min", "measured max", "predicted min", "predicted max", "worst ratio"])
+        table(
+            rows, ["layout", "ranks", "measured min", "measured max", "predicted min", "predicted max", "worst ratio"]
+        )
         return
     from partrain.testing.parity import run_training
 
@@ -90,8 +115,16 @@ def model_states(quick: bool) -> None:
             measured = [r["model_state_bytes"] for r in sorted(record.summary["ranks"], key=lambda r: r["rank"])]
             predicted = model_state_bytes_per_rank(validate(compose(ov)))
             ratios = [p / m for p, m in zip(predicted, measured)]
-            rows.append([label, len(measured), f"{max(measured):,}", f"{max(predicted):,}",
-                         f"{min(ratios):.4f}..{max(ratios):.4f}", f"{time.perf_counter() - started:.0f}s"])
+            rows.append(
+                [
+                    label,
+                    len(measured),
+                    f"{max(measured):,}",
+                    f"{max(predicted):,}",
+                    f"{min(ratios):.4f}..{max(ratios):.4f}",
+                    f"{time.perf_counter() - started:.0f}s",
+                ]
+            )
     table(rows, ["layout", "ranks", "measured max B", "predicted max B", "ratio range", "run"])
 
 
@@ -102,16 +135,28 @@ def activations(quick: bool) -> None:
     from partrain.simulate.measure import model_config, saved_activation_bytes
 
     print("== 2. saved activation bytes of one microbatch: planner vs saved_tensors_hooks")
-    cases = [(m, 2, 128) for m in ("gpt2-tiny", "llama-tiny", "mistral-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")]
+    cases = [
+        (m, 2, 128) for m in ("gpt2-tiny", "llama-tiny", "mistral-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
+    ]
     if not quick:
         cases.append(("gpt2-small", 1, 1024))
     rows = []
     for name, b, s in cases:
         for precision in ("fp32", "bf16"):
             for recompute in ("none", "full"):
-                run = compose([f"model={name}", "cluster=local-cpu", "cluster.devices_per_node=1", "parallel.dp=1", f"train.seq_len={s}",
-                               f"train.micro_batch_size={b}", f"train.global_batch_size={b}", f"train.precision={precision}",
-                               f"parallel.recompute={recompute}"])
+                run = compose(
+                    [
+                        f"model={name}",
+                        "cluster=local-cpu",
+                        "cluster.devices_per_node=1",
+                        "parallel.dp=1",
+                        f"train.seq_len={s}",
+                        f"train.micro_batch_size={b}",
+                        f"train.global_batch_size={b}",
+                        f"train.precision={precision}",
+                        f"parallel.recompute={recompute}",
+                    ]
+                )
                 est = estimate(validate(run), mixed="autocast")
                 pred = est["memory_bytes"]["activations"]
                 meas = saved_activation_bytes(model_config(name), b, s, precision, recompute)
@@ -119,9 +164,35 @@ def activations(quick: bool) -> None:
                 if name.startswith("gpt2"):
                     layers = validate(run).facts.n_layers
                     paper = f"{est['korthikanti_layer_bytes'] * layers / 2**20:.1f}"
-                rows.append([name, f"{b}x{s}", precision, recompute, f"{meas / 2**20:.2f}", f"{pred / 2**20:.2f}", f"{pred / meas:.4f}", paper])
-    table(rows, ["model", "b x s", "precision", "recompute", "measured MiB", "predicted MiB", "ratio", "Korthikanti layers MiB"])
-    print("full recompute: the prediction also counts rotary cos/sin, which the checkpoint keeps in a closure (hooks do not see them)\n")
+                rows.append(
+                    [
+                        name,
+                        f"{b}x{s}",
+                        precision,
+                        recompute,
+                        f"{meas / 2**20:.2f}",
+                        f"{pred / 2**20:.2f}",
+                        f"{pred / meas:.4f}",
+                        paper,
+                    ]
+                )
+    table(
+        rows,
+        [
+            "model",
+            "b x s",
+            "precision",
+            "recompute",
+            "measured MiB",
+            "predicted MiB",
+            "ratio",
+            "Korthikanti layers MiB",
+        ],
+    )
+    print(
+        "full recompute: the prediction also counts rotary cos/sin, which the checkpoint keeps in a closure (hooks "
+        "do not see them)\n"
+    )
 
 
 def papers() -> None:
@@ -135,9 +206,17 @@ def papers() -> None:
     from partrain.blueprint.validate import validate
 
     print("== 3a. ZeRO Figure 1 (7.5B parameters, 64 GPUs, K=12; GB = 10**9 bytes)")
-    table([[name, f"{zero_model_state_bytes(7.5e9, 64, stage) / GB:.3f}", pub] for name, stage, pub in
-           (("baseline", 0, 120), ("P_os", 1, 31.4), ("P_os+g", 2, 16.6), ("P_os+g+p", 3, 1.9))], ["stage", "formula GB", "published GB"])
-    print("== 3b. Narayanan et al. Table 1: their layouts (micro batch 1, 1F1B, full recompute, gradient reduce after backward)")
+    table(
+        [
+            [name, f"{zero_model_state_bytes(7.5e9, 64, stage) / GB:.3f}", pub]
+            for name, stage, pub in (("baseline", 0, 120), ("P_os", 1, 31.4), ("P_os+g", 2, 16.6), ("P_os+g+p", 3, 1.9))
+        ],
+        ["stage", "formula GB", "published GB"],
+    )
+    print(
+        "== 3b. Narayanan et al. Table 1: their layouts (micro batch 1, 1F1B, full recompute, gradient reduce "
+        "after backward)"
+    )
     rows = []
     for row in NARAYANAN_TABLE1:
         P, a, h, l, t, p, n, B, achieved = row
@@ -148,19 +227,52 @@ def papers() -> None:
         best = search(v, top_k=1, space=NARAYANAN_SPACE, dp_overlap=False)[0]
         took = time.perf_counter() - started
         bl = best["layout"]
-        rows.append([f"{P}B", f"{narayanan_params(l, h, 51200, 2048) / 1e9:.1f}", f"{t}/{p}/{n // (t * p)}", f"{est['memory_gib']['total']:.1f}",
-                     f"{est['step_time_s']:.2f}", f"{pred:.0f}", achieved, f"{pred / achieved:.3f}",
-                     f"{bl['tp']}/{bl['pp']}/{bl['dp']} {bl['pp_schedule'] or ''} v{bl['pp_virtual_stages']} b{bl['micro_batch_size']}",
-                     f"{best['estimate']['step_time_s'] / est['step_time_s']:.3f}", f"{took:.1f}s"])
-    table(rows, ["model", "P formula B", "t/p/d", "GiB", "step s", "pred TFLOP/s", "published", "ratio", "search best", "best/published", "search"])
+        rows.append(
+            [
+                f"{P}B",
+                f"{narayanan_params(l, h, 51200, 2048) / 1e9:.1f}",
+                f"{t}/{p}/{n // (t * p)}",
+                f"{est['memory_gib']['total']:.1f}",
+                f"{est['step_time_s']:.2f}",
+                f"{pred:.0f}",
+                achieved,
+                f"{pred / achieved:.3f}",
+                f"{bl['tp']}/{bl['pp']}/{bl['dp']} {bl['pp_schedule'] or ''} v{bl['pp_virtual_stages']} "
+                f"b{bl['micro_batch_size']}",
+                f"{best['estimate']['step_time_s'] / est['step_time_s']:.3f}",
+                f"{took:.1f}s",
+            ]
+        )
+    table(
+        rows,
+        [
+            "model",
+            "P formula B",
+            "t/p/d",
+            "GiB",
+            "step s",
+            "pred TFLOP/s",
+            "published",
+            "ratio",
+            "search best",
+            "best/published",
+            "search",
+        ],
+    )
     print("== 3c. --search for a 1T GPT (128 layers, h 25600) on 4096 H100 (512 nodes), global batch 3072")
     v = validate(_gpt_run(25600, 160, 128, 4096, 3072, tp=8, pp=64, peak=989.0, intra=450.0, inter=50.0, memory=79.6))
     started = time.perf_counter()
     found = search(v, top_k=3)
     took = time.perf_counter() - started
     for c in found:
-        print(f"  #{c['rank']} {c['layout']}  {c['estimate']['step_time_s']:.2f} s/step, MFU {c['estimate']['mfu']:.1%}: {c['why']}")
-    print(f"  search: {took:.2f} s, {found[0]['search']['evaluated']} layouts evaluated, {found[0]['search']['fitting']} fit\n")
+        print(
+            f"  #{c['rank']} {c['layout']}  {c['estimate']['step_time_s']:.2f} s/step, MFU "
+            f"{c['estimate']['mfu']:.1%}: {c['why']}"
+        )
+    print(
+        f"  search: {took:.2f} s, {found[0]['search']['evaluated']} layouts evaluated, "
+        f"{found[0]['search']['fitting']} fit\n"
+    )
 
 
 def main(argv=None) -> int:

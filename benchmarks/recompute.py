@@ -25,10 +25,29 @@ from partrain.parallel.recompute import apply_recompute
 from partrain.runtime.activations import SavedActivations
 
 CONFIGS = {
-    "llama": dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0),
-    "gpt2": dict(vocab_size=256, n_embd=256, n_layer=4, n_head=8, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
-                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    "llama": dict(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "gpt2": dict(
+        vocab_size=256,
+        n_embd=256,
+        n_layer=4,
+        n_head=8,
+        n_positions=1024,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
 }
 
 
@@ -74,10 +93,15 @@ def block_saved_bytes(arch: str, policy: str, seq: int, micro: int) -> tuple:
         forward_loss(model, ids, ids)
     handle.remove()
     args = [a.detach() if torch.is_tensor(a) else a for a in captured["args"]]
-    kwargs = {k: (v.detach() if torch.is_tensor(v) else tuple(x.detach() for x in v) if isinstance(v, tuple) else v)
-              for k, v in captured["kwargs"].items()}
-    inputs = sum(t.numel() * t.element_size() for t in list(args) + [x for v in kwargs.values() for x in (v if isinstance(v, tuple) else [v])]
-                 if torch.is_tensor(t))
+    kwargs = {
+        k: (v.detach() if torch.is_tensor(v) else tuple(x.detach() for x in v) if isinstance(v, tuple) else v)
+        for k, v in captured["kwargs"].items()
+    }
+    inputs = sum(
+        t.numel() * t.element_size()
+        for t in list(args) + [x for v in kwargs.values() for x in (v if isinstance(v, tuple) else [v])]
+        if torch.is_tensor(t)
+    )
     with SavedActivations() as counted:
         out = layer(*args, **kwargs)
     del out
@@ -94,17 +118,23 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {p: measure(args.arch, p, args.seq, args.micro, args.steps) for p in ("none", "selective", "full")}
     base = results["none"]
-    print(f"{args.arch}: hidden {CONFIGS[args.arch].get('hidden_size', CONFIGS[args.arch].get('n_embd'))}, 4 layers, "
-          f"micro batch {args.micro} x seq {args.seq}, fp32, 1 thread")
+    print(
+        f"{args.arch}: hidden {CONFIGS[args.arch].get('hidden_size', CONFIGS[args.arch].get('n_embd'))}, 4 layers, "
+        f"micro batch {args.micro} x seq {args.seq}, fp32, 1 thread"
+    )
     print(f"{'policy':<10} {'saved MiB/microbatch':>22} {'vs none':>8} {'step ms':>9} {'vs none':>8}")
     for policy, r in results.items():
-        print(f"{policy:<10} {r['saved_bytes'] / 2**20:>22.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
-              f"{r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>8.2f}")
+        print(
+            f"{policy:<10} {r['saved_bytes'] / 2**20:>22.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
+            f"{r['step_ms']:>9.1f} {r['step_ms'] / base['step_ms']:>8.2f}"
+        )
     same = all(r["losses"] == base["losses"] for r in results.values())
     print(f"losses identical across policies: {same}")
     block, inputs = block_saved_bytes(args.arch, "full", args.seq, args.micro)
-    print(f"full recompute, one decoder block: saves {block / 2**20:.3f} MiB, its inputs are {inputs / 2**20:.3f} MiB "
-          f"-> {'OK' if block <= inputs else 'MORE THAN INPUTS'}")
+    print(
+        f"full recompute, one decoder block: saves {block / 2**20:.3f} MiB, its inputs are {inputs / 2**20:.3f} MiB "
+        f"-> {'OK' if block <= inputs else 'MORE THAN INPUTS'}"
+    )
 
 
 if __name__ == "__main__":

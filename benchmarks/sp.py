@@ -40,14 +40,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TIME_MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0)
+TIME_MODEL = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 ACT_MODELS = ("llama-tiny", "gpt2-tiny")
 ACT_SEQ, ACT_MICRO = 512, 2
 TOLERANCE = 0.15
 
 
 # ---- what one rank runs --------------------------------------------------------------------------
+
 
 def _build(cfg, mode: str, rank: int, world: int, seq: int):
     import torch.distributed as dist
@@ -123,7 +133,7 @@ def _steps_child(rank: int, world: int, seq: int, steps: int) -> dict:
         runs[f"sp=2 {mode}"] = (ddp, shard, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
     gen = torch.Generator().manual_seed(0)
     times = {name: [] for name in ("sp=1", "sp=2 ulysses", "sp=2 ring")}
-    for step in range(steps):
+    for _ in range(steps):
         ids = torch.randint(0, 256, (1, seq + 1), generator=gen)
         for name in times:
             dist.barrier()
@@ -155,9 +165,12 @@ def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
 
     cases = {
         "full SDPA, whole sequence": lambda: sdpa(qf, kf, vf).sum().backward(),
-        "ring (zig-zag, fused CPU blocks)": lambda: ring_attention(q, k, v, None, causal=True, zigzag=True).sum().backward(),
-        "ring (zig-zag, fp32 math blocks)": lambda: ring_attention(q, k, v, None, causal=True, zigzag=True,
-                                                                  block_kernel="math").sum().backward(),
+        "ring (zig-zag, fused CPU blocks)": lambda: (
+            ring_attention(q, k, v, None, causal=True, zigzag=True).sum().backward()
+        ),
+        "ring (zig-zag, fp32 math blocks)": lambda: (
+            ring_attention(q, k, v, None, causal=True, zigzag=True, block_kernel="math").sum().backward()
+        ),
         "ulysses (SDPA on head shards)": lambda: ulysses_attention(q, k, v, None, sdpa).sum().backward(),
     }
     out = {}
@@ -173,6 +186,7 @@ def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
 
 
 # ---- the parent --------------------------------------------------------------------------------
+
 
 def _spawn(fn, world: int, *args, settle_s: float = 5.0):
     from _machine_load import ForeignLoad, settle
@@ -190,10 +204,22 @@ def _predicted(model_name: str, sp: int, mode: str, precision: str) -> int:
     from partrain.blueprint.planner.estimate import estimate
     from partrain.blueprint.validate import validate
 
-    v = validate(compose([f"model={model_name}", "cluster=local-cpu", f"cluster.devices_per_node={sp}", "parallel.dp=1",
-                          f"parallel.sp={sp}", f"parallel.sp_mode={mode}", f"train.seq_len={ACT_SEQ}",
-                          f"train.micro_batch_size={ACT_MICRO}", f"train.global_batch_size={ACT_MICRO}",
-                          f"train.precision={precision}"]))
+    v = validate(
+        compose(
+            [
+                f"model={model_name}",
+                "cluster=local-cpu",
+                f"cluster.devices_per_node={sp}",
+                "parallel.dp=1",
+                f"parallel.sp={sp}",
+                f"parallel.sp_mode={mode}",
+                f"train.seq_len={ACT_SEQ}",
+                f"train.micro_batch_size={ACT_MICRO}",
+                f"train.global_batch_size={ACT_MICRO}",
+                f"train.precision={precision}",
+            ]
+        )
+    )
     return estimate(v, mixed="autocast")["memory_bytes"]["activations"]
 
 
@@ -201,8 +227,10 @@ def activations(settle_s: float) -> bool:
     results, load = _spawn(_activations_child, 2, settle_s=settle_s)
     merged = {key: [r[key] for r in results if key in r] for key in results[0]}
     print(f"1. saved activations per rank, one microbatch of {ACT_MICRO} x {ACT_SEQ} tokens (MiB = 2**20 bytes)")
-    print(f"{'model':<11} {'prec':<5} {'sp':>2} {'mode':<8} {'measured MiB':>13} {'predicted MiB':>14} "
-          f"{'pred/meas':>9} {'meas / sp1':>10} {'check':>6}")
+    print(
+        f"{'model':<11} {'prec':<5} {'sp':>2} {'mode':<8} {'measured MiB':>13} {'predicted MiB':>14} "
+        f"{'pred/meas':>9} {'meas / sp1':>10} {'check':>6}"
+    )
     ok = True
     for key, values in merged.items():
         model_name, precision, sp, mode = key.split("/")
@@ -214,8 +242,11 @@ def activations(settle_s: float) -> bool:
         ratio = measured / base
         good = abs(predicted / measured - 1) <= TOLERANCE and abs(ratio * sp - 1) <= TOLERANCE and same
         ok &= good
-        print(f"{model_name:<11} {precision:<5} {sp:>2} {mode:<8} {measured / 2**20:>13.3f} {predicted / 2**20:>14.3f} "
-              f"{predicted / measured:>9.3f} {ratio:>10.3f} {'ok' if good else 'MISS':>6}" + ("" if same else "  (ranks differ)"))
+        print(
+            f"{model_name:<11} {precision:<5} {sp:>2} {mode:<8} {measured / 2**20:>13.3f} {predicted / 2**20:>14.3f} "
+            f"{predicted / measured:>9.3f} {ratio:>10.3f} {'ok' if good else 'MISS':>6}"
+            + ("" if same else "  (ranks differ)")
+        )
     print(f"   (other load during the runs: {load:.2f} cores)")
     return ok
 
@@ -223,27 +254,35 @@ def activations(settle_s: float) -> bool:
 def step_times(seq: int, steps: int, settle_s: float) -> None:
     results, load = _spawn(_steps_child, 2, seq, steps, settle_s=settle_s)
     base = results[0]["sp=1"]
-    print(f"2. step time, Llama hidden 256, 4 layers, 8 heads / 4 KV heads, 1 x {seq} tokens, fp32, "
-          f"median of {steps} steps less warm-up, slowest rank (other load {load:.2f} cores)")
+    print(
+        f"2. step time, Llama hidden 256, 4 layers, 8 heads / 4 KV heads, 1 x {seq} tokens, fp32, "
+        f"median of {steps} steps less warm-up, slowest rank (other load {load:.2f} cores)"
+    )
     print(f"{'layout':<16} {'step ms':>9} {'vs sp=1':>8}")
     for name in ("sp=1", "sp=2 ulysses", "sp=2 ring"):
         t = max(r[name] for r in results if name in r)
         print(f"{name:<16} {t * 1e3:>9.1f} {t / base:>8.2f}")
-    print("   sp=1 runs on rank 0 while rank 1 waits, alternating with the sp=2 steps; "
-          "ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores")
+    print(
+        "   sp=1 runs on rank 0 while rank 1 waits, alternating with the sp=2 steps; "
+        "ideal sp=2 / sp=1 = 0.50 (half the tokens per rank) with two free cores"
+    )
 
 
 def op_times(seq: int, reps: int, settle_s: float) -> None:
     results, load = _spawn(_op_child, 2, seq, reps, settle_s=settle_s)
-    print(f"3. attention op alone, forward + backward, {seq} tokens, 8 heads x 64, causal, fp32, sp=2, "
-          f"median of {reps}, slowest rank (other load {load:.2f} cores)")
+    print(
+        f"3. attention op alone, forward + backward, {seq} tokens, 8 heads x 64, causal, fp32, sp=2, "
+        f"median of {reps}, slowest rank (other load {load:.2f} cores)"
+    )
     full = max(r["full SDPA, whole sequence"] for r in results)
     print(f"{'op':<36} {'ms':>8} {'vs full SDPA':>13}")
     for name in results[0]:
         t = max(r[name] for r in results)
         print(f"{name:<36} {t * 1e3:>8.1f} {t / full:>13.2f}")
-    print("   full SDPA runs on each of the two processes at the same time, so all rows share the same contention;"
-          " ideal for sp=2: 0.50 (the zig-zag split gives each rank half the causal work)")
+    print(
+        "   full SDPA runs on each of the two processes at the same time, so all rows share the same contention;"
+        " ideal for sp=2: 0.50 (the zig-zag split gives each rank half the causal work)"
+    )
 
 
 def main() -> int:
@@ -251,7 +290,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="activations and a short op timing only")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length of the step-time runs")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--settle", type=float, default=5.0, help="wait up to this many s for a quiet machine before each run")
+    parser.add_argument(
+        "--settle", type=float, default=5.0, help="wait up to this many s for a quiet machine before each run"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     ok = activations(args.settle)

@@ -69,14 +69,27 @@ class RunResult:
 
 
 def partrain_overrides(args, cache: Path) -> List[str]:
-    return ["recipe=llama-fsdp-tp", "parallel.dp=1", f"parallel.tp={PROCS}", "parallel.zero_stage=0",
-            "parallel.tp_sequence_parallel=false", f"cluster.devices_per_node={PROCS}",
-            f"model.config.hidden_size={args.hidden}", f"model.config.intermediate_size={args.ffn}",
-            f"model.config.num_hidden_layers={args.layers}", f"model.config.num_attention_heads={args.heads}",
-            f"model.config.num_key_value_heads={args.kv_heads}", f"train.seq_len={args.seq_len}",
-            f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=0", "train.threads_per_process=1",
-            f"data.cache_dir={cache}"]
+    return [
+        "recipe=llama-fsdp-tp",
+        "parallel.dp=1",
+        f"parallel.tp={PROCS}",
+        "parallel.zero_stage=0",
+        "parallel.tp_sequence_parallel=false",
+        f"cluster.devices_per_node={PROCS}",
+        f"model.config.hidden_size={args.hidden}",
+        f"model.config.intermediate_size={args.ffn}",
+        f"model.config.num_hidden_layers={args.layers}",
+        f"model.config.num_attention_heads={args.heads}",
+        f"model.config.num_key_value_heads={args.kv_heads}",
+        f"train.seq_len={args.seq_len}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.steps={args.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+        "train.threads_per_process=1",
+        f"data.cache_dir={cache}",
+    ]
 
 
 def make_spec(args, root: Path) -> dict:
@@ -100,18 +113,39 @@ def make_spec(args, root: Path) -> dict:
     init_dir = root / "init"
     model.save_pretrained(init_dir)
     o = run.optim
-    return {"init_dir": str(init_dir), "attn_implementation": config._attn_implementation,
-            "meta_path": str(packed.meta_path), "seq_len": run.train.seq_len,
-            "global_batch_size": v.global_batch_size, "micro_batch_size": run.train.micro_batch_size,
-            "steps": args.steps, "seed": run.train.seed, "lr": o.lr, "min_lr_ratio": o.min_lr_ratio,
-            "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "beta1": o.beta1, "beta2": o.beta2,
-            "eps": o.eps, "grad_clip": o.grad_clip, "tokens_per_step": v.tokens_per_step, "n_params": n_params,
-            "vocab_size": config.vocab_size, "timeout_s": run.train.timeout_s}
+    return {
+        "init_dir": str(init_dir),
+        "attn_implementation": config._attn_implementation,
+        "meta_path": str(packed.meta_path),
+        "seq_len": run.train.seq_len,
+        "global_batch_size": v.global_batch_size,
+        "micro_batch_size": run.train.micro_batch_size,
+        "steps": args.steps,
+        "seed": run.train.seed,
+        "lr": o.lr,
+        "min_lr_ratio": o.min_lr_ratio,
+        "warmup_steps": o.warmup_steps,
+        "weight_decay": o.weight_decay,
+        "beta1": o.beta1,
+        "beta2": o.beta2,
+        "eps": o.eps,
+        "grad_clip": o.grad_clip,
+        "tokens_per_step": v.tokens_per_step,
+        "n_params": n_params,
+        "vocab_size": config.vocab_size,
+        "timeout_s": run.train.timeout_s,
+    }
 
 
 def _env() -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+        HF_HUB_OFFLINE="1",
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         env.pop(key, None)  # partrain would otherwise act as a worker of an outer launcher
     return env
@@ -176,8 +210,11 @@ def run_watched(cmd: List[str], run_dir: Path, progress: Path, marker: str, args
                 proc.kill()
                 raise subprocess.TimeoutExpired(cmd, args.timeout)
             if len(workers) < PROCS:
-                workers = [p for p in _descendants(proc.pid)
-                           if marker in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)]
+                workers = [
+                    p
+                    for p in _descendants(proc.pid)
+                    if marker in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+                ]
             n = _lines(progress)
             wanted = args.warmup if not marks else args.steps
             if len(workers) == PROCS and n >= wanted and len(marks) < 2:
@@ -190,8 +227,10 @@ def run_watched(cmd: List[str], run_dir: Path, progress: Path, marker: str, args
         err.close()
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{(run_dir / 'stdout.txt').read_text()[-3000:]}\n"
-                           f"{(run_dir / 'stderr.txt').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)}\nexit {proc.returncode}\n{(run_dir / 'stdout.txt').read_text()[-3000:]}\n"
+            f"{(run_dir / 'stderr.txt').read_text()[-3000:]}"
+        )
     cpu_ms = float("nan")
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
         cpu_ms = (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0]) / PROCS * 1e3
@@ -199,14 +238,22 @@ def run_watched(cmd: List[str], run_dir: Path, progress: Path, marker: str, args
 
 
 def run_partrain(args, spec: dict, cache: Path, run_dir: Path) -> RunResult:
-    cmd = [sys.executable, "-m", "partrain.cli", "train", *partrain_overrides(args, cache),
-           f"model.pretrained={spec['init_dir']}", f"train.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "partrain.cli",
+        "train",
+        *partrain_overrides(args, cache),
+        f"model.pretrained={spec['init_dir']}",
+        f"train.run_dir={run_dir}",
+    ]
     wall, cpu_ms = run_watched(cmd, run_dir, run_dir / "metrics.jsonl", "partrain.worker", args)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_time_s" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return RunResult([r["step_time_s"] for r in steps], wall, summary["ranks"], [r["loss"] for r in steps],
-                     cpu_ms=cpu_ms)
+    return RunResult(
+        [r["step_time_s"] for r in steps], wall, summary["ranks"], [r["loss"] for r in steps], cpu_ms=cpu_ms
+    )
 
 
 def run_hf(args, spec_path: Path, run_dir: Path) -> RunResult:
@@ -239,12 +286,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--hf-mode", choices=("pretrained", "from-config"), default="pretrained",
-                        help="HF TP via from_pretrained(tp_plan='auto') or from_config + maybe_distribute_model")
+    parser.add_argument(
+        "--hf-mode",
+        choices=("pretrained", "from-config"),
+        default="pretrained",
+        help="HF TP via from_pretrained(tp_plan='auto') or from_config + maybe_distribute_model",
+    )
     parser.add_argument("--keep", default="", help="keep run folders here instead of a temporary folder")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
-    parser.add_argument("--settle", type=float, default=5.0,
-                        help="before each run wait up to this many seconds for other processes to use < 0.25 cores (0: never)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="before each run wait up to this many seconds for other processes to use < 0.25 cores (0: never)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 8, 1
@@ -265,15 +320,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         spec_path.write_text(json.dumps(spec, indent=1))
         cache = root / "data-cache"
         tokens = spec["tokens_per_step"]
-        console.print(f"[bold]tp benchmark[/bold]: llama hidden={args.hidden} ffn={args.ffn} layers={args.layers} "
-                      f"heads={args.heads} kv={args.kv_heads} vocab={spec['vocab_size']} ({spec['n_params'] / 1e6:.2f}M params), "
-                      f"global batch {args.global_batch} x {args.seq_len} tokens, micro batch {args.micro_batch}, "
-                      f"{PROCS} processes x 1 thread, {args.steps} steps/run ({args.warmup} warmup), "
-                      f"{args.repeats} run(s) each; folder {root}")
+        console.print(
+            f"[bold]tp benchmark[/bold]: llama hidden={args.hidden} ffn={args.ffn} layers={args.layers} "
+            f"heads={args.heads} kv={args.kv_heads} vocab={spec['vocab_size']} ({spec['n_params'] / 1e6:.2f}M params), "
+            f"global batch {args.global_batch} x {args.seq_len} tokens, micro batch {args.micro_batch}, "
+            f"{PROCS} processes x 1 thread, {args.steps} steps/run ({args.warmup} warmup), "
+            f"{args.repeats} run(s) each; folder {root}"
+        )
 
-        sides = [("hf", f"HF TP (tp_plan=auto), tp={PROCS}" if args.hf_mode == "pretrained"
-                  else f"HF TP (from_config), tp={PROCS}"),
-                 ("pt", f"partrain tp={PROCS}")]
+        sides = [
+            (
+                "hf",
+                f"HF TP (tp_plan=auto), tp={PROCS}"
+                if args.hf_mode == "pretrained"
+                else f"HF TP (from_config), tp={PROCS}",
+            ),
+            ("pt", f"partrain tp={PROCS}"),
+        ]
         results: Dict[str, List[RunResult]] = {k: [] for k, _ in sides}
         for rep in range(args.repeats):
             for key, label in sides:
@@ -281,27 +344,44 @@ def main(argv: Optional[List[str]] = None) -> int:
                 run_dir = root / f"{key}-{rep}"
                 try:
                     with ForeignLoad() as load:
-                        r = run_hf(args, spec_path, run_dir) if key == "hf" else run_partrain(args, spec, cache, run_dir)
+                        r = (
+                            run_hf(args, spec_path, run_dir)
+                            if key == "hf"
+                            else run_partrain(args, spec, cache, run_dir)
+                        )
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     console.print(f"[red]{label} failed[/red]:\n{exc}", markup=True)
                     return 1
                 r.foreign_cores = load.cores
                 results[key].append(r)
-                console.print(f"  {label:<28} run {rep + 1}: median {statistics.median(r.step_times[args.warmup:]) * 1e3:7.1f} "
-                              f"ms/step, CPU {r.cpu_ms:5.0f} ms/step/rank, process wall {r.wall_s:5.1f} s, "
-                              f"other processes used {r.foreign_cores:.2f} cores"
-                              + (f" (waited {waited:.0f} s for a quiet moment)" if waited >= 2 else ""))
+                console.print(
+                    f"  {label:<28} run {rep + 1}: median {statistics.median(r.step_times[args.warmup :]) * 1e3:7.1f} "
+                    f"ms/step, CPU {r.cpu_ms:5.0f} ms/step/rank, process wall {r.wall_s:5.1f} s, "
+                    f"other processes used {r.foreign_cores:.2f} cores"
+                    + (f" (waited {waited:.0f} s for a quiet moment)" if waited >= 2 else "")
+                )
 
-        med = {k: statistics.median([t for r in rs for t in r.step_times[args.warmup:]]) for k, rs in results.items()}
+        med = {k: statistics.median([t for r in rs for t in r.step_times[args.warmup :]]) for k, rs in results.items()}
         cpu = {k: statistics.median([r.cpu_ms for r in rs]) for k, rs in results.items()}
         state = {k: max(x["model_state_bytes"] for x in rs[0].ranks) for k, rs in results.items()}
         rss = {k: max(x["peak_rss_bytes"] for r in rs for x in r.ranks) for k, rs in results.items()}
 
-        table = Table(title=f"tensor parallel, {PROCS} processes x 1 thread: median over {args.steps - args.warmup} timed "
-                            f"steps x {args.repeats} run(s), {tokens} tokens/step; memory: the larger rank",
-                      title_justify="left")
-        for col in ("config", "tokens/s", "step ms", "CPU ms/step/rank", "model state MiB/rank", "peak RSS MiB/rank",
-                    "ratio vs HF", "target", "met?"):
+        table = Table(
+            title=f"tensor parallel, {PROCS} processes x 1 thread: median over {args.steps - args.warmup} timed "
+            f"steps x {args.repeats} run(s), {tokens} tokens/step; memory: the larger rank",
+            title_justify="left",
+        )
+        for col in (
+            "config",
+            "tokens/s",
+            "step ms",
+            "CPU ms/step/rank",
+            "model state MiB/rank",
+            "peak RSS MiB/rank",
+            "ratio vs HF",
+            "target",
+            "met?",
+        ):
             table.add_column(col, justify="left" if col in ("config", "target") else "right")
         all_met = True
         for key, label in sides:
@@ -314,14 +394,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                 ratio = f"tok/s {speed:.3f}x\nstate {mem:.3f}x\nRSS {rr:.3f}x\n(CPU {cr:.3f}x)"
                 target = "tok/s >= 1.00x\nstate <= 1.00x\nRSS <= 1.00x\n(CPU: info)"
                 met = "\n".join("[green]yes[/green]" if ok else "[red]no[/red]" for ok in checks)
-            table.add_row(label, f"{tokens / med[key]:,.0f}", f"{med[key] * 1e3:.1f}", f"{cpu[key]:.0f}", _mib(state[key]),
-                          _mib(rss[key]), ratio, target, met)
+            table.add_row(
+                label,
+                f"{tokens / med[key]:,.0f}",
+                f"{med[key] * 1e3:.1f}",
+                f"{cpu[key]:.0f}",
+                _mib(state[key]),
+                _mib(rss[key]),
+                ratio,
+                target,
+                met,
+            )
         console.print(table)
         for key, label in sides:
-            console.print(f"  {label}: per-run median ms "
-                          + " / ".join(f"{statistics.median(r.step_times[args.warmup:]) * 1e3:.0f}" for r in results[key])
-                          + "; CPU ms/step/rank " + " / ".join(f"{r.cpu_ms:.0f}" for r in results[key])
-                          + "; other processes used " + " / ".join(f"{r.foreign_cores:.2f}" for r in results[key]) + " cores")
+            console.print(
+                f"  {label}: per-run median ms "
+                + " / ".join(f"{statistics.median(r.step_times[args.warmup :]) * 1e3:.0f}" for r in results[key])
+                + "; CPU ms/step/rank "
+                + " / ".join(f"{r.cpu_ms:.0f}" for r in results[key])
+                + "; other processes used "
+                + " / ".join(f"{r.foreign_cores:.2f}" for r in results[key])
+                + " cores"
+            )
 
         ranks = Table(title="memory per rank (first run of each side)", title_justify="left")
         for col in ("config", "rank", "model state MiB", "ideal (full / tp) MiB", "above ideal KiB", "peak RSS MiB"):
@@ -329,19 +423,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         full = spec["n_params"] * 4 * 4  # fp32 params + grads + 2 AdamW moments
         for key, label in sides:
             for x in sorted(results[key][0].ranks, key=lambda x: x["rank"]):
-                ranks.add_row(label, str(x["rank"]), _mib(x["model_state_bytes"]), _mib(full / PROCS),
-                              f"{(x['model_state_bytes'] - full / PROCS) / 1024:.0f}", _mib(x["peak_rss_bytes"]))
+                ranks.add_row(
+                    label,
+                    str(x["rank"]),
+                    _mib(x["model_state_bytes"]),
+                    _mib(full / PROCS),
+                    f"{(x['model_state_bytes'] - full / PROCS) / 1024:.0f}",
+                    _mib(x["peak_rss_bytes"]),
+                )
         console.print(ranks)
 
         hf_loss, pt_loss = results["hf"][0].losses, results["pt"][0].losses
         diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(hf_loss, pt_loss))
-        console.print(f"losses (same initial weights and batches): HF {', '.join(f'{x:.4f}' for x in hf_loss[:4])} ... "
-                      f"{hf_loss[-1]:.4f}; partrain {', '.join(f'{x:.4f}' for x in pt_loss[:4])} ... {pt_loss[-1]:.4f}; "
-                      f"max relative difference {diff:.1e}")
+        console.print(
+            f"losses (same initial weights and batches): HF {', '.join(f'{x:.4f}' for x in hf_loss[:4])} ... "
+            f"{hf_loss[-1]:.4f}; partrain {', '.join(f'{x:.4f}' for x in pt_loss[:4])} ... {pt_loss[-1]:.4f}; "
+            f"max relative difference {diff:.1e}"
+        )
         extra = results["hf"][0].extra
         if extra:
-            console.print(f"HF baseline: mode {extra.get('mode')}, {extra.get('sharded_params')} of {extra.get('params')} "
-                          f"parameters are DTensors, {extra.get('threads')} thread(s) per process")
+            console.print(
+                f"HF baseline: mode {extra.get('mode')}, {extra.get('sharded_params')} of {extra.get('params')} "
+                f"parameters are DTensors, {extra.get('threads')} thread(s) per process"
+            )
         console.print(f"total benchmark wall time {time.perf_counter() - started:.0f} s")
         return 0 if all_met else 3
     finally:

@@ -28,8 +28,12 @@ app = typer.Typer(
 )
 checkpoint_app = typer.Typer(help="Inspect and export distributed checkpoints.", no_args_is_help=True)
 
-OVERRIDES = typer.Argument(None, help="Hydra overrides: recipe=NAME, group=option (model=llama-tiny), key=value (parallel.tp=4).")
-RECIPES = typer.Option(None, "--recipes", help=f"Extra recipe folder (repeatable); searched before ${RECIPES_ENV} and the shipped recipes.")
+OVERRIDES = typer.Argument(
+    None, help="Hydra overrides: recipe=NAME, group=option (model=llama-tiny), key=value (parallel.tp=4)."
+)
+RECIPES = typer.Option(
+    None, "--recipes", help=f"Extra recipe folder (repeatable); searched before ${RECIPES_ENV} and the shipped recipes."
+)
 JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see README).")
 
 
@@ -70,8 +74,14 @@ def _validated(overrides, recipes, as_json: bool):
 SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
 
 
-def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optional[Path] = None,
-                  search_top: int = 0, simulate_ranks: Optional[List[int]] = None) -> dict:
+def _print_layout(
+    validated,
+    as_json: bool,
+    all_ranks: bool,
+    schedule_svg: Optional[Path] = None,
+    search_top: int = 0,
+    simulate_ranks: Optional[List[int]] = None,
+) -> dict:
     from partrain.blueprint.planner import estimate, search
     from partrain.blueprint.report.estimate import (
         render_candidates,
@@ -125,7 +135,9 @@ def _print_layout(validated, as_json: bool, all_ranks: bool, schedule_svg: Optio
 @app.command()
 def train(
     overrides: Optional[List[str]] = OVERRIDES,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the layout; start no process, create no file."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate and show the layout; start no process, create no file."
+    ),
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
@@ -155,16 +167,30 @@ def _unsupported_problem(text: str):
 
     key, _, rest = text.partition(" ")
     name, _, value = key.partition("=")
-    return Problem(name, value, f"{rest.strip('()') or 'this feature'} is not implemented in this version of partrain",
-                   "remove it from the layout (see `partrain train ... --dry-run` for what runs now)")
+    return Problem(
+        name,
+        value,
+        f"{rest.strip('()') or 'this feature'} is not implemented in this version of partrain",
+        "remove it from the layout (see `partrain train ... --dry-run` for what runs now)",
+    )
 
 
 def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     world = validated.layout.world_size
     for rank in ranks:
         if not 0 <= rank < world:
-            _fail(ConfigError(Problem("--simulate-rank", rank, f"must be a rank of this layout (0 to {world - 1})",
-                                      "pass a rank below the world size, or omit it for the first and last rank of each pipeline stage")), as_json)
+            _fail(
+                ConfigError(
+                    Problem(
+                        "--simulate-rank",
+                        rank,
+                        f"must be a rank of this layout (0 to {world - 1})",
+                        "pass a rank below the world size, or omit it for the first and last rank of each pipeline "
+                        "stage",
+                    )
+                ),
+                as_json,
+            )
     from partrain.blueprint.trainable import IMPLEMENTED
 
     # sp changes where parameters live (FSDP shards over dp x sp): until the runtime builds it, a
@@ -173,8 +199,17 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     for axis, what in (("sp", "sequence/context parallelism"),):
         degree = getattr(validated.layout, axis)
         if degree > 1 and not IMPLEMENTED[axis]:
-            _fail(ConfigError(Problem(f"parallel.{axis}", degree, f"--simulate builds what `partrain train` builds, and {what} is not built yet",
-                                      f"simulate with parallel.{axis}=1, or drop --simulate (the estimate covers parallel.{axis})")), as_json)
+            _fail(
+                ConfigError(
+                    Problem(
+                        f"parallel.{axis}",
+                        degree,
+                        f"--simulate builds what `partrain train` builds, and {what} is not built yet",
+                        f"simulate with parallel.{axis}=1, or drop --simulate (the estimate covers parallel.{axis})",
+                    )
+                ),
+                as_json,
+            )
     from partrain.simulate.fake_world import simulate
 
     try:
@@ -190,16 +225,35 @@ def plan(
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
-    search_layouts: bool = typer.Option(False, "--search", help="Rank every valid layout of this model, cluster and global batch by predicted step time; show the fastest that fit."),
+    search_layouts: bool = typer.Option(
+        False,
+        "--search",
+        help="Rank every valid layout of this model, cluster and global batch by predicted step time; show the "
+        "fastest that fit.",
+    ),
     top: int = typer.Option(10, "--top", min=1, help="How many layouts --search shows."),
-    simulate: bool = typer.Option(False, "--simulate", help="Build the real model on meta and apply partrain's real parallel wrappers under torch's fake process group at the full world size; report each simulated rank's parameter shapes and bytes next to the estimate (the first and last rank of each pipeline stage unless --simulate-rank)."),
-    simulate_rank: Optional[List[int]] = typer.Option(None, "--simulate-rank", help="Simulate this global rank (repeatable; implies --simulate)."),
+    simulate: bool = typer.Option(
+        False,
+        "--simulate",
+        help="Build the real model on meta and apply partrain's real parallel wrappers under torch's fake process "
+        "group at the full world size; report each simulated rank's parameter shapes and bytes next to the "
+        "estimate (the first and last rank of each pipeline stage unless --simulate-rank).",
+    ),
+    simulate_rank: Optional[List[int]] = typer.Option(
+        None, "--simulate-rank", help="Simulate this global rank (repeatable; implies --simulate)."
+    ),
 ) -> None:
     """Validate a layout and show its report: rank table, groups, schedule, per-rank memory, FLOPs,
     communication, bubble, predicted step time, tokens/s, MFU and whether it fits."""
     simulate_ranks = list(simulate_rank or []) if (simulate or simulate_rank) else None
-    report = _print_layout(_validated(overrides, recipes, as_json), as_json, all_ranks, schedule_svg,
-                           search_top=top if search_layouts else 0, simulate_ranks=simulate_ranks)
+    report = _print_layout(
+        _validated(overrides, recipes, as_json),
+        as_json,
+        all_ranks,
+        schedule_svg,
+        search_top=top if search_layouts else 0,
+        simulate_ranks=simulate_ranks,
+    )
     if search_layouts and not report.get("candidates"):
         raise typer.Exit(2)
 
@@ -209,7 +263,9 @@ def show(
     overrides: Optional[List[str]] = OVERRIDES,
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
-    explain: bool = typer.Option(False, "--explain", help="List every config key with its type, value and documentation."),
+    explain: bool = typer.Option(
+        False, "--explain", help="List every config key with its type, value and documentation."
+    ),
 ) -> None:
     """Print the composed, resolved config (YAML), as a worker would read it."""
     from partrain.blueprint.config.compose import compose, to_yaml
@@ -252,8 +308,20 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
     except ConfigError as err:
         _fail(err, as_json)
     if as_json:
-        print(json.dumps([{"name": r.name, "description": r.description, "path": str(r.path), "shipped": r.shipped,
-                           "shadows": str(r.shadows) if r.shadows else None} for r in found.values()]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": r.name,
+                        "description": r.description,
+                        "path": str(r.path),
+                        "shipped": r.shipped,
+                        "shadows": str(r.shadows) if r.shadows else None,
+                    }
+                    for r in found.values()
+                ]
+            )
+        )
         return
     from rich.table import Table
 
@@ -270,8 +338,10 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
 
 
 @checkpoint_app.command("info")
-def checkpoint_info_cmd(path: Path = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-NNNNNNNN)."),
-                        as_json: bool = JSON) -> None:
+def checkpoint_info_cmd(
+    path: Path = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-NNNNNNNN)."),
+    as_json: bool = JSON,
+) -> None:
     """Show a checkpoint's step, layout it was saved under, model, size and tensor count."""
     from partrain.checkpoint import checkpoint_info
 
@@ -295,10 +365,14 @@ def checkpoint_info_cmd(path: Path = typer.Argument(..., help="A checkpoint fold
 
 
 @checkpoint_app.command("export")
-def checkpoint_export_cmd(path: Path = typer.Argument(..., help="A checkpoint folder."),
-                          hf: Path = typer.Option(..., "--hf", help="Output folder for an HF save_pretrained model."),
-                          tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."),
-                          as_json: bool = JSON) -> None:
+def checkpoint_export_cmd(
+    path: Path = typer.Argument(..., help="A checkpoint folder."),
+    hf: Path = typer.Option(..., "--hf", help="Output folder for an HF save_pretrained model."),
+    tokenizer: Optional[Path] = typer.Option(
+        None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."
+    ),
+    as_json: bool = JSON,
+) -> None:
     """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
     from partrain.checkpoint import export_hf
 
@@ -320,11 +394,17 @@ bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_
 @bench_app.command("comm")
 def bench_comm_cmd(
     overrides: Optional[List[str]] = OVERRIDES,
-    sizes: Optional[str] = typer.Option(None, "--sizes", help="Message sizes in bytes, comma-separated; K, M, G = 2**10, 2**20, 2**30 "
-                                        "(default 1K,64K,1M,16M on CPU, plus 256M on CUDA). The planner uses the largest."),
+    sizes: Optional[str] = typer.Option(
+        None,
+        "--sizes",
+        help="Message sizes in bytes, comma-separated; K, M, G = 2**10, 2**20, 2**30 "
+        "(default 1K,64K,1M,16M on CPU, plus 256M on CUDA). The planner uses the largest.",
+    ),
     iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls before timing."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Profile file to write (default runs/bench-comm/<cluster>-<time>.json)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Profile file to write (default runs/bench-comm/<cluster>-<time>.json)."
+    ),
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
 ) -> None:

@@ -23,7 +23,9 @@ class Problem:
         return f"{text}. Fix: {self.fix}" if self.fix else text
 
     def to_json(self) -> dict:
-        value = self.value if isinstance(self.value, (int, float, str, bool, type(None), list, dict)) else repr(self.value)
+        value = (
+            self.value if isinstance(self.value, (int, float, str, bool, type(None), list, dict)) else repr(self.value)
+        )
         return {"key": self.key, "value": value, "rule": self.rule, "fix": self.fix, "message": self.message}
 
 

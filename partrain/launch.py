@@ -40,9 +40,14 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
 
     packed = prepare_tokens(v.run.data, Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None)
     if packed.vocab_size > v.facts.vocab:
-        raise ConfigError(Problem("model.config.vocab_size", v.facts.vocab,
-                                  f"smaller than the tokenizer's vocabulary ({packed.vocab_size})",
-                                  f"set model.config.vocab_size={packed.vocab_size} or more"))
+        raise ConfigError(
+            Problem(
+                "model.config.vocab_size",
+                v.facts.vocab,
+                f"smaller than the tokenizer's vocabulary ({packed.vocab_size})",
+                f"set model.config.vocab_size={packed.vocab_size} or more",
+            )
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     v.run.train.run_dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(v.run))
@@ -52,8 +57,13 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
 
 def worker_command(v: ValidatedRun, run_dir: Path) -> list:
     """torchrun starting `partrain.worker RUN_DIR` in every process of this machine."""
-    return torchrun_command(v.world_size, ["-m", "partrain.worker", run_dir], max_restarts=v.run.train.max_restarts,
-                            log_dir=run_dir / "torchrun", quiet_other_ranks=True)
+    return torchrun_command(
+        v.world_size,
+        ["-m", "partrain.worker", run_dir],
+        max_restarts=v.run.train.max_restarts,
+        log_dir=run_dir / "torchrun",
+        quiet_other_ranks=True,
+    )
 
 
 def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
@@ -62,15 +72,26 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     if env is not None:
         return _run_as_worker(v, env, environ)
     if v.run.cluster.nodes > 1:
-        raise_config(Problem("cluster.nodes", v.run.cluster.nodes,
-                             "a multi-node run needs a launcher on every node",
-                             "start `partrain train ...` under torchrun (--nnodes, --rdzv-endpoint) or srun on each node"))
+        raise_config(
+            Problem(
+                "cluster.nodes",
+                v.run.cluster.nodes,
+                "a multi-node run needs a launcher on every node",
+                "start `partrain train ...` under torchrun (--nnodes, --rdzv-endpoint) or srun on each node",
+            )
+        )
     if v.run.cluster.device == "cuda":
         import torch
 
         if torch.cuda.device_count() < v.world_size:
-            raise_config(Problem("cluster.device", "cuda", f"the layout needs {v.world_size} GPUs, this machine has {torch.cuda.device_count()}",
-                                 "use cluster=local-cpu, or a smaller layout"))
+            raise_config(
+                Problem(
+                    "cluster.device",
+                    "cuda",
+                    f"the layout needs {v.world_size} GPUs, this machine has {torch.cuda.device_count()}",
+                    "use cluster=local-cpu, or a smaller layout",
+                )
+            )
     try:
         run_dir = prepare_run_dir(v, Path(v.run.train.run_dir) if v.run.train.run_dir else _unique(default_run_dir(v)))
     except ConfigError as err:
@@ -121,8 +142,16 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
     )
 
     summary = None
-    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False)
+    progress = Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
     task = None
     with progress:
         for line in proc.stdout:
@@ -132,7 +161,9 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
                 continue
             kind = event["event"]
             if kind == "start":
-                task = progress.add_task("train", total=event["steps"], completed=event.get("first_step", 0), info="starting")
+                task = progress.add_task(
+                    "train", total=event["steps"], completed=event.get("first_step", 0), info="starting"
+                )
             elif kind == "step" and task is not None:
                 info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=event["step"], info=info)
@@ -144,14 +175,20 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
 
 
 def _report_failure(run_dir: Path, code: int, console) -> None:
-    errors = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime) if (run_dir / "errors").exists() else []
+    errors = (
+        sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
+        if (run_dir / "errors").exists()
+        else []
+    )
     if errors:
         first = errors[0].read_text().split("\n\n", 1)[0]
         console.print("[bold red]training failed[/bold red]: ", end="", highlight=False)
         console.print(first, markup=False, highlight=False)
         console.print(f"traceback: {errors[0]}; logs: {run_dir / 'logs'}", markup=False, highlight=False)
     else:
-        console.print(f"[bold red]training failed[/bold red] (torchrun exit code {code}); logs: {run_dir}", highlight=False)
+        console.print(
+            f"[bold red]training failed[/bold red] (torchrun exit code {code}); logs: {run_dir}", highlight=False
+        )
 
 
 def _print_summary(summary: dict, console) -> None:
@@ -165,7 +202,11 @@ def _print_summary(summary: dict, console) -> None:
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
     for r in summary["ranks"]:
         experts = f", expert params {r['expert_param_bytes'] / 2**20:.2f} MiB" if "expert_param_bytes" in r else ""
-        table.add_row(f"rank {r['rank']} memory", f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+        table.add_row(
+            f"rank {r['rank']} memory",
+            f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS "
+            f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
+        )
     table.add_row("run folder", summary["run_dir"])
     console.print(table)
     if summary.get("moe"):

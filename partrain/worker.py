@@ -86,8 +86,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
-    trainer = Trainer(v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save,
-                      loss_scale=loss_scale)
+    trainer = Trainer(
+        v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save, loss_scale=loss_scale
+    )
     trainer.state.step = start_step
     state = trainer.run()
     checkpoints.finish()
@@ -104,8 +105,14 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     if env.is_main and state.history:
         timed = state.history[1:] or state.history
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
-        summary = {"steps": state.step, "final_loss": state.history[-1].loss, "eval_loss": state.eval_loss,
-                   "tokens_per_s": tokens_per_s, "ranks": gathered, "run_dir": str(run_dir)}
+        summary = {
+            "steps": state.step,
+            "final_loss": state.history[-1].loss,
+            "eval_loss": state.eval_loss,
+            "tokens_per_s": tokens_per_s,
+            "ranks": gathered,
+            "run_dir": str(run_dir),
+        }
         if moe is not None:
             summary["moe"] = moe.summary()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -141,7 +148,9 @@ class Checkpoints:
             extra = self.ckpt.load_checkpoint(path, parts, optimizer, self.meta)["extra"] if path else {}
         if path is None:
             return 0
-        self.batches.load_state_dict({k: v for k, v in extra["data"].items() if k != "step"} | {"step": extra["data"]["step"]})
+        self.batches.load_state_dict(
+            {k: v for k, v in extra["data"].items() if k != "step"} | {"step": extra["data"]["step"]}
+        )
         if self.loss_scale is not None and "loss_scale" in extra:
             self.loss_scale.load_state_dict(extra["loss_scale"])
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
@@ -153,8 +162,16 @@ class Checkpoints:
             extra = {"data": {**self.batches.state_dict(), "step": step}}
             if self.loss_scale is not None:
                 extra["loss_scale"] = self.loss_scale.state_dict()
-            path = self.ckpt.save_checkpoint(self.root, step, self.engine.model_parts, self.engine.optimizer, extra, self.meta,
-                                             self.cfg.keep_last, self.cfg.async_save)
+            path = self.ckpt.save_checkpoint(
+                self.root,
+                step,
+                self.engine.model_parts,
+                self.engine.optimizer,
+                extra,
+                self.meta,
+                self.cfg.keep_last,
+                self.cfg.async_save,
+            )
             log.info("saved checkpoint %s", path)
 
     def finish(self) -> None:
@@ -197,7 +214,9 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
         with joined_group(v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store=store):
             if env.world_size != v.world_size:
-                raise RuntimeError(f"the layout needs {v.world_size} processes but the launcher started {env.world_size}")
+                raise RuntimeError(
+                    f"the layout needs {v.world_size} processes but the launcher started {env.world_size}"
+                )
             train_process(v, env, run_dir)
         return 0
     except BaseException as exc:  # noqa: BLE001 - any failure must end this rank with its message recorded

@@ -17,7 +17,7 @@ import pytest
 PARTRAIN = Path(sys.executable).with_name("partrain")
 """The console script installed beside this interpreter."""
 
-_SPAWN_GUARD = '''\
+_SPAWN_GUARD = """\
 import os, subprocess
 _log = os.environ.get("PARTRAIN_TEST_SPAWN_LOG")
 if _log:
@@ -27,7 +27,7 @@ if _log:
         raise RuntimeError("partrain tests: starting a process is not allowed here")
     subprocess.Popen.__init__ = _blocked
     os.fork = os.posix_spawn = os.posix_spawnp = os.execv = os.execve = _blocked
-'''
+"""
 
 
 @dataclass

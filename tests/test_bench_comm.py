@@ -43,7 +43,9 @@ def synthetic(path: Path, gbps: dict, links=("intra",), cluster=CPU_CLUSTER, uns
             rows = [result(4096, 1e-3, factor), result(big, big * factor / (gbps[op] * GB), factor)]
             ops[op] = {"supported": True, "torch_op": op, "bus_factor": factor, "results": rows}
         entries[link] = {"group_size": 2, "groups": [[0, 1]], "ops": ops}
-    return write_profile(path, make_profile(cluster, entries, {"dtype": "float32", "sizes": [4096, 1 << 24], "iters": 1, "warmup": 0}))
+    return write_profile(
+        path, make_profile(cluster, entries, {"dtype": "float32", "sizes": [4096, 1 << 24], "iters": 1, "warmup": 0})
+    )
 
 
 def _estimate(cli, *args):
@@ -54,8 +56,19 @@ def _estimate(cli, *args):
 
 def test_bench_comm_measures_every_op_and_plan_uses_the_profile(run_partrain):
     # PARTRAIN_TEST_SPAWN_LOG="" lifts the fixture's process guard: this test starts torchrun for real.
-    ran = run_partrain("bench", "comm", "--sizes", "4K,1M", "--iters", "3", "--warmup", "1", "--json",
-                       env={"PARTRAIN_TEST_SPAWN_LOG": ""}, timeout=120)
+    ran = run_partrain(
+        "bench",
+        "comm",
+        "--sizes",
+        "4K,1M",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        env={"PARTRAIN_TEST_SPAWN_LOG": ""},
+        timeout=120,
+    )
     assert ran.code == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     report = json.loads(ran.stdout)
     path = ran.cwd / report["path"]
@@ -82,7 +95,9 @@ def test_bench_comm_measures_every_op_and_plan_uses_the_profile(run_partrain):
     est = json.loads(plan.stdout)["estimate"]
     assert est["bandwidth_source"] == f"profile:{path}"
     assert est["assumptions"]["link_bandwidths_gbps"]["intra"] == pytest.approx(profile["summary"]["intra"])
-    assert est["assumptions"]["link_bandwidths_gbps"]["inter"]["all_reduce"] == 5.0  # local-cpu's nominal inter_node_gbps
+    assert (
+        est["assumptions"]["link_bandwidths_gbps"]["inter"]["all_reduce"] == 5.0
+    )  # local-cpu's nominal inter_node_gbps
     assert est["links"]["tp"] == f"intra-node {profile['summary']['intra']['all_reduce']:g} GB/s"
 
 
@@ -120,19 +135,33 @@ def test_inter_node_links_use_the_profile_or_stay_nominal(cli, tmp_path):
     est = _estimate(cli, *two_nodes, f"cluster.comm_profile={one}")
     assert est["links"]["pp"] == "inter-node 5 GB/s" and est["links"]["tp"] == "intra-node 1 GB/s"
     assert any("no inter-node measurement" in note for note in est["notes"])
-    both = synthetic(tmp_path / "two-nodes.json", {op: 0.5 for op in OPS}, links=("intra", "inter"),
-                     cluster={**CPU_CLUSTER, "nodes": 2})
+    both = synthetic(
+        tmp_path / "two-nodes.json",
+        {op: 0.5 for op in OPS},
+        links=("intra", "inter"),
+        cluster={**CPU_CLUSTER, "nodes": 2},
+    )
     est = _estimate(cli, *two_nodes, f"cluster.comm_profile={both}")
     assert est["links"]["pp"] == "inter-node 0.5 GB/s"
     assert not any("no inter-node measurement" in note for note in est["notes"])
 
 
 def test_unsupported_op_falls_back_to_the_links_all_reduce(tmp_path):
-    path = synthetic(tmp_path / "p.json", {op: 2.0 for op in OPS} | {"all_reduce": 3.0}, unsupported=("reduce_scatter",))
+    path = synthetic(
+        tmp_path / "p.json", {op: 2.0 for op in OPS} | {"all_reduce": 3.0}, unsupported=("reduce_scatter",)
+    )
     profile = load_profile(path)
     assert "reduce_scatter" not in profile["summary"]["intra"]
-    cl = SimpleNamespace(nodes=2, devices_per_node=2, device="cpu", device_memory_gib=1.0, peak_tflops=1.0,
-                         intra_node_gbps=7.0, inter_node_gbps=5.0, comm_profile=str(path))
+    cl = SimpleNamespace(
+        nodes=2,
+        devices_per_node=2,
+        device="cpu",
+        device_memory_gib=1.0,
+        peak_tflops=1.0,
+        intra_node_gbps=7.0,
+        inter_node_gbps=5.0,
+        comm_profile=str(path),
+    )
     spec = cluster_spec(cl)
     assert spec.bandwidth_source == f"profile:{path}" and spec.intra_bw == pytest.approx(3e9)
     assert spec.bw("intra", "reduce_scatter") == pytest.approx(3e9)  # unmeasured op: the link's measured all-reduce
@@ -146,10 +175,14 @@ def _bad_profiles(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
     (tmp_path / "v9.json").write_text(json.dumps({**good, "version": 9}))
     (tmp_path / "zero.json").write_text(json.dumps({**good, "summary": {"intra": {"all_reduce": 0}}}))
-    return [("missing.json", "no such file", ()), ("notjson.json", "is not JSON", ()),
-            ("other.json", "not a partrain communication profile", ()), ("v9.json", "version 9", ()),
-            ("zero.json", "not a positive finite bandwidth", ()),
-            ("good.json", "backend gloo on cpu", ("cluster=h100x8", "recipe=llama3-8b-h100"))]
+    return [
+        ("missing.json", "no such file", ()),
+        ("notjson.json", "is not JSON", ()),
+        ("other.json", "not a partrain communication profile", ()),
+        ("v9.json", "version 9", ()),
+        ("zero.json", "not a positive finite bandwidth", ()),
+        ("good.json", "backend gloo on cpu", ("cluster=h100x8", "recipe=llama3-8b-h100")),
+    ]
 
 
 def test_bad_profile_is_refused_before_anything(cli, tmp_path):
@@ -169,11 +202,18 @@ def test_bad_profile_is_refused_before_anything(cli, tmp_path):
         load_profile(tmp_path / "other.json")
 
 
-@pytest.mark.parametrize("args, key", [
-    (["--sizes", "0"], "--sizes"), (["--sizes", "abc"], "--sizes"), (["--sizes", "1K,,4K"], "--sizes"),
-    (["--iters", "0"], "--iters"), (["--warmup", "-1"], "--warmup"),
-    (["cluster.devices_per_node=1"], "cluster.devices_per_node"), (["cluster.nodes=2"], "cluster.nodes"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--sizes", "0"], "--sizes"),
+        (["--sizes", "abc"], "--sizes"),
+        (["--sizes", "1K,,4K"], "--sizes"),
+        (["--iters", "0"], "--iters"),
+        (["--warmup", "-1"], "--warmup"),
+        (["cluster.devices_per_node=1"], "cluster.devices_per_node"),
+        (["cluster.nodes=2"], "cluster.nodes"),
+    ],
+)
 def test_bad_bench_input_exits_2_and_starts_nothing(cli, args, key):
     for mode in (["--json"], []):
         ran = cli("bench", "comm", *args, *mode)

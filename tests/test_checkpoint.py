@@ -34,10 +34,29 @@ from partrain.errors import ConfigError
 from partrain.testing.multiproc import run_spawned
 
 CFGS = {
-    "gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False),
+    "gpt2": dict(
+        vocab_size=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "llama": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    ),
 }
 ARCHS = tuple(CFGS)
 
@@ -74,6 +93,7 @@ def _compare(expected: dict, got: dict) -> list:
 
 # ---- child processes ------------------------------------------------------------------------------
 
+
 def _save_fsdp_tp(rank: int, world: int, root: str) -> dict:
     """dp=2 (FSDP2, zero3) x tp=2: one AdamW step, save, and the gathered originals."""
     from partrain.blueprint.layout import Layout
@@ -100,8 +120,9 @@ def _save_fsdp_tp(rank: int, world: int, root: str) -> dict:
         with loss_context(2, True)():
             forward_loss(dp.module, x[rows], y[rows]).backward()
         dp.optimizer.step()
-        save_checkpoint(Path(root) / arch, 1, [model], dp.optimizer, {"data": {"step": 1}}, {"model": model_record(mc)},
-                        keep_last=2)
+        save_checkpoint(
+            Path(root) / arch, 1, [model], dp.optimizer, {"data": {"step": 1}}, {"model": model_record(mc)}, keep_last=2
+        )
         snap = _snapshot([model], dp.optimizer)
         if rank == 0:
             torch.save(snap, Path(root) / f"{arch}-originals.pt")
@@ -144,7 +165,10 @@ def _zero1_then_other_layouts(rank: int, world: int, root: str) -> dict:
         model, dp, record = _load_under(dict(dp=2, dp_shard=2), 1, arch, step_dir(Path(root) / arch, 1))
         assert isinstance(dp.optimizer, ShardedOptimizer)
         expected = torch.load(Path(root) / f"{arch}-originals.pt", weights_only=True)
-        out[f"{arch}/zero1"] = {"mismatch": _compare(expected, _snapshot([model], dp.optimizer)), "extra": record["extra"]}
+        out[f"{arch}/zero1"] = {
+            "mismatch": _compare(expected, _snapshot([model], dp.optimizer)),
+            "extra": record["extra"],
+        }
         x, y = _batch(seed=1)
         rows = slice(rank * 2, rank * 2 + 2)
         dp.optimizer.zero_grad()
@@ -154,17 +178,29 @@ def _zero1_then_other_layouts(rank: int, world: int, root: str) -> dict:
         snap = _snapshot([model], dp.optimizer)
         if rank == 0:
             torch.save(snap, Path(root) / f"{arch}-zero1-originals.pt")
-        save_checkpoint(Path(root) / arch, 2, [model], dp.optimizer, {"data": {"step": 2}},
-                        {"model": model_record(_model_cfg(arch))}, keep_last=2, async_save=True)
+        save_checkpoint(
+            Path(root) / arch,
+            2,
+            [model],
+            dp.optimizer,
+            {"data": {"step": 2}},
+            {"model": model_record(_model_cfg(arch))},
+            keep_last=2,
+            async_save=True,
+        )
         wait_pending_save()
         expected = snap
         for name, layout, zero in (("tp2", dict(tp=2), 0), ("fsdp-zero2", dict(dp=2, dp_shard=2), 2)):
             model, dp, record = _load_under(layout, zero, arch, step_dir(Path(root) / arch, 2))
-            out[f"{arch}/{name}"] = {"mismatch": _compare(expected, _snapshot([model], dp.optimizer)), "extra": record["extra"]}
+            out[f"{arch}/{name}"] = {
+                "mismatch": _compare(expected, _snapshot([model], dp.optimizer)),
+                "extra": record["extra"],
+            }
     return out
 
 
 # ---- fixtures -------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -186,6 +222,7 @@ def _plain(arch: str, seed: int = 99):
 
 
 # ---- (a) resharding ---------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
@@ -229,7 +266,9 @@ def test_checkpoint_loads_into_pipeline_stage_modules(saved, arch):
     mc = _model_cfg(arch)
     meta = build_meta_model(mc)
     adapter = get_adapter(meta)
-    parts = [materialize(build_stage_module(meta, adapter, c, 2, range(c, c + 1)), mc, seed=99, device="cpu") for c in (0, 1)]
+    parts = [
+        materialize(build_stage_module(meta, adapter, c, 2, range(c, c + 1)), mc, seed=99, device="cpu") for c in (0, 1)
+    ]
     opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=False)
     load_checkpoint(step_dir(root / arch, 1), parts, opt, {"model": model_record(mc)})
     expected = torch.load(root / f"{arch}-originals.pt", weights_only=True)
@@ -263,7 +302,9 @@ def test_pipeline_parts_save_and_load_like_the_plain_model(arch, tmp_path):
 
     full = build_meta_model(mc)
     adapter = get_adapter(full)
-    parts = [materialize(build_stage_module(full, adapter, c, 2, range(c, c + 1)), mc, seed=5, device="cpu") for c in (0, 1)]
+    parts = [
+        materialize(build_stage_module(full, adapter, c, 2, range(c, c + 1)), mc, seed=5, device="cpu") for c in (0, 1)
+    ]
     parts_opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], foreach=False)
     load_checkpoint(plain_ckpt, parts, parts_opt, meta)
     assert _compare(expected, _snapshot(parts, parts_opt)) == []
@@ -275,6 +316,7 @@ def test_pipeline_parts_save_and_load_like_the_plain_model(arch, tmp_path):
 
 
 # ---- (b) atomicity and lookup -----------------------------------------------------------------------
+
 
 def _fake_checkpoint(folder: Path, record: bool = True, metadata: bool = True) -> Path:
     folder.mkdir(parents=True)
@@ -295,8 +337,13 @@ def test_find_resume_ignores_partial_and_incomplete_folders(tmp_path):
     assert find_resume(tmp_path, "none") is None
     assert find_resume(tmp_path / "nothing-yet", "auto") is None
     assert find_resume(tmp_path, str(tmp_path / "step-00000010")) == tmp_path / "step-00000010"
-    for bad, words in [("step-00000030.partial", "unfinished save"), ("step-00000020", "partrain.json is missing"),
-                       ("step-00000025", ".metadata"), ("missing", "no such folder"), ("", "checkpoint folder")]:
+    for bad, words in [
+        ("step-00000030.partial", "unfinished save"),
+        ("step-00000020", "partrain.json is missing"),
+        ("step-00000025", ".metadata"),
+        ("missing", "no such folder"),
+        ("", "checkpoint folder"),
+    ]:
         with pytest.raises(ConfigError) as err:
             find_resume(tmp_path, str(tmp_path / bad) if bad != "" else "")
         assert err.value.problems[0].key == "checkpoint.resume" and words in str(err.value), bad
@@ -353,14 +400,19 @@ def test_run_meta_records_layout_model_and_data():
     from partrain.blueprint.validate import validate
     from partrain.checkpoint import run_meta
 
-    meta = run_meta(validate(compose(["recipe=gpt-dp", "parallel.dp=2", "parallel.zero_stage=1", "cluster.devices_per_node=2"])))
+    meta = run_meta(
+        validate(compose(["recipe=gpt-dp", "parallel.dp=2", "parallel.zero_stage=1", "cluster.devices_per_node=2"]))
+    )
     assert meta["layout"]["dp"] == 2 and meta["layout"]["zero_stage"] == 1 and meta["world_size"] == 2
-    assert meta["model"]["arch"] == "gpt2" and meta["model"]["hf_config"]["n_layer"] == meta["model"]["config"]["n_layer"]
+    assert (
+        meta["model"]["arch"] == "gpt2" and meta["model"]["hf_config"]["n_layer"] == meta["model"]["config"]["n_layer"]
+    )
     assert meta["data"]["tokenizer"] == "byte"
     json.dumps(meta)
 
 
 # ---- (c) damaged checkpoints ------------------------------------------------------------------------
+
 
 @pytest.fixture
 def two_saves(tmp_path):
@@ -426,6 +478,7 @@ def test_metadata_that_would_run_code_is_refused(two_saves, tmp_path):
 
 # ---- (d) another model ------------------------------------------------------------------------------
 
+
 def test_checkpoint_of_another_model_names_the_key(two_saves):
     from partrain.models.build import build_meta_model
     from partrain.models.materialize import materialize
@@ -447,6 +500,7 @@ def test_checkpoint_of_another_model_names_the_key(two_saves):
 
 
 # ---- (e) Hugging Face export ------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
@@ -482,8 +536,10 @@ def test_export_copies_the_runs_hf_tokenizer(two_saves, tmp_path):
 
     root, model, _, _ = two_saves
     out = export_hf(root / "step-00000002", tmp_path / "hf", tokenizer_folder=str(tok_dir))
-    assert AutoTokenizer.from_pretrained(out, local_files_only=True)("the cat")["input_ids"] == \
-        AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)("the cat")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(out, local_files_only=True)("the cat")["input_ids"]
+        == AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)("the cat")["input_ids"]
+    )
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     x, _ = _batch()
     model.eval()

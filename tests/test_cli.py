@@ -82,7 +82,9 @@ def test_recipes_lists_the_shipped_ones(cli):
 
 @pytest.mark.parametrize("how", ["option", "env"])
 def test_user_recipe_wins_over_shipped_and_is_marked(cli, user_folder, how):
-    args, env = (["--recipes", str(user_folder)], None) if how == "option" else ([], {"PARTRAIN_RECIPES": str(user_folder)})
+    args, env = (
+        (["--recipes", str(user_folder)], None) if how == "option" else ([], {"PARTRAIN_RECIPES": str(user_folder)})
+    )
     ran = cli("train", "recipe=gpt-3d", "--dry-run", "--json", *args, env=env)
     assert ran.code == 0, ran.stderr
     assert json.loads(ran.stdout)["degrees"] == {"dp": 4, "tp": 1, "pp": 1, "ep": 1, "sp": 1}
@@ -102,15 +104,22 @@ def test_user_recipe_wins_over_shipped_and_is_marked(cli, user_folder, how):
 def test_option_folder_wins_over_env_folder(cli, user_folder, tmp_path):
     other = tmp_path / "env-recipes"
     other.mkdir()
-    (other / "gpt-3d.yaml").write_text(MINE.replace("dp: 4", "dp: 2").replace("devices_per_node: 4", "devices_per_node: 2"))
+    (other / "gpt-3d.yaml").write_text(
+        MINE.replace("dp: 4", "dp: 2").replace("devices_per_node: 4", "devices_per_node: 2")
+    )
     ran = cli("plan", "recipe=gpt-3d", "--json", "--recipes", str(user_folder), env={"PARTRAIN_RECIPES": str(other)})
     assert json.loads(ran.stdout)["degrees"]["dp"] == 4
     ran = cli("plan", "recipe=gpt-3d", "--json", env={"PARTRAIN_RECIPES": str(other)})
     assert json.loads(ran.stdout)["degrees"]["dp"] == 2
 
 
-@pytest.mark.parametrize("args,env,key", [(["--recipes", "/nonexistent/recipes"], None, "--recipes"),
-                                           ([], {"PARTRAIN_RECIPES": "/nonexistent/recipes"}, "PARTRAIN_RECIPES")])
+@pytest.mark.parametrize(
+    "args,env,key",
+    [
+        (["--recipes", "/nonexistent/recipes"], None, "--recipes"),
+        ([], {"PARTRAIN_RECIPES": "/nonexistent/recipes"}, "PARTRAIN_RECIPES"),
+    ],
+)
 def test_recipe_folder_that_does_not_exist_is_named(cli, args, env, key):
     for command in (["recipes", "--json"], ["show", "--json"], ["plan", "recipe=gpt-3d", "--json"]):
         ran = cli(*command, *args, env=env)
@@ -157,8 +166,10 @@ def test_dry_run_is_fast_and_touches_nothing(run_partrain):
         wall.append(time.perf_counter() - start)
         cpu.append(_child_cpu() - start_cpu)
         assert ran.code == 0 and ran.created() == [] and ran.spawned == [], ran.stderr
-    print(f"\n`partrain train recipe=gpt-3d --dry-run`: median wall {statistics.median(wall):.2f} s "
-          f"({', '.join(f'{t:.2f}' for t in wall)}), median CPU {statistics.median(cpu):.2f} s")
+    print(
+        f"\n`partrain train recipe=gpt-3d --dry-run`: median wall {statistics.median(wall):.2f} s "
+        f"({', '.join(f'{t:.2f}' for t in wall)}), median CPU {statistics.median(cpu):.2f} s"
+    )
     assert statistics.median(cpu) < 3.0
     assert statistics.median(wall) < 15.0
 

@@ -35,7 +35,10 @@ def test_every_recipe_composes_and_validates(name):
     assert validated.run.recipe == name
     cluster = validated.run.cluster
     assert validated.world_size == cluster.nodes * cluster.devices_per_node
-    assert validated.global_batch_size == validated.run.train.micro_batch_size * validated.microbatches * validated.layout.dp
+    assert (
+        validated.global_batch_size
+        == validated.run.train.micro_batch_size * validated.microbatches * validated.layout.dp
+    )
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -63,7 +66,12 @@ def _dataclasses_of_schema():
 def test_every_schema_field_has_a_docstring():
     classes = _dataclasses_of_schema()
     assert len(classes) >= 8
-    missing = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls) if not field_docs(cls).get(f.name)]
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in classes
+        for f in dataclasses.fields(cls)
+        if not field_docs(cls).get(f.name)
+    ]
     assert missing == []
 
 
@@ -85,8 +93,15 @@ def test_every_schema_key_can_be_set_without_plus():
     keys = [k for k in _schema_keys() if k not in ("recipe", "model.config")]
     same = [f"{k}={_hydra_value(_get(base, k))}" for k in keys]
     assert compose(["recipe=gpt-3d", *same]) == base
-    changed = compose(["recipe=gpt-3d", "cluster.allow_tp_across_nodes=true", "model.pretrained=/some/folder",
-                       "model.trust_remote_code=true", "model.config.n_inner=256"])
+    changed = compose(
+        [
+            "recipe=gpt-3d",
+            "cluster.allow_tp_across_nodes=true",
+            "model.pretrained=/some/folder",
+            "model.trust_remote_code=true",
+            "model.config.n_inner=256",
+        ]
+    )
     assert changed.cluster.allow_tp_across_nodes and changed.model.trust_remote_code
     assert changed.model.pretrained == "/some/folder" and changed.model.config["n_inner"] == 256
 
@@ -98,18 +113,22 @@ def _get(run, dotted):
 
 
 def test_hf_field_aliases_are_accepted():
-    facts = validate(compose(["recipe=gpt-3d", "model.config.num_attention_heads=8", "model.config.hidden_size=256"])).facts
+    facts = validate(
+        compose(["recipe=gpt-3d", "model.config.num_attention_heads=8", "model.config.hidden_size=256"])
+    ).facts
     assert (facts.heads, facts.hidden) == (8, 256)
 
 
 # --- model facts against the installed transformers ------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_snapshot_matches_installed_transformers(arch):
     snapshot = load_snapshot()
     assert snapshot[arch] == live_class_fields(arch), (
         f"partrain/blueprint/hf_facts.json was made with transformers {snapshot['transformers_version']}; "
-        "regenerate it with `python -m partrain.models.facts_snapshot`")
+        "regenerate it with `python -m partrain.models.facts_snapshot`"
+    )
 
 
 VARIANTS = [  # derivations the shipped models do not exercise
@@ -118,8 +137,9 @@ VARIANTS = [  # derivations the shipped models do not exercise
     ("qwen2_moe", {"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3], "num_experts": 4}),
     ("mistral", {"head_dim": 48, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1}),
 ]
-MODEL_CASES = [pytest.param(*(lambda d: (d["arch"], d["config"]))(yaml.safe_load(p.read_text())), id=p.stem) for p in MODELS] + \
-              [pytest.param(arch, kwargs, id=f"{arch}-variant") for arch, kwargs in VARIANTS]
+MODEL_CASES = [
+    pytest.param(*(lambda d: (d["arch"], d["config"]))(yaml.safe_load(p.read_text())), id=p.stem) for p in MODELS
+] + [pytest.param(arch, kwargs, id=f"{arch}-variant") for arch, kwargs in VARIANTS]
 
 
 @pytest.mark.parametrize("arch,kwargs", MODEL_CASES)
@@ -129,19 +149,33 @@ def test_model_facts_agree_with_the_hf_config_object(arch, kwargs):
     hf = CONFIG_MAPPING[arch](**kwargs)
     facts = model_facts(arch, kwargs)
     hidden, heads = hf.hidden_size, hf.num_attention_heads
-    ffn = {"gpt2": hf.n_inner if arch == "gpt2" and hf.n_inner else 4 * hidden,
-           "qwen2_moe": getattr(hf, "moe_intermediate_size", None)}.get(arch) or hf.intermediate_size
+    ffn = {
+        "gpt2": hf.n_inner if arch == "gpt2" and hf.n_inner else 4 * hidden,
+        "qwen2_moe": getattr(hf, "moe_intermediate_size", None),
+    }.get(arch) or hf.intermediate_size
     experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
     moe_layers = 0
     if arch == "qwen2_moe":
-        moe_layers = sum(1 for i in range(hf.num_hidden_layers) if i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0)
+        moe_layers = sum(
+            1
+            for i in range(hf.num_hidden_layers)
+            if i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0
+        )
     elif experts:
         moe_layers = hf.num_hidden_layers
     expected = dict(
-        n_layers=hf.num_hidden_layers, hidden=hidden, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf, "head_dim", None) or hidden // heads, ffn=ffn, vocab=hf.vocab_size,
-        max_positions=hf.max_position_embeddings, tied_embeddings=hf.tie_word_embeddings, n_experts=experts,
-        experts_per_token=getattr(hf, "num_experts_per_tok", 0) if experts else 0, moe_layers=moe_layers,
+        n_layers=hf.num_hidden_layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hidden // heads,
+        ffn=ffn,
+        vocab=hf.vocab_size,
+        max_positions=hf.max_position_embeddings,
+        tied_embeddings=hf.tie_word_embeddings,
+        n_experts=experts,
+        experts_per_token=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
+        moe_layers=moe_layers,
         shared_expert_ffn=getattr(hf, "shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
     )
     assert {k: getattr(facts, k) for k in expected} == expected
@@ -152,8 +186,10 @@ def test_every_supported_arch_has_a_shipped_model():
 
 
 def test_pretrained_folder_config_wins(tmp_path: Path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 7, "hidden_size": 64, '
-                                          '"num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 300}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "num_hidden_layers": 7, "hidden_size": 64, '
+        '"num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 300}'
+    )
     facts = model_facts("llama", {"num_hidden_layers": 2}, str(tmp_path))
     assert (facts.n_layers, facts.hidden, facts.vocab) == (2, 64, 300)  # model.config on top of config.json
     facts = model_facts("llama", {}, str(tmp_path))

@@ -23,8 +23,16 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 RTOL = 1e-5
 # Two ranks' worth of rows (dp2 takes one each), microbatches of one row; tiny models.
-COMMON = ["data.max_bytes=1000000", "train.global_batch_size=2", "train.micro_batch_size=1", "train.precision=fp32",
-          "train.eval_every=0", "train.eval_batches=1", "parallel.dp=1", "parallel.zero_stage=0"]
+COMMON = [
+    "data.max_bytes=1000000",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=1",
+    "train.precision=fp32",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "parallel.dp=1",
+    "parallel.zero_stage=0",
+]
 LLAMA = ["recipe=llama-long-sp", "model.config.num_hidden_layers=2"]
 QWEN2 = LLAMA + ["model=qwen2-tiny"]
 GPT2 = ["recipe=gpt-dp", "model.config.n_layer=2"]
@@ -35,8 +43,18 @@ LAYOUTS = {
     "llama-ring-sp2-seq2048": (LLAMA, 2048, ["parallel.sp=2", "parallel.sp_mode=ring"], 2),
     "llama-ring-sp2-tp2": (LLAMA, 512, ["parallel.sp=2", "parallel.tp=2", "parallel.sp_mode=ring"], 4),
     # Also saves the step-3 checkpoint that ring sp4 resumes from (test_checkpoint_resumes_under_ring_sp4).
-    "llama-ulysses-sp2-dp2-fsdp": (LLAMA, 512, ["parallel.sp=2", "parallel.dp=2", "parallel.zero_stage=3",
-                                                "parallel.sp_mode=ulysses", "checkpoint.every_steps=3"], 4),
+    "llama-ulysses-sp2-dp2-fsdp": (
+        LLAMA,
+        512,
+        [
+            "parallel.sp=2",
+            "parallel.dp=2",
+            "parallel.zero_stage=3",
+            "parallel.sp_mode=ulysses",
+            "checkpoint.every_steps=3",
+        ],
+        4,
+    ),
     "llama-ring-sp2-pp2": (LLAMA, 512, ["parallel.sp=2", "parallel.pp=2", "parallel.sp_mode=ring"], 4),
     "qwen2-ring-sp2": (QWEN2, 512, ["parallel.sp=2", "parallel.sp_mode=ring"], 2),
     "gpt2-ulysses-sp2": (GPT2, 512, ["parallel.sp=2", "parallel.sp_mode=ulysses"], 2),
@@ -46,9 +64,13 @@ LAYOUTS = {
 def train(overrides: List[str], run_dir: Path, steps: int = STEPS) -> RunRecord:
     """`partrain train` like `testing.parity.run_training`, keeping the eval the overrides ask for."""
     args = [*overrides, f"train.steps={steps}", f"train.run_dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-m", "partrain.cli", "train", *args], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", *args], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"partrain train {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"partrain train {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_only = [r for r in records if "loss" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -75,13 +97,16 @@ def references(tmp_path_factory, data_cache):
             run_dir = tmp_path_factory.mktemp("ref") / "run"
             cache[key] = train(reference_overrides(_base(model, seq, data_cache)), run_dir)
         return cache[key]
+
     return get
 
 
 def _parity(ref: RunRecord, got: RunRecord) -> dict:
-    diffs = {"loss": max_relative_difference(ref.losses, got.losses),
-             "grad_norm": max_relative_difference(ref.grad_norms, got.grad_norms),
-             "eval_loss": max_relative_difference([ref.summary["eval_loss"]], [got.summary["eval_loss"]])}
+    diffs = {
+        "loss": max_relative_difference(ref.losses, got.losses),
+        "grad_norm": max_relative_difference(ref.grad_norms, got.grad_norms),
+        "eval_loss": max_relative_difference([ref.summary["eval_loss"]], [got.summary["eval_loss"]]),
+    }
     assert max(diffs.values()) <= RTOL, (diffs, ref.losses, got.losses)
     return diffs
 
@@ -98,6 +123,7 @@ def layouts(tmp_path_factory, data_cache):
             cache[name] = train(_base(model, seq, data_cache) + layout + [f"cluster.devices_per_node={procs}"], run_dir)
             assert len(cache[name].summary["ranks"]) == procs
         return cache[name]
+
     return get
 
 
@@ -112,30 +138,70 @@ def test_checkpoint_resumes_under_ring_sp4(references, layouts, tmp_path, data_c
     eval match the one-process run (sp holds no parameter shards, so the checkpoint does not depend on
     it). This is also the ring sp4 parity case."""
     saved = layouts("llama-ulysses-sp2-dp2-fsdp").run_dir / "checkpoints" / "step-00000003"
-    resumed = train(_base(LLAMA, 512, data_cache) + ["parallel.sp=4", "parallel.sp_mode=ring", "cluster.devices_per_node=4",
-                                                     f"checkpoint.resume={saved}"], tmp_path / "resumed")
+    resumed = train(
+        _base(LLAMA, 512, data_cache)
+        + ["parallel.sp=4", "parallel.sp_mode=ring", "cluster.devices_per_node=4", f"checkpoint.resume={saved}"],
+        tmp_path / "resumed",
+    )
     ref = references(LLAMA, 512)
     assert len(resumed.losses) == 2 and len(resumed.summary["ranks"]) == 4
-    print("resume fsdp sp2 -> ring sp4", _parity(RunRecord(ref.losses[3:], ref.grad_norms[3:], ref.run_dir, ref.summary), resumed))
+    print(
+        "resume fsdp sp2 -> ring sp4",
+        _parity(RunRecord(ref.losses[3:], ref.grad_norms[3:], ref.run_dir, ref.summary), resumed),
+    )
 
 
 SP = "recipe=llama-long-sp"  # dp2 x sp2 Ulysses; 4 heads, 2 KV heads, seq 4096
 
 BAD = [  # (command-line arguments, the key the one error names, words of the valid choice it offers)
     pytest.param([SP, "train.seq_len=1023"], "train.seq_len", "train.seq_len=1024", id="sp-does-not-divide-seq"),
-    pytest.param([SP, "parallel.sp_mode=ring", "train.seq_len=1022"], "train.seq_len", "train.seq_len=1024",
-                 id="ring-odd-per-rank-length"),
-    pytest.param([SP, "parallel.sp=8", "parallel.dp=1", "cluster.devices_per_node=8"], "parallel.sp", "sp in [1, 2, 4]",
-                 id="ulysses-heads"),
-    pytest.param([SP, "parallel.sp=2", "parallel.tp=2", "parallel.dp=1", "parallel.tp_sequence_parallel=true",
-                  "model.config.num_key_value_heads=4", "train.seq_len=1022"], "train.seq_len", "multiple of 4",
-                 id="megatron-sp-times-sp"),
+    pytest.param(
+        [SP, "parallel.sp_mode=ring", "train.seq_len=1022"],
+        "train.seq_len",
+        "train.seq_len=1024",
+        id="ring-odd-per-rank-length",
+    ),
+    pytest.param(
+        [SP, "parallel.sp=8", "parallel.dp=1", "cluster.devices_per_node=8"],
+        "parallel.sp",
+        "sp in [1, 2, 4]",
+        id="ulysses-heads",
+    ),
+    pytest.param(
+        [
+            SP,
+            "parallel.sp=2",
+            "parallel.tp=2",
+            "parallel.dp=1",
+            "parallel.tp_sequence_parallel=true",
+            "model.config.num_key_value_heads=4",
+            "train.seq_len=1022",
+        ],
+        "train.seq_len",
+        "multiple of 4",
+        id="megatron-sp-times-sp",
+    ),
     pytest.param([SP, "parallel.sp_mode=zigzag"], "parallel.sp_mode", "ring", id="unknown-mode"),
     # Consistent layouts the sp attention does not do (partrain.blueprint.trainable): refused, never silently wrong.
-    pytest.param([SP, "model=mistral-tiny", "model.config.sliding_window=128", "train.seq_len=256"], "parallel.sp",
-                 "sliding attention window of 128", id="sliding-window-shorter-than-seq"),
-    pytest.param(["recipe=gpt-dp", "parallel.sp=2", "parallel.dp=1", "parallel.sp_mode=ring", "model.config.attn_pdrop=0.1",
-                  "train.seq_len=256"], "parallel.sp_mode", "attention dropout 0.1", id="ring-attention-dropout"),
+    pytest.param(
+        [SP, "model=mistral-tiny", "model.config.sliding_window=128", "train.seq_len=256"],
+        "parallel.sp",
+        "sliding attention window of 128",
+        id="sliding-window-shorter-than-seq",
+    ),
+    pytest.param(
+        [
+            "recipe=gpt-dp",
+            "parallel.sp=2",
+            "parallel.dp=1",
+            "parallel.sp_mode=ring",
+            "model.config.attn_pdrop=0.1",
+            "train.seq_len=256",
+        ],
+        "parallel.sp_mode",
+        "attention dropout 0.1",
+        id="ring-attention-dropout",
+    ),
 ]
 
 

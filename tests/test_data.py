@@ -40,6 +40,7 @@ def rows_as_set(t: torch.Tensor) -> set:
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
+
 def test_byte_tokenizer_round_trip():
     tok = load_tokenizer("byte")
     assert isinstance(tok, ByteTokenizer)
@@ -96,6 +97,7 @@ def test_token_dtype():
 
 # --- corpus -------------------------------------------------------------------------------------
 
+
 def test_builtin_corpus_is_deterministic_and_capped():
     cfg = DataConfig(source="builtin", max_bytes=50_000)
     a, b = Corpus.from_config(cfg), Corpus.from_config(cfg)
@@ -125,6 +127,7 @@ def test_txt_and_jsonl_files_and_folder(tmp_path):
 
 def _file(name, content):
     """A setup step for test_bad_sources: write `content` (str or bytes) to `name` in the test folder."""
+
     def make(folder: Path) -> Path:
         path = folder / name
         if isinstance(content, bytes):
@@ -132,18 +135,23 @@ def _file(name, content):
         elif content is not None:
             path.write_text(content)
         return path
+
     return make
 
 
-@pytest.mark.parametrize("setup, key, words", [
-    (_file("missing.jsonl", None), "data.source", "no such file"),
-    (_file("empty.txt", ""), "data.source", "empty"),
-    (_file("data.csv", "a,b"), "data.source", "unsupported"),
-    (_file("bad.jsonl", '{"text": "ok"}\nnot json\n'), "data.source", "line 2"),
-    (_file("other.jsonl", '{"body": "x"}\n'), "data.text_field", "no field"),
-    (_file("blank.jsonl", '{"text": ""}\n'), "data.source", "no text"),
-    (_file("latin1.txt", "caf\xe9".encode("latin-1")), "data.source", "UTF-8"),
-], ids=["missing", "empty", "suffix", "bad-json", "no-field", "no-text", "not-utf8"])
+@pytest.mark.parametrize(
+    "setup, key, words",
+    [
+        (_file("missing.jsonl", None), "data.source", "no such file"),
+        (_file("empty.txt", ""), "data.source", "empty"),
+        (_file("data.csv", "a,b"), "data.source", "unsupported"),
+        (_file("bad.jsonl", '{"text": "ok"}\nnot json\n'), "data.source", "line 2"),
+        (_file("other.jsonl", '{"body": "x"}\n'), "data.text_field", "no field"),
+        (_file("blank.jsonl", '{"text": ""}\n'), "data.source", "no text"),
+        (_file("latin1.txt", "caf\xe9".encode("latin-1")), "data.source", "UTF-8"),
+    ],
+    ids=["missing", "empty", "suffix", "bad-json", "no-field", "no-text", "not-utf8"],
+)
 def test_bad_sources_are_config_errors(tmp_path, setup, key, words):
     source = setup(tmp_path)
     with pytest.raises(ConfigError) as err:
@@ -172,6 +180,7 @@ def test_parquet_without_pyarrow_names_the_package(tmp_path):
 
 
 # --- packing ------------------------------------------------------------------------------------
+
 
 def test_packing_layout_and_split(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["abc", "de", "f" * 16]))
@@ -285,7 +294,10 @@ def test_unwritable_cache_and_stale_temps(tmp_path):
 
 
 def test_bad_numbers_are_config_errors(tmp_path):
-    for cfg, key in ((DataConfig(max_bytes=-1), "data.max_bytes"), (DataConfig(eval_fraction=1.0), "data.eval_fraction")):
+    for cfg, key in (
+        (DataConfig(max_bytes=-1), "data.max_bytes"),
+        (DataConfig(eval_fraction=1.0), "data.eval_fraction"),
+    ):
         with pytest.raises(ConfigError) as err:
             prepare_tokens(cfg, tmp_path)
         assert err.value.problems[0].key == key
@@ -293,10 +305,12 @@ def test_bad_numbers_are_config_errors(tmp_path):
 
 # --- batches ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def packed_builtin(tmp_path_factory) -> PackedData:
-    return prepare_tokens(DataConfig(source="builtin", max_bytes=SMALL, eval_fraction=0.05),
-                          tmp_path_factory.mktemp("cache"))
+    return prepare_tokens(
+        DataConfig(source="builtin", max_bytes=SMALL, eval_fraction=0.05), tmp_path_factory.mktemp("cache")
+    )
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -381,6 +395,6 @@ def test_eval_batches_are_fixed_and_layout_independent(packed_builtin, dp):
         assert torch.equal(torch.cat([p[1] for p in parts]), y)
         assert torch.equal(x[:, 1:], y[:, :-1])
     tokens = np.fromfile(packed_builtin.eval_path, dtype=packed_builtin.dtype)
-    assert single[1][0][0].tolist() == tokens[8 * 32:8 * 32 + 32].tolist()  # batch 1 starts at window 8
+    assert single[1][0][0].tolist() == tokens[8 * 32 : 8 * 32 + 32].tolist()  # batch 1 starts at window 8
     wrapped = evals.eval_batch(evals.num_batches)
     assert torch.equal(wrapped[0], single[0][0])

@@ -18,7 +18,13 @@ from partrain.testing.parity import check_parity, reference_overrides, run_train
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["recipe=gpt-dp", "train.global_batch_size=16", "train.micro_batch_size=2", "train.seq_len=64", "data.max_bytes=1000000"]
+BASE = [
+    "recipe=gpt-dp",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "data.max_bytes=1000000",
+]
 
 LAYOUTS = {
     "dp2-zero0": ["parallel.dp=2", "cluster.devices_per_node=2", "parallel.zero_stage=0"],
@@ -29,8 +35,12 @@ LAYOUTS = {
     "dp4-zero1": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=1"],
     "dp4-zero2": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=2"],
     "dp4-zero3": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=3"],
-    "dp2-zero3-sync-last": ["parallel.dp=2", "cluster.devices_per_node=2", "parallel.zero_stage=3",
-                            "parallel.fsdp_grad_sync=last_microbatch"],
+    "dp2-zero3-sync-last": [
+        "parallel.dp=2",
+        "cluster.devices_per_node=2",
+        "parallel.zero_stage=3",
+        "parallel.fsdp_grad_sync=last_microbatch",
+    ],
     "hybrid-2x2": ["parallel.dp=4", "cluster.devices_per_node=4", "parallel.zero_stage=3", "parallel.dp_shard=2"],
 }
 
@@ -42,7 +52,9 @@ def data_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_cache):
-    return run_training(reference_overrides(BASE + [f"data.cache_dir={data_cache}"]), tmp_path_factory.mktemp("ref") / "run", STEPS)
+    return run_training(
+        reference_overrides(BASE + [f"data.cache_dir={data_cache}"]), tmp_path_factory.mktemp("ref") / "run", STEPS
+    )
 
 
 def ideal_model_state_bytes(psi: int, zero_stage: int, dp: int, dp_shard: int) -> float:
@@ -81,9 +93,24 @@ def test_failing_worker_ends_job_quickly(tmp_path, data_cache):
     """A NaN loss (train.stop_on_nan) raises on every rank: the job stops fast, names the error, leaves no process."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "partrain.cli", "train", *BASE, f"data.cache_dir={data_cache}",
-                           "optim.lr=1e30", "optim.grad_clip=0", "optim.warmup_steps=0", "train.steps=50",
-                           f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "partrain.cli",
+            "train",
+            *BASE,
+            f"data.cache_dir={data_cache}",
+            "optim.lr=1e30",
+            "optim.grad_clip=0",
+            "optim.warmup_steps=0",
+            "train.steps=50",
+            f"train.run_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert "loss became" in proc.stdout + proc.stderr

@@ -16,8 +16,13 @@ from partrain.blueprint.validate import validate
 
 GPT = "recipe=gpt-3d"  # dense: 8 ranks = dp2 x tp2 x pp2
 MOE = "recipe=mixtral-ep"  # 2 ranks = dp2, ep2; 4 experts, top-2
-QWEN = ["model=qwen2-moe-tiny", "cluster.devices_per_node=6", "parallel.dp=6", "train.micro_batch_size=1",
-        "train.global_batch_size=6"]  # 8 experts; dp x sp = 6
+QWEN = [
+    "model=qwen2-moe-tiny",
+    "cluster.devices_per_node=6",
+    "parallel.dp=6",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=6",
+]  # 8 experts; dp x sp = 6
 
 # (name, arguments after `partrain train`, the key the one error must name, words the fix must contain)
 BAD = [
@@ -34,8 +39,12 @@ BAD = [
     ("dense-ep", [GPT, "parallel.ep=2"], "parallel.ep", "model=mixtral-tiny"),
     ("ep-zero", [MOE, "parallel.ep=0"], "parallel.ep", "parallel.ep=1"),
     ("ep-vs-experts", QWEN + ["parallel.ep=3"], "parallel.ep", "valid ep here: 1, 2"),
-    ("ep-vs-dp-sp", [MOE, "parallel.dp=1", "parallel.sp=2", "parallel.ep=4", "train.global_batch_size=4"], "parallel.ep",
-     "valid ep here: 1, 2"),
+    (
+        "ep-vs-dp-sp",
+        [MOE, "parallel.dp=1", "parallel.sp=2", "parallel.ep=4", "train.global_batch_size=4"],
+        "parallel.ep",
+        "valid ep here: 1, 2",
+    ),
 ]
 
 
@@ -57,12 +66,20 @@ def test_bad_moe_input_refused(cli, name, args, key, fix):
     assert human.code == 2 and human.stderr.strip().startswith(f"error: {key}="), human.stderr
 
 
-@pytest.mark.parametrize("overrides", [
-    [MOE, "parallel.moe_capacity_factor=1.25", "parallel.moe_aux_loss_coef=0", "parallel.moe_z_loss_coef=0.001"],
-    [MOE, "parallel.moe_capacity_factor=0.5"],
-    QWEN + ["parallel.ep=2"],
-    [GPT, "parallel.moe_capacity_factor=null", "parallel.moe_aux_loss_coef=null", "parallel.moe_z_loss_coef=0"],  # defaults
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [MOE, "parallel.moe_capacity_factor=1.25", "parallel.moe_aux_loss_coef=0", "parallel.moe_z_loss_coef=0.001"],
+        [MOE, "parallel.moe_capacity_factor=0.5"],
+        QWEN + ["parallel.ep=2"],
+        [
+            GPT,
+            "parallel.moe_capacity_factor=null",
+            "parallel.moe_aux_loss_coef=null",
+            "parallel.moe_z_loss_coef=0",
+        ],  # defaults
+    ],
+)
 def test_good_moe_input_accepted(overrides):
     validate(compose(overrides))
 
@@ -75,15 +92,39 @@ from partrain.blueprint.planner.rank_state import predicted_rank_elements  # noq
 from partrain.blueprint.planner.spec import spec_from_validated  # noqa: E402
 
 # Planning sizes (meta only): Mixtral-8x7B and Qwen2-MoE-A2.7B shapes on 64 H100s.
-MIXTRAL_8X7B = ["model=mixtral-tiny", "cluster=h100x64", "train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1",
-                "model.config.hidden_size=4096", "model.config.intermediate_size=14336", "model.config.num_hidden_layers=32",
-                "model.config.num_attention_heads=32", "model.config.num_key_value_heads=8", "model.config.num_local_experts=8",
-                "model.config.vocab_size=32000", "model.config.max_position_embeddings=32768"]
-QWEN2_MOE_A27B = ["model=qwen2-moe-tiny", "cluster=h100x64", "train.precision=bf16", "train.seq_len=4096", "train.micro_batch_size=1",
-                  "model.config.hidden_size=2048", "model.config.intermediate_size=5632", "model.config.moe_intermediate_size=1408",
-                  "model.config.shared_expert_intermediate_size=5632", "model.config.num_hidden_layers=24",
-                  "model.config.num_attention_heads=16", "model.config.num_key_value_heads=16", "model.config.num_experts=60",
-                  "model.config.num_experts_per_tok=4", "model.config.vocab_size=151936", "model.config.max_position_embeddings=8192"]
+MIXTRAL_8X7B = [
+    "model=mixtral-tiny",
+    "cluster=h100x64",
+    "train.precision=bf16",
+    "train.seq_len=4096",
+    "train.micro_batch_size=1",
+    "model.config.hidden_size=4096",
+    "model.config.intermediate_size=14336",
+    "model.config.num_hidden_layers=32",
+    "model.config.num_attention_heads=32",
+    "model.config.num_key_value_heads=8",
+    "model.config.num_local_experts=8",
+    "model.config.vocab_size=32000",
+    "model.config.max_position_embeddings=32768",
+]
+QWEN2_MOE_A27B = [
+    "model=qwen2-moe-tiny",
+    "cluster=h100x64",
+    "train.precision=bf16",
+    "train.seq_len=4096",
+    "train.micro_batch_size=1",
+    "model.config.hidden_size=2048",
+    "model.config.intermediate_size=5632",
+    "model.config.moe_intermediate_size=1408",
+    "model.config.shared_expert_intermediate_size=5632",
+    "model.config.num_hidden_layers=24",
+    "model.config.num_attention_heads=16",
+    "model.config.num_key_value_heads=16",
+    "model.config.num_experts=60",
+    "model.config.num_experts_per_tok=4",
+    "model.config.vocab_size=151936",
+    "model.config.max_position_embeddings=8192",
+]
 
 
 def _plan(base, *extra):
@@ -91,7 +132,9 @@ def _plan(base, *extra):
     return v, estimate(v)
 
 
-@pytest.mark.parametrize("base,ep", [(MIXTRAL_8X7B, 2), (MIXTRAL_8X7B, 8), (QWEN2_MOE_A27B, 4), (QWEN2_MOE_A27B, 60 // 15)])
+@pytest.mark.parametrize(
+    "base,ep", [(MIXTRAL_8X7B, 2), (MIXTRAL_8X7B, 8), (QWEN2_MOE_A27B, 4), (QWEN2_MOE_A27B, 60 // 15)]
+)
 def test_expert_states_per_rank_are_total_over_ep(base, ep):
     args = ["parallel.dp=64", "train.global_batch_size=64"]
     _, one = _plan(base, *args)
@@ -100,20 +143,25 @@ def test_expert_states_per_rank_are_total_over_ep(base, ep):
     assert moe["expert_params_total"] == moe1["expert_params_total"] == moe1["expert_params_per_rank"]
     assert moe["expert_params_per_rank"] * ep == moe["expert_params_total"]
     # Dense parameters do not change; the rank's parameters drop by exactly the experts it gave away.
-    assert one["memory_bytes"]["params"] - split["memory_bytes"]["params"] == \
-        (moe1["expert_params_per_rank"] - moe["expert_params_per_rank"]) * 2  # bf16 "zero" accounting: 2 bytes
+    assert (
+        one["memory_bytes"]["params"] - split["memory_bytes"]["params"]
+        == (moe1["expert_params_per_rank"] - moe["expert_params_per_rank"]) * 2
+    )  # bf16 "zero" accounting: 2 bytes
 
 
 def test_zero_stages_shard_experts_over_their_replicas():
     """ep=8 of dp=64: each expert has edp = 8 replicas; ZeRO-1 and FSDP shard its states over them."""
     for zero in (1, 3):
-        v, est = _plan(MIXTRAL_8X7B, "parallel.dp=64", "train.global_batch_size=64", "parallel.ep=8", f"parallel.zero_stage={zero}")
+        v, est = _plan(
+            MIXTRAL_8X7B, "parallel.dp=64", "train.global_batch_size=64", "parallel.ep=8", f"parallel.zero_stage={zero}"
+        )
         moe = est["moe"]
         assert moe["edp"] == moe["expert_shard"] == 8
         local = moe["expert_params_per_rank"]
         if zero == 1:  # parameters whole, Adam state of the expert group cut over edp
             assert moe["expert_state_bytes_per_rank"]["optimizer"] == pytest.approx(local / 8 * 12, rel=1e-6)
-        else:  # FSDP cuts the expert dim of the local [E/ep, ...] tensors (torch.chunk): 1 expert over 8 -> all on rank 0
+        else:
+            # FSDP cuts the expert dim of the local [E/ep, ...] tensors (torch.chunk): 1 expert over 8 -> all on rank 0
             assert local == moe["expert_params_total"] // 8
             assert moe["expert_state_bytes_per_rank"]["params"] == local * 2
         # The runtime-accounting count (simulate's reference) agrees with the report block.
@@ -133,7 +181,9 @@ def test_all_to_all_bytes_per_step(cf):
     assert est["moe"]["all_to_all_bytes_per_layer_microbatch"]["dispatch_forward"] == pytest.approx(one)
     assert est["comm_bytes_per_step"]["ep"] == pytest.approx(32 * 4 * one * v.microbatches)
     assert est["moe"]["kept_fraction"] == pytest.approx(1.0 if cf is None or cf >= 1 else cf)
-    assert est["moe"]["receive_bound_pairs"] == (8 * tokens * k if cf is None else e * expert_capacity(cf, tokens, k, e))
+    assert est["moe"]["receive_bound_pairs"] == (
+        8 * tokens * k if cf is None else e * expert_capacity(cf, tokens, k, e)
+    )
 
 
 def test_all_to_all_time_at_the_ep_link():
@@ -154,7 +204,9 @@ def test_expert_gradients_are_reduced_over_edp_only():
     dense = one["params_total"] - one["moe"]["expert_params_total"]
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731
     assert one["comm_bytes_per_step"]["dp"] == pytest.approx(one["params_total"] * 4 * ring(64))
-    assert split["comm_bytes_per_step"]["dp"] == pytest.approx(dense * 4 * ring(64) + split["moe"]["expert_params_per_rank"] * 4 * ring(8))
+    assert split["comm_bytes_per_step"]["dp"] == pytest.approx(
+        dense * 4 * ring(64) + split["moe"]["expert_params_per_rank"] * 4 * ring(8)
+    )
 
 
 # --- plan --simulate with ep > 1: the real apply_ep on meta at planning sizes ------------------------
@@ -164,15 +216,18 @@ from partrain.simulate.fake_world import simulate  # noqa: E402
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
 
-@pytest.mark.parametrize("base,extra", [
-    (MIXTRAL_8X7B, ["parallel.ep=8"]),
-    (QWEN2_MOE_A27B, ["parallel.ep=4"]),
-    # FSDP over edp = 32 cuts each rank's 4 local experts on dim 0 (torch.chunk): positions 0-3 of an
-    # edp group hold one expert each, the rest none; the planner counts the same.
-    (MIXTRAL_8X7B, ["parallel.ep=2", "parallel.zero_stage=3"]),
-    # Hybrid sharding: dense states over dp_shard = 8, experts still over their whole edp group (8).
-    (MIXTRAL_8X7B, ["parallel.ep=8", "parallel.zero_stage=3", "parallel.dp_shard=8"]),
-])
+@pytest.mark.parametrize(
+    "base,extra",
+    [
+        (MIXTRAL_8X7B, ["parallel.ep=8"]),
+        (QWEN2_MOE_A27B, ["parallel.ep=4"]),
+        # FSDP over edp = 32 cuts each rank's 4 local experts on dim 0 (torch.chunk): positions 0-3 of an
+        # edp group hold one expert each, the rest none; the planner counts the same.
+        (MIXTRAL_8X7B, ["parallel.ep=2", "parallel.zero_stage=3"]),
+        # Hybrid sharding: dense states over dp_shard = 8, experts still over their whole edp group (8).
+        (MIXTRAL_8X7B, ["parallel.ep=8", "parallel.zero_stage=3", "parallel.dp_shard=8"]),
+    ],
+)
 def test_simulate_with_ep_matches_the_planner(base, extra):
     v = validate(compose(base + ["parallel.dp=64", "train.global_batch_size=64"] + extra))
     ep, est = v.layout.ep, estimate(v)
@@ -205,6 +260,14 @@ def test_capacity_below_one_shrinks_expert_activations():
     _, dropless = _plan(MIXTRAL_8X7B, *args)
     _, half = _plan(MIXTRAL_8X7B, *args, "parallel.moe_capacity_factor=0.5")
     _, roomy = _plan(MIXTRAL_8X7B, *args, "parallel.moe_capacity_factor=2.0")
-    assert half["memory_bytes"]["activations"] < dropless["memory_bytes"]["activations"] == roomy["memory_bytes"]["activations"]
+    assert (
+        half["memory_bytes"]["activations"]
+        < dropless["memory_bytes"]["activations"]
+        == roomy["memory_bytes"]["activations"]
+    )
     assert half["comm_bytes_per_step"]["ep"] == pytest.approx(dropless["comm_bytes_per_step"]["ep"] / 2)
-    assert half["moe"]["receive_bound_pairs"] < roomy["moe"]["receive_bound_pairs"] < dropless["moe"]["receive_bound_pairs"]
+    assert (
+        half["moe"]["receive_bound_pairs"]
+        < roomy["moe"]["receive_bound_pairs"]
+        < dropless["moe"]["receive_bound_pairs"]
+    )

@@ -27,10 +27,20 @@ FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 LAYOUTS = {
     "mixtral-ep4": (MIXTRAL, FOUR + ["parallel.ep=4"]),
     # Megatron-SP on: the MoE block gathers the sequence, its experts (replicated over tp) see every token.
-    "mixtral-ep2-tp2-sp": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.tp_sequence_parallel=true",
-                                     "cluster.devices_per_node=4"]),
-    "mixtral-ep2-pp2-recompute": (MIXTRAL, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4",
-                                            "parallel.recompute=full"]),
+    "mixtral-ep2-tp2-sp": (
+        MIXTRAL,
+        [
+            "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.tp_sequence_parallel=true",
+            "cluster.devices_per_node=4",
+        ],
+    ),
+    "mixtral-ep2-pp2-recompute": (
+        MIXTRAL,
+        ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4", "parallel.recompute=full"],
+    ),
     "mixtral-ep2-fsdp-zero3": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=3"]),  # edp=2: FSDP over edp
     "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
@@ -53,15 +63,20 @@ def references(tmp_path_factory, data_cache):
     def get(model):
         key = tuple(model)
         if key not in cache:
-            cache[key] = run_training(reference_overrides(_base(model, data_cache)), tmp_path_factory.mktemp("ref") / "run", STEPS)
+            cache[key] = run_training(
+                reference_overrides(_base(model, data_cache)), tmp_path_factory.mktemp("ref") / "run", STEPS
+            )
         return cache[key]
+
     return get
 
 
 @pytest.fixture(scope="module")
 def mixtral_ep2(tmp_path_factory, data_cache):
     """The recipe as shipped (dp2 x ep2), saving a checkpoint at step 3."""
-    return run_training(_base(MIXTRAL, data_cache) + ["checkpoint.every_steps=3"], tmp_path_factory.mktemp("ep2") / "run", STEPS)
+    return run_training(
+        _base(MIXTRAL, data_cache) + ["checkpoint.every_steps=3"], tmp_path_factory.mktemp("ep2") / "run", STEPS
+    )
 
 
 def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_ep2, references):
@@ -140,17 +155,22 @@ def _one_layer_ep2_vs_ep1(rank, mesh, capacity_factor):
         return module, xi
 
     dense, x1 = run(experts({n: v.clone() for n, v in full.items()}, None))
-    local = {n: DTensor.from_local(v[rank * 2:rank * 2 + 2].clone(), mesh, [Shard(0)]) for n, v in full.items()}
+    local = {n: DTensor.from_local(v[rank * 2 : rank * 2 + 2].clone(), mesh, [Shard(0)]) for n, v in full.items()}
     sharded, x2 = run(experts(local, mesh))
     out1, out2 = dense(x, index, weights), sharded(x, index, weights)
-    dropped = int((dense.take_stats()[E:2 * E]).sum())
-    result = {"out": ((out1 - out2).abs().max() / out1.abs().max()).item(),
-              "dx": ((x1.grad - x2.grad).abs().max() / x1.grad.abs().max()).item(), "dropped": dropped}
+    dropped = int((dense.take_stats()[E : 2 * E]).sum())
+    result = {
+        "out": ((out1 - out2).abs().max() / out1.abs().max()).item(),
+        "dx": ((x1.grad - x2.grad).abs().max() / x1.grad.abs().max()).item(),
+        "dropped": dropped,
+    }
     for name in full:  # ep=1 gradients of every rank's tokens, summed, against this rank's shard
         g = getattr(dense, name).grad.clone()
         dist.all_reduce(g)
-        mine = g[rank * 2:rank * 2 + 2]
-        result[name] = ((mine - getattr(sharded, name).grad.to_local()).abs().max() / mine.abs().max()).item()  # relative
+        mine = g[rank * 2 : rank * 2 + 2]
+        result[name] = (
+            (mine - getattr(sharded, name).grad.to_local()).abs().max() / mine.abs().max()
+        ).item()  # relative
     return result
 
 
@@ -174,8 +194,11 @@ def test_resume_under_another_ep_degree(mixtral_ep2, tmp_path, data_cache):
     with ZeRO-1 (dense Adam state sharded over dp_shard, the expert shards' over edp): steps 4 and 5
     match the uninterrupted ep=2 run."""
     ckpt = mixtral_ep2.run_dir / "checkpoints" / "step-00000003"
-    run_training(_base(MIXTRAL, data_cache) + FOUR + ["parallel.ep=4", "parallel.zero_stage=1", f"checkpoint.resume={ckpt}"],
-                 tmp_path / "run", STEPS)
+    run_training(
+        _base(MIXTRAL, data_cache) + FOUR + ["parallel.ep=4", "parallel.zero_stage=1", f"checkpoint.resume={ckpt}"],
+        tmp_path / "run",
+        STEPS,
+    )
     straight, resumed = _steps(mixtral_ep2.run_dir), _steps(tmp_path / "run")
     assert sorted(resumed) == [4, 5]
     for i in (0, 1):
@@ -199,13 +222,22 @@ def test_export_of_an_ep_checkpoint_is_the_full_hf_model(mixtral_ep2, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf"), local_files_only=True)
     run = load_resolved(mixtral_ep2.run_dir / "config.yaml")
     model = materialize(build_meta_model(run.model), run.model, 0, "cpu")
-    load_checkpoint(ckpt, [model], make_adamw(param_groups(model, run.optim.weight_decay), run.optim), {"model": model_record(run.model)})
+    load_checkpoint(
+        ckpt,
+        [model],
+        make_adamw(param_groups(model, run.optim.weight_decay), run.optim),
+        {"model": model_record(run.model)},
+    )
     for name, value in model.state_dict().items():
         if ".experts." in name:
             assert value.shape[0] == 4 and torch.equal(hf.state_dict()[name], value), name
 
 
-MESH_LAYOUTS = [{"dp": 4, "ep": 2}, {"dp": 2, "tp": 2, "ep": 2}, {"dp": 2, "sp": 2, "ep": 4, "order": ("tp", "dp", "sp", "pp")}]
+MESH_LAYOUTS = [
+    {"dp": 4, "ep": 2},
+    {"dp": 2, "tp": 2, "ep": 2},
+    {"dp": 2, "sp": 2, "ep": 4, "order": ("tp", "dp", "sp", "pp")},
+]
 
 
 def _mesh_groups(rank, world):
@@ -244,12 +276,21 @@ def _tiny_moe(family: str, layers: int):
 
     from partrain.models.adapters import MIXTRAL, QWEN2_MOE
 
-    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    kw = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+    }
     if family == "mixtral":
         return MixtralForCausalLM(MixtralConfig(**kw, num_local_experts=4)), MIXTRAL
     if family == "qwen2_moe":
-        return Qwen2MoeForCausalLM(Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)), QWEN2_MOE
+        return Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+        ), QWEN2_MOE
     # Qwen3-MoE (no partrain model config yet): Qwen2-MoE's paths without the shared expert; the
     # experts are found through transformers' base_model_ep_plan.
     qwen3 = dataclasses.replace(QWEN2_MOE, family="qwen3_moe", archs=("qwen3_moe",), shared_expert_attr=None)

@@ -38,11 +38,20 @@ def test_worked_example_of_the_brief():
     assert [layout.node_of(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("cluster", [["cluster.devices_per_node=16"], ["cluster.nodes=2", "cluster.devices_per_node=8"]],
-                         ids=["1x16", "2x8"])
+@pytest.mark.parametrize(
+    "cluster", [["cluster.devices_per_node=16"], ["cluster.nodes=2", "cluster.devices_per_node=8"]], ids=["1x16", "2x8"]
+)
 def test_worked_example_through_plan_json(run_partrain, cluster):
-    ran = run_partrain("plan", "recipe=gpt-3d", *cluster, "parallel.tp=2", "parallel.pp=2", "parallel.dp=4",
-                       "train.global_batch_size=16", "--json")
+    ran = run_partrain(
+        "plan",
+        "recipe=gpt-3d",
+        *cluster,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.dp=4",
+        "train.global_batch_size=16",
+        "--json",
+    )
     assert ran.code == 0, ran.stderr
     report = json.loads(ran.stdout)
     assert report["world_size"] == 16 and report["degrees"] == {"dp": 4, "tp": 2, "pp": 2, "ep": 1, "sp": 1}
@@ -59,8 +68,10 @@ def test_default_order_formula_of_the_brief():
         assert rank == c["tp"] + 2 * (c["sp"] + 3 * (c["dp"] + 2 * c["pp"]))
 
 
-@pytest.mark.parametrize("kwargs", [dict(tp=0), dict(dp=2, ep=3), dict(dp=4, dp_shard=3), dict(order=("tp", "dp", "pp")),
-                                    dict(devices_per_node=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(tp=0), dict(dp=2, ep=3), dict(dp=4, dp_shard=3), dict(order=("tp", "dp", "pp")), dict(devices_per_node=0)],
+)
 def test_layout_refuses_inconsistent_degrees(kwargs):
     with pytest.raises(ValueError):
         Layout(**kwargs)
@@ -76,20 +87,37 @@ def test_resolve_and_factorizations():
 
 # --- properties ---------------------------------------------------------------------------------
 
+
 @st.composite
 def layouts(draw):
     tp, dp = draw(st.sampled_from([1, 2, 3, 4, 6])), draw(st.sampled_from([1, 2, 3, 4, 6]))
     sp, pp = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 4]))
     world = tp * sp * dp * pp
-    return Layout(tp=tp, sp=sp, dp=dp, pp=pp, ep=draw(st.sampled_from(divisors(dp * sp))), dp_shard=draw(st.sampled_from(divisors(dp))),
-                  order=tuple(draw(st.permutations(AXES))),
-                  devices_per_node=draw(st.one_of(st.sampled_from(divisors(world)), st.integers(1, 16))))
+    return Layout(
+        tp=tp,
+        sp=sp,
+        dp=dp,
+        pp=pp,
+        ep=draw(st.sampled_from(divisors(dp * sp))),
+        dp_shard=draw(st.sampled_from(divisors(dp))),
+        order=tuple(draw(st.permutations(AXES))),
+        devices_per_node=draw(st.one_of(st.sampled_from(divisors(world)), st.integers(1, 16))),
+    )
 
 
 def _sizes(layout: Layout) -> dict:
     dp_sp = layout.dp * layout.sp
-    return {"tp": layout.tp, "sp": layout.sp, "dp": layout.dp, "pp": layout.pp, "ep": layout.ep, "dp_sp": dp_sp,
-            "edp": dp_sp // layout.ep, "dp_shard": layout.dp_shard, "dp_replicate": layout.dp // layout.dp_shard}
+    return {
+        "tp": layout.tp,
+        "sp": layout.sp,
+        "dp": layout.dp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "dp_sp": dp_sp,
+        "edp": dp_sp // layout.ep,
+        "dp_shard": layout.dp_shard,
+        "dp_replicate": layout.dp // layout.dp_shard,
+    }
 
 
 @settings(max_examples=150, deadline=None)
@@ -113,7 +141,9 @@ def test_members_of_an_axis_group_differ_only_on_that_axis_in_order(layout):
         for g in layout.groups(axis):
             coords = [layout.base_coords(r) for r in g]
             assert [c[axis] for c in coords] == list(range(getattr(layout, axis)))
-            assert all({a: c[a] for a in AXES if a != axis} == {a: coords[0][a] for a in AXES if a != axis} for c in coords)
+            assert all(
+                {a: c[a] for a in AXES if a != axis} == {a: coords[0][a] for a in AXES if a != axis} for c in coords
+            )
 
 
 @settings(max_examples=150, deadline=None)
@@ -146,7 +176,15 @@ def test_derived_groups_are_carved_out_of_their_parents(layout):
 @given(layouts(), st.data())
 def test_tp_groups_stay_inside_a_node_when_tp_is_fastest(layout, data):
     devices = data.draw(st.sampled_from([layout.tp * k for k in (1, 2, 3)]))
-    layout = Layout(tp=layout.tp, sp=layout.sp, dp=layout.dp, pp=layout.pp, ep=layout.ep, dp_shard=layout.dp_shard,
-                    order=("tp",) + tuple(a for a in layout.order if a != "tp"), devices_per_node=devices)
+    layout = Layout(
+        tp=layout.tp,
+        sp=layout.sp,
+        dp=layout.dp,
+        pp=layout.pp,
+        ep=layout.ep,
+        dp_shard=layout.dp_shard,
+        order=("tp",) + tuple(a for a in layout.order if a != "tp"),
+        devices_per_node=devices,
+    )
     for g in layout.groups("tp"):
         assert len({layout.node_of(r) for r in g}) == 1

@@ -23,8 +23,15 @@ from partrain.testing.parity import check_parity, reference_overrides, run_train
 from partrain.train.loss_scale import DynamicLossScale
 
 RTOL = {"fp16": 1e-3, "bf16": 2e-3}
-BASE = ["recipe=gpt-dp", "train.global_batch_size=16", "train.micro_batch_size=2", "train.seq_len=64",
-        "data.max_bytes=1000000", "train.precision=fp16", "train.eval_every=0"]
+BASE = [
+    "recipe=gpt-dp",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "data.max_bytes=1000000",
+    "train.precision=fp16",
+    "train.eval_every=0",
+]
 DP2_ZERO3 = ["parallel.dp=2", "cluster.devices_per_node=2", "parallel.zero_stage=3"]
 
 
@@ -72,13 +79,29 @@ def data_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, precision, layout", [
-    ("fsdp-dp2-zero3-fp16", "fp16", BASE + DP2_ZERO3),
-    ("fsdp-dp2-zero3-bf16", "bf16", BASE + DP2_ZERO3 + ["train.precision=bf16"]),
-    # The pipeline scales its loss inside the schedule: pp2 on 2 processes covers that path.
-    ("pp2-1f1b-fp16", "fp16", ["recipe=gpt-3d", "parallel.dp=1", "parallel.tp=1", "parallel.pp=2", "cluster.devices_per_node=2",
-                               "train.precision=fp16", "train.seq_len=64", "data.max_bytes=1000000", "train.eval_every=0"]),
-])
+@pytest.mark.parametrize(
+    "name, precision, layout",
+    [
+        ("fsdp-dp2-zero3-fp16", "fp16", BASE + DP2_ZERO3),
+        ("fsdp-dp2-zero3-bf16", "bf16", BASE + DP2_ZERO3 + ["train.precision=bf16"]),
+        # The pipeline scales its loss inside the schedule: pp2 on 2 processes covers that path.
+        (
+            "pp2-1f1b-fp16",
+            "fp16",
+            [
+                "recipe=gpt-3d",
+                "parallel.dp=1",
+                "parallel.tp=1",
+                "parallel.pp=2",
+                "cluster.devices_per_node=2",
+                "train.precision=fp16",
+                "train.seq_len=64",
+                "data.max_bytes=1000000",
+                "train.eval_every=0",
+            ],
+        ),
+    ],
+)
 def test_16_bit_layouts_match_the_one_process_run(name, precision, layout, tmp_path, data_cache):
     overrides = layout + [f"data.cache_dir={data_cache}"]
     reference = run_training(reference_overrides(overrides), tmp_path / "ref", 4)
@@ -124,12 +147,18 @@ def _fsdp_dtypes(rank: int, world: int, precision: str) -> dict:
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
     forward_loss(dp.module, x, x).backward()
     p = model.transformer.h[0].attn.c_attn.weight
-    return {"compute": seen["compute"], "param": str(p.dtype), "grad": str(p.grad.dtype),
-            "grad_placements": str(p.grad.placements)}
+    return {
+        "compute": seen["compute"],
+        "param": str(p.dtype),
+        "grad": str(p.grad.dtype),
+        "grad_placements": str(p.grad.placements),
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, compute", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"), ("fp32", "torch.float32")])
+@pytest.mark.parametrize(
+    "precision, compute", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"), ("fp32", "torch.float32")]
+)
 def test_fsdp_computes_in_16_bits_and_keeps_fp32_shards(precision, compute, tmp_path):
     from partrain.testing.multiproc import run_spawned
 
@@ -141,8 +170,9 @@ def test_fsdp_computes_in_16_bits_and_keeps_fp32_shards(precision, compute, tmp_
 
 @pytest.mark.slow
 def test_overflowing_steps_are_skipped_everywhere_and_the_scale_survives_a_checkpoint(tmp_path, data_cache):
-    overrides = BASE + DP2_ZERO3 + [f"data.cache_dir={data_cache}", "train.loss_scale_init=4194304",
-                                    "checkpoint.every_steps=4"]
+    overrides = (
+        BASE + DP2_ZERO3 + [f"data.cache_dir={data_cache}", "train.loss_scale_init=4194304", "checkpoint.every_steps=4"]
+    )
     first = tmp_path / "first"
     run_training(overrides, first, 8)
     records = _records(first)

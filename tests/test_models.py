@@ -28,18 +28,41 @@ from partrain.models.random_init import name_seed
 from partrain.runtime.lifecycle import joined_group, leave
 
 VOCAB = 256
-_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+_LLAMA_LIKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 TINY = {
     # dropout off so forward passes are comparable; bos/eos inside the tiny vocabulary
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=0, eos_token_id=0,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2": dict(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
     "llama": _LLAMA_LIKE,  # GQA: 2 KV heads for 4 query heads
     "qwen2": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "mixtral": dict(_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(_LLAMA_LIKE, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-                      num_experts_per_tok=2, mlp_only_layers=[1]),  # layer 1 has a dense MLP
+    "qwen2_moe": dict(
+        _LLAMA_LIKE,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    ),  # layer 1 has a dense MLP
 }
 ARCHS = list(TINY)
 
@@ -78,6 +101,7 @@ def assert_same_tensors(a, b):
 
 # ---- config and build ----------------------------------------------------------------------------
 
+
 def test_hf_config_training_defaults():
     config = hf_config(tiny("llama"))
     assert config.use_cache is False
@@ -87,11 +111,14 @@ def test_hf_config_training_defaults():
     assert eager._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("cfg, key", [
-    (ModelConfig(arch="llamma", config={}), "model.arch"),
-    (ModelConfig(arch="llama", config={**_LLAMA_LIKE, "hiden_size": 32}), "model.config.hiden_size"),
-    (ModelConfig(arch="llama", config={**_LLAMA_LIKE, "use_cache": True}), "model.config.use_cache"),
-])
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        (ModelConfig(arch="llamma", config={}), "model.arch"),
+        (ModelConfig(arch="llama", config={**_LLAMA_LIKE, "hiden_size": 32}), "model.config.hiden_size"),
+        (ModelConfig(arch="llama", config={**_LLAMA_LIKE, "use_cache": True}), "model.config.use_cache"),
+    ],
+)
 def test_hf_config_errors(cfg, key):
     with pytest.raises(ConfigError) as err:
         hf_config(cfg)
@@ -116,6 +143,7 @@ def test_meta_build_allocates_nothing(arch):
 
 
 # ---- materialize ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_materialize_gives_a_working_model(arch):
@@ -190,6 +218,7 @@ def test_name_seed_is_stable():
 
 # ---- pretrained ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pretrained_round_trip(arch, tmp_path):
     source = built(tiny(arch), seed=11)
@@ -210,8 +239,9 @@ def test_pretrained_hub_style_gpt2_in_bf16(tmp_path):
 
     source = built(tiny("gpt2"), seed=2)
     source.config.save_pretrained(tmp_path)
-    tensors = {n.removeprefix("transformer."): p.detach().to(torch.bfloat16).contiguous()
-               for n, p in source.named_parameters()}  # lm_head is wte: listed once
+    tensors = {
+        n.removeprefix("transformer."): p.detach().to(torch.bfloat16).contiguous() for n, p in source.named_parameters()
+    }  # lm_head is wte: listed once
     save_file(tensors, tmp_path / "model.safetensors")
     model_cfg = ModelConfig(arch="gpt2", pretrained=str(tmp_path))
     loaded = materialize(build_meta_model(model_cfg), model_cfg, seed=0, device="cpu")
@@ -230,6 +260,7 @@ def test_pretrained_shape_mismatch_is_a_config_error(tmp_path):
 
 
 # ---- adapters ------------------------------------------------------------------------------------
+
 
 def test_every_supported_arch_has_an_adapter():
     assert set(ADAPTERS) == set(SUPPORTED_ARCHS)
@@ -269,6 +300,7 @@ def test_adapter_paths_resolve(arch):
 
 # ---- loss ----------------------------------------------------------------------------------------
 
+
 def test_forward_loss_does_not_shift_again():
     model = built(tiny("llama")).eval()
     ids = batch(1)
@@ -278,8 +310,12 @@ def test_forward_loss_does_not_shift_again():
     labels = shifted(ids)
     labels[0] = IGNORE_INDEX  # ignored rows do not count
     logits = model(input_ids=ids[1:]).logits
-    torch.testing.assert_close(forward_loss(model, ids, labels),
-                               F.cross_entropy(logits.flatten(0, 1), labels[1:].flatten()), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        forward_loss(model, ids, labels),
+        F.cross_entropy(logits.flatten(0, 1), labels[1:].flatten()),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 # ---- two processes: FSDP2 and tensor parallel ----------------------------------------------------
@@ -305,11 +341,19 @@ def _shard(model, mesh, how):
     adapter = get_adapter(model)
     if how == "tp":
         for layer in adapter.layers(model):
-            parallelize_module(layer, mesh, {
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()})
+            parallelize_module(
+                layer,
+                mesh,
+                {
+                    "self_attn.q_proj": ColwiseParallel(),
+                    "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(),
+                    "self_attn.o_proj": RowwiseParallel(),
+                    "mlp.gate_proj": ColwiseParallel(),
+                    "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(),
+                },
+            )
         return
     for layer in adapter.layers(model):
         fully_shard(layer, mesh=mesh)
@@ -337,13 +381,20 @@ def _worker(rank: int, world: int, folder: str, pretrained: str) -> None:
                 materialize(model, model_cfg, seed=SEED, device="cpu")
                 params = dict(model.named_parameters())
                 local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params.values())
-                full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous() for n, p in params.items()}
+                full = {
+                    n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
+                    for n, p in params.items()
+                }
                 save_file(full, os.path.join(folder, f"{case}.rank{rank}.safetensors"))
                 loss = forward_loss(model.eval(), batch(), shifted(batch()))
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-                report[case] = {"local_numel": local, "total_numel": sum(p.numel() for p in params.values()),
-                                "loss": loss.item(), "tied": bool(getattr(model.config, "tie_word_embeddings", False))
-                                and model.lm_head.weight is model.transformer.wte.weight}
+                report[case] = {
+                    "local_numel": local,
+                    "total_numel": sum(p.numel() for p in params.values()),
+                    "loss": loss.item(),
+                    "tied": bool(getattr(model.config, "tie_word_embeddings", False))
+                    and model.lm_head.weight is model.transformer.wte.weight,
+                }
             Path(folder, f"report.rank{rank}.json").write_text(json.dumps(report))
     except BaseException:
         traceback.print_exc()

@@ -33,7 +33,21 @@ def installed(tmp_path_factory):
     """(venv folder, environment) of a scratch venv holding the wheel built from this checkout."""
     base = tmp_path_factory.mktemp("packaging")
     dist, venv = base / "dist", base / "venv"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", dist, REPO])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            dist,
+            REPO,
+        ]
+    )
     wheel = next(dist.glob("partrain-*.whl"))
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"

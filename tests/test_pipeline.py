@@ -42,10 +42,29 @@ from partrain.runtime.lifecycle import finish_group, leave
 SEED = 3
 BATCH, SEQ, MICRO, STEPS, LR = 8, 16, 4, 3, 1e-3
 MODELS = {
-    "gpt2": dict(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-    "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False),
+    "gpt2": dict(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "llama": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    ),
 }
 # (schedule, pp, v) per world size; every model runs every entry.
 RUNS = {
@@ -54,12 +73,17 @@ RUNS = {
 }
 EXTRA = {2: [("llama", "looped-bfs", 2, 2), ("llama", "dualpipev", 2, 2)]}
 # pp=2 x dp=2 in the 4-process launch: (model, schedule, v, how the data-parallel side is done).
-DP_RUNS = [("gpt2", "zbv", 2, "fsdp"), ("llama", "interleaved-1f1b", 2, "fsdp"), ("llama", "zbv", 2, "dp_group"),
-           ("gpt2", "1f1b", 1, "ddp")]
+DP_RUNS = [
+    ("gpt2", "zbv", 2, "fsdp"),
+    ("llama", "interleaved-1f1b", 2, "fsdp"),
+    ("llama", "zbv", 2, "dp_group"),
+    ("gpt2", "1f1b", 1, "ddp"),
+]
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4
 
 
 # ---- fast, single-process -------------------------------------------------------------------------
+
 
 def test_split_layers_balances_costs():
     assert [len(r) for r in split_layers(8, 4)] == [2, 2, 2, 2]
@@ -85,8 +109,10 @@ def test_split_layers_minimises_the_slowest_chunk():
         layer = [rng.choice([1, 1, 1, 2, 0.5]) for _ in range(n)]
 
         def chunk_costs(bounds):
-            return [sum(layer[a:b]) + (embed if j == 0 else 0) + (head if j == k - 1 else 0)
-                    for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+            return [
+                sum(layer[a:b]) + (embed if j == 0 else 0) + (head if j == k - 1 else 0)
+                for j, (a, b) in enumerate(zip(bounds, bounds[1:]))
+            ]
 
         best = min(max(chunk_costs([0, *cuts, n])) for cuts in itertools.combinations(range(1, n), k - 1))
         ranges = split_layers(n, k, embed_cost=embed, head_cost=head, layer_cost=layer)
@@ -106,8 +132,17 @@ def test_chunk_costs_from_facts():
     from partrain.blueprint.model_facts import model_facts
     from partrain.blueprint.stage_split import chunk_costs, plan_chunks
 
-    facts = model_facts("llama", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})
+    facts = model_facts(
+        "llama",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+        },
+    )
     costs = chunk_costs(facts, seq_len=0)
     assert costs.layer == 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q, o + k, v + SwiGLU
     assert 2.3 < costs.head / costs.layer < 2.5  # Llama-3 8B's head ~ 2.4 layers
@@ -153,12 +188,37 @@ def _model_cfg(arch: str, **extra):
 CHAIN_CASES = {
     "gpt2": ("gpt2", {}),
     "llama": ("llama", {}),
-    "mixtral": ("mixtral", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                sliding_window=None, bos_token_id=0, eos_token_id=0)),
-    "mistral-window-eager": ("mistral", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
-                                             attn_implementation="eager", bos_token_id=0, eos_token_id=0)),
+    "mixtral": (
+        "mixtral",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "mistral-window-eager": (
+        "mistral",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=6,
+            attn_implementation="eager",
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
 }
 
 
@@ -218,6 +278,7 @@ def test_saved_activation_bytes_counts_activations_not_params():
 
 # ---- multi-process parity -------------------------------------------------------------------------
 
+
 def make_batch(step: int):
     import torch
 
@@ -249,8 +310,11 @@ def reference_run(arch: str):
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         opt.step()
         losses.append(total / MICRO)
-    return {"losses": losses, "grad_norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _worker(out_dir: str, store: str) -> None:
@@ -262,8 +326,9 @@ def _worker(out_dir: str, store: str) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     results: dict = {}
     code = 0
     try:
@@ -278,11 +343,21 @@ def _worker(out_dir: str, store: str) -> None:
             mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
             for arch, schedule, v, wrap in DP_RUNS:
                 results[f"{arch}-{schedule}-pp2-dp2-{wrap}"] = _worker_run(
-                    arch, schedule, 2, v, mesh2d["pp"], mesh2d["pp"].get_local_rank(), None, dp_mesh=mesh2d["dp"], wrap=wrap)
+                    arch,
+                    schedule,
+                    2,
+                    v,
+                    mesh2d["pp"],
+                    mesh2d["pp"].get_local_rank(),
+                    None,
+                    dp_mesh=mesh2d["dp"],
+                    wrap=wrap,
+                )
         if world == 2:
             for schedule in ("gpipe", "1f1b"):
-                results[f"saved-{schedule}"] = _worker_run("llama", schedule, 2, 1, mesh["pp"], rank, None,
-                                                           steps=1, saved=True)
+                results[f"saved-{schedule}"] = _worker_run(
+                    "llama", schedule, 2, 1, mesh["pp"], rank, None, steps=1, saved=True
+                )
     except BaseException as exc:  # report, then leave: the other ranks' collectives time out
         import traceback
 
@@ -331,16 +406,26 @@ def _worker_run(arch, schedule, pp, v, pp_mesh, rank, params_path, steps=STEPS, 
             stage = torch.nn.parallel.DistributedDataParallel(stage, process_group=dp_mesh.get_group())
         stages.append(stage)
     micro = MICRO // dp  # the same microbatches as the reference, dealt out over dp
-    runner = PipelineRunner(stages, chunks, n_chunks, pp_mesh, schedule, micro, token_loss, "cpu",
-                            microbatch_size=BATCH // MICRO, seq_len=SEQ,
-                            dp_group=dp_mesh if wrap == "dp_group" else None)
+    runner = PipelineRunner(
+        stages,
+        chunks,
+        n_chunks,
+        pp_mesh,
+        schedule,
+        micro,
+        token_loss,
+        "cpu",
+        microbatch_size=BATCH // MICRO,
+        seq_len=SEQ,
+        dp_group=dp_mesh if wrap == "dp_group" else None,
+    )
     params = [p for s in stages for p in s.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, foreach=False)
     out = {"losses": [], "grad_norms": [], "timings": [], "chunks": chunks}
 
     def local_rows(x, y):
         rows = BATCH // dp
-        return x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
 
     def mean_loss(value):
         t = torch.tensor([runner.broadcast_loss(value)])
@@ -363,8 +448,10 @@ def _worker_run(arch, schedule, pp, v, pp_mesh, rank, params_path, steps=STEPS, 
         out["losses"].append(mean_loss(loss))
         out["timings"].append(runner.last_timing.to_json())
     if params_path is not None:
-        torch.save({f"{c}:{n}": p.detach().clone() for c, s in zip(chunks, stages) for n, p in s.named_parameters()},
-                   params_path)
+        torch.save(
+            {f"{c}:{n}": p.detach().clone() for c, s in zip(chunks, stages) for n, p in s.named_parameters()},
+            params_path,
+        )
         out["params_file"] = str(params_path)
     return out
 
@@ -378,8 +465,14 @@ def launch(world: int, out_dir: Path, timeout_s: float = 400.0, mode: str = "wor
         env = dict(env_base, RANK=str(rank), WORLD_SIZE=str(world))
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(out_dir), str(store)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, mode, str(out_dir), str(store)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     deadline = time.time() + timeout_s
     failed = None
     while time.time() < deadline:
@@ -403,8 +496,7 @@ def launch(world: int, out_dir: Path, timeout_s: float = 400.0, mode: str = "wor
     errors = [r.get("error") for r in results if r.get("error")]
     if failed is not None or errors or any(not r for r in results):
         tails = "\n".join((out_dir / f"rank{r}.log").read_text()[-3000:] for r in range(world))
-        raise RuntimeError(f"pipeline workers failed (exit codes {[p.returncode for p in procs]}):\n"
-                           f"{errors}\n{tails}")
+        raise RuntimeError(f"pipeline workers failed (exit codes {[p.returncode for p in procs]}):\n{errors}\n{tails}")
     return results
 
 
@@ -431,8 +523,9 @@ CASES += [(arch, f"{schedule}-pp2-dp2-{wrap}", None, 4) for arch, schedule, _, w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,schedule,pp,world", CASES,
-                         ids=[f"{a}-{s}" + (f"-pp{p}" if p else "") for a, s, p, _ in CASES])
+@pytest.mark.parametrize(
+    "arch,schedule,pp,world", CASES, ids=[f"{a}-{s}" + (f"-pp{p}" if p else "") for a, s, p, _ in CASES]
+)
 def test_pipeline_matches_single_process(arch, schedule, pp, world, references, launches):
     """pp alone (2 and 4 ranks), and pp=2 x dp=2 with FSDP2, DDP or the runner's dp_group all-reduce."""
     import torch
@@ -461,8 +554,12 @@ def test_pipeline_matches_single_process(arch, schedule, pp, world, references, 
             assert diff <= PARAM_ATOL, f"{name} on rank {rank} differs by {diff:.2e}"
     assert seen == set(ref["params"])  # every parameter lives on some stage
     if arch == "gpt2":  # the tied weight has two copies (first and last chunk) and they agree
-        copies = [v for res in results for n, v in torch.load(res[key]["params_file"]).items()
-                  if n.endswith("transformer.wte.weight")]
+        copies = [
+            v
+            for res in results
+            for n, v in torch.load(res[key]["params_file"]).items()
+            if n.endswith("transformer.wte.weight")
+        ]
         assert len(copies) == 2 and torch.equal(copies[0], copies[1])
 
 
@@ -477,11 +574,27 @@ def test_one_f_one_b_holds_fewer_activations_than_gpipe(launches):
 
 # ---- bubble measurement (not a test: `python tests/test_pipeline.py bubble`) ------------------------
 
-BUBBLE_MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=4, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+BUBBLE_MODEL = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    bos_token_id=0,
+    eos_token_id=0,
+    tie_word_embeddings=False,
+)
 BUBBLE_SHAPE = dict(microbatch=2, seq=128, microbatches=8, warmup=2, steps=5)
-BUBBLE_RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2), ("interleaved-zero-bubble", 2),
-               ("zbv", 2), ("dualpipev", 2)]
+BUBBLE_RUNS = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("looped-bfs", 2),
+    ("interleaved-zero-bubble", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 def _bubble_worker(out_dir: str, store: str) -> None:
@@ -501,8 +614,9 @@ def _bubble_worker(out_dir: str, store: str) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     cfg = ModelConfig(arch="llama", config=BUBBLE_MODEL)
     shape = BUBBLE_SHAPE
     m, b = shape["microbatches"], shape["microbatch"]
@@ -513,10 +627,22 @@ def _bubble_worker(out_dir: str, store: str) -> None:
             n_chunks = world * v
             ranges = split_layers(BUBBLE_MODEL["num_hidden_layers"], n_chunks)
             chunks = chunk_placement(world, v, SCHEDULE_STYLE[schedule])[rank]
-            stages = [materialize(build_stage_module(meta, get_adapter(meta), c, n_chunks, ranges[c]), cfg, SEED, "cpu")
-                      for c in chunks]
-            runner = PipelineRunner(stages, chunks, n_chunks, dist.group.WORLD, schedule, m, token_loss, "cpu",
-                                    microbatch_size=b, seq_len=shape["seq"])
+            stages = [
+                materialize(build_stage_module(meta, get_adapter(meta), c, n_chunks, ranges[c]), cfg, SEED, "cpu")
+                for c in chunks
+            ]
+            runner = PipelineRunner(
+                stages,
+                chunks,
+                n_chunks,
+                dist.group.WORLD,
+                schedule,
+                m,
+                token_loss,
+                "cpu",
+                microbatch_size=b,
+                seq_len=shape["seq"],
+            )
             ids = torch.randint(0, 256, (m * b, shape["seq"] + 1), generator=torch.Generator().manual_seed(0))
             x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
             timings = []
@@ -527,8 +653,9 @@ def _bubble_worker(out_dir: str, store: str) -> None:
                 runner.step(x, y)
                 if step >= shape["warmup"]:
                     timings.append(runner.last_timing.to_json())
-            results[schedule] = {k: statistics.median(t[k] for t in timings)
-                                 for k in ("wall_s", "busy_s", "idle_s", "bubble_fraction")}
+            results[schedule] = {
+                k: statistics.median(t[k] for t in timings) for k in ("wall_s", "busy_s", "idle_s", "bubble_fraction")
+            }
     except BaseException as exc:
         import traceback
 
@@ -544,9 +671,11 @@ def bubble_report(world: int = 2) -> str:
 
     res = launch(world, Path(tempfile.mkdtemp(prefix="pp-bubble-")), timeout_s=590, mode="bubble")
     m = BUBBLE_SHAPE["microbatches"]
-    lines = [f"pp={world}, m={m}, llama h=256 8 layers, microbatch {BUBBLE_SHAPE['microbatch']}x{BUBBLE_SHAPE['seq']}, "
-             f"1 thread/process; medians of {BUBBLE_SHAPE['steps']} steps",
-             f"{'schedule':24s} {'wall ms':>8s} {'measured idle share per rank':>30s} {'simulated':>9s} {'formula':>8s}"]
+    lines = [
+        f"pp={world}, m={m}, llama h=256 8 layers, microbatch {BUBBLE_SHAPE['microbatch']}x{BUBBLE_SHAPE['seq']}, "
+        f"1 thread/process; medians of {BUBBLE_SHAPE['steps']} steps",
+        f"{'schedule':24s} {'wall ms':>8s} {'measured idle share per rank':>30s} {'simulated':>9s} {'formula':>8s}",
+    ]
     for schedule, v in BUBBLE_RUNS:
         wall = max(r[schedule]["wall_s"] for r in res)
         idle = " ".join(f"{r[schedule]['bubble_fraction']:.3f}" for r in res)

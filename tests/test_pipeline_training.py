@@ -12,17 +12,29 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
 GPT_PP = ["recipe=gpt-3d", "parallel.dp=1", "parallel.tp=1", "train.micro_batch_size=2", "train.global_batch_size=8"]
-LLAMA_PP = ["recipe=llama-fsdp-tp", "parallel.dp=1", "parallel.tp=1", "parallel.zero_stage=0", "parallel.tp_sequence_parallel=false",
-            "train.micro_batch_size=1", "train.global_batch_size=8"]
+LLAMA_PP = [
+    "recipe=llama-fsdp-tp",
+    "parallel.dp=1",
+    "parallel.tp=1",
+    "parallel.zero_stage=0",
+    "parallel.tp_sequence_parallel=false",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=8",
+]
 
 LAYOUTS = {
     "gpt2-3d-dp2-tp2-pp2-1f1b": ["recipe=gpt-3d"],
     "gpt2-3d-fsdp": ["recipe=gpt-3d", "parallel.zero_stage=3"],
     "gpt2-pp4-gpipe": GPT_PP + ["parallel.pp=4", "parallel.pp_schedule=gpipe", "cluster.devices_per_node=4"],
-    "llama-pp2-interleaved-v2": LLAMA_PP + ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2",
-                                            "cluster.devices_per_node=2"],
-    "llama-pp2-zbv": LLAMA_PP + ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
-                                 "cluster.devices_per_node=2"],
+    "llama-pp2-interleaved-v2": LLAMA_PP
+    + [
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved-1f1b",
+        "parallel.pp_virtual_stages=2",
+        "cluster.devices_per_node=2",
+    ],
+    "llama-pp2-zbv": LLAMA_PP
+    + ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2", "cluster.devices_per_node=2"],
 }
 
 
@@ -41,6 +53,7 @@ def references(tmp_path_factory, data_cache):
             base = list(key) + COMMON + [f"data.cache_dir={data_cache}"]
             cache[key] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
         return cache[key]
+
     return get
 
 

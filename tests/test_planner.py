@@ -96,7 +96,9 @@ def test_qwen2_moe_dense_layers_are_counted_from_the_hf_config():
     from partrain.models.build import build_meta_model
 
     cfg = _model_cfg(str(ROOT / "conf" / "model" / "qwen2-moe-tiny.yaml"))
-    cfg = dataclasses.replace(cfg, config={**cfg.config, "num_hidden_layers": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1})
+    cfg = dataclasses.replace(
+        cfg, config={**cfg.config, "num_hidden_layers": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1}
+    )
     facts = model_facts(cfg.arch, cfg.config)
     extras = model_extras(cfg.arch, cfg.config, None, facts)
     real = [(n, tuple(p.shape)) for n, p in build_meta_model(cfg).named_parameters()]
@@ -108,10 +110,18 @@ def test_qwen2_moe_dense_layers_are_counted_from_the_hf_config():
 # Figure 1: Psi = 7.5B, N_d = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 10**9 bytes).
 # Table 1 (recalled): per-device GB for DP degree 1/4/16/64/256/1024 and 7.5B / 128B / 1T parameters.
 ZERO_TABLE1 = {
-    (7.5e9, 1): (120, 120, 120), (7.5e9, 4): (52.5, 41.3, 30), (7.5e9, 16): (35.6, 21.6, 7.5), (7.5e9, 64): (31.4, 16.6, 1.88),
-    (7.5e9, 256): (30.4, 15.4, 0.47), (7.5e9, 1024): (30.1, 15.1, 0.12),
-    (128e9, 1): (2048, 2048, 2048), (128e9, 64): (536, 284, 32), (128e9, 1024): (513, 257, 2),
-    (1e12, 1): (16000, 16000, 16000), (1e12, 64): (4187, 2218, 250), (1e12, 1024): (4011, 2013, 15.6),
+    (7.5e9, 1): (120, 120, 120),
+    (7.5e9, 4): (52.5, 41.3, 30),
+    (7.5e9, 16): (35.6, 21.6, 7.5),
+    (7.5e9, 64): (31.4, 16.6, 1.88),
+    (7.5e9, 256): (30.4, 15.4, 0.47),
+    (7.5e9, 1024): (30.1, 15.1, 0.12),
+    (128e9, 1): (2048, 2048, 2048),
+    (128e9, 64): (536, 284, 32),
+    (128e9, 1024): (513, 257, 2),
+    (1e12, 1): (16000, 16000, 16000),
+    (1e12, 64): (4187, 2218, 250),
+    (1e12, 1024): (4011, 2013, 15.6),
 }
 
 
@@ -119,7 +129,7 @@ def _printed_tolerance(value: float) -> float:
     """Relative half-unit of the last printed digit, at least 1% (1.9 stands for 1.85 .. 1.95)."""
     text = f"{value}"
     decimals = len(text.split(".")[1]) if "." in text else 0
-    return max(0.01, 0.5 * 10 ** -decimals / value)
+    return max(0.01, 0.5 * 10**-decimals / value)
 
 
 def test_zero_figure1_numbers():
@@ -132,21 +142,72 @@ def test_zero_figure1_numbers():
 @pytest.mark.parametrize("psi,nd", sorted(ZERO_TABLE1))
 def test_zero_table1_numbers(psi, nd):
     for stage, published in zip((1, 2, 3), ZERO_TABLE1[(psi, nd)]):
-        assert zero_model_state_bytes(psi, nd, stage) / GB == pytest.approx(published, rel=_printed_tolerance(published))
+        assert zero_model_state_bytes(psi, nd, stage) / GB == pytest.approx(
+            published, rel=_printed_tolerance(published)
+        )
 
 
-def _gpt_run(h: int, a: int, layers: int, gpus: int, batch: int, tp: int = 1, pp: int = 1, zero: int = 0, recompute: str = "full",
-             schedule: str = "1f1b", v: int = 1, micro: int = 1, peak: float = 312.0, intra: float = 300.0, inter: float = 25.0,
-             memory: float = 80.0, devices_per_node: int = 8, precision: str = "bf16") -> RunConfig:
+def _gpt_run(
+    h: int,
+    a: int,
+    layers: int,
+    gpus: int,
+    batch: int,
+    tp: int = 1,
+    pp: int = 1,
+    zero: int = 0,
+    recompute: str = "full",
+    schedule: str = "1f1b",
+    v: int = 1,
+    micro: int = 1,
+    peak: float = 312.0,
+    intra: float = 300.0,
+    inter: float = 25.0,
+    memory: float = 80.0,
+    devices_per_node: int = 8,
+    precision: str = "bf16",
+) -> RunConfig:
     """A Narayanan et al. style GPT (vocab 51200, sequence 2048) on an A100 cluster (Selene)."""
-    model = ModelConfig(arch="gpt2", name=f"gpt-h{h}", config=dict(vocab_size=51200, n_positions=2048, n_embd=h, n_layer=layers, n_head=a,
-                                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    cluster = ClusterConfig(name="a100", nodes=max(1, gpus // devices_per_node), devices_per_node=min(gpus, devices_per_node),
-                            device="cuda", backend="nccl", device_memory_gib=memory, peak_tflops=peak, intra_node_gbps=intra,
-                            inter_node_gbps=inter)
-    par = ParallelConfig(dp=gpus // (tp * pp), tp=tp, pp=pp, zero_stage=zero, recompute=recompute, pp_schedule=schedule, pp_virtual_stages=v)
-    return RunConfig(model=model, cluster=cluster, parallel=par,
-                     train=TrainConfig(seq_len=2048, micro_batch_size=micro, global_batch_size=batch, precision=precision))
+    model = ModelConfig(
+        arch="gpt2",
+        name=f"gpt-h{h}",
+        config=dict(
+            vocab_size=51200,
+            n_positions=2048,
+            n_embd=h,
+            n_layer=layers,
+            n_head=a,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    )
+    cluster = ClusterConfig(
+        name="a100",
+        nodes=max(1, gpus // devices_per_node),
+        devices_per_node=min(gpus, devices_per_node),
+        device="cuda",
+        backend="nccl",
+        device_memory_gib=memory,
+        peak_tflops=peak,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
+    )
+    par = ParallelConfig(
+        dp=gpus // (tp * pp),
+        tp=tp,
+        pp=pp,
+        zero_stage=zero,
+        recompute=recompute,
+        pp_schedule=schedule,
+        pp_virtual_stages=v,
+    )
+    return RunConfig(
+        model=model,
+        cluster=cluster,
+        parallel=par,
+        train=TrainConfig(seq_len=2048, micro_batch_size=micro, global_batch_size=batch, precision=precision),
+    )
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -167,7 +228,12 @@ def test_estimated_model_states_follow_zero_per_stage(zero):
 # ---- Korthikanti et al. 2022 ----------------------------------------------------------------------
 
 # Table 3 (recalled): the four GPT configurations, sequence 2048, t = 8.
-KORTHIKANTI_MODELS = {"22B": (6144, 64, 48, 1), "175B": (12288, 96, 96, 8), "530B": (20480, 128, 105, 35), "1T": (25600, 160, 128, 64)}
+KORTHIKANTI_MODELS = {
+    "22B": (6144, 64, 48, 1),
+    "175B": (12288, 96, 96, 8),
+    "530B": (20480, 128, 105, 35),
+    "1T": (25600, 160, 128, 64),
+}
 
 
 def test_korthikanti_per_layer_formulas():
@@ -178,11 +244,15 @@ def test_korthikanti_per_layer_formulas():
         assert korthikanti_layer_bytes(s, b, h, a) == pytest.approx(sbh * (34 + attn))
         assert korthikanti_layer_bytes(s, b, h, a, t=8) == pytest.approx(sbh * (10 + 24 / 8 + attn / 8))
         assert korthikanti_layer_bytes(s, b, h, a, t=8, sequence_parallel=True) == pytest.approx(sbh / 8 * (34 + attn))
-        assert korthikanti_layer_bytes(s, b, h, a, t=8, sequence_parallel=True, recompute="selective") == pytest.approx(sbh / 8 * 34)
+        assert korthikanti_layer_bytes(s, b, h, a, t=8, sequence_parallel=True, recompute="selective") == pytest.approx(
+            sbh / 8 * 34
+        )
         assert korthikanti_layer_bytes(s, b, h, a, t=8, recompute="selective") == pytest.approx(sbh * (10 + 24 / 8))
         assert korthikanti_layer_bytes(s, b, h, a, t=8, recompute="full") == pytest.approx(2 * sbh)
         # 1F1B: the first stage holds p microbatches of L/p layers = L layers' worth.
-        assert korthikanti_first_stage_bytes(s, b, h, a, layers, 8, p, True) == pytest.approx(layers * sbh / 8 * (34 + attn))
+        assert korthikanti_first_stage_bytes(s, b, h, a, layers, 8, p, True) == pytest.approx(
+            layers * sbh / 8 * (34 + attn)
+        )
 
 
 def test_korthikanti_published_ratios():
@@ -215,7 +285,9 @@ def test_korthikanti_table5_utilization_from_published_times(name):
     flops = step_flops(facts, None, B, 2048, "selective")
     peak = gpus * 312e12
     assert flops["model"] / (t_present * peak) * 100 == pytest.approx(mfu, rel=0.01)
-    assert korthikanti_selective_hardware_flops(B, 2048, l, h, 51200) / (t_present * peak) * 100 == pytest.approx(hfu, rel=0.01)
+    assert korthikanti_selective_hardware_flops(B, 2048, l, h, 51200) / (t_present * peak) * 100 == pytest.approx(
+        hfu, rel=0.01
+    )
     assert (t_full / t_present - 1) * 100 == pytest.approx(gain, abs=0.15)
     # partrain counts only the recomputed attention-core forward: a third of the paper's extra.
     paper_extra = korthikanti_selective_hardware_flops(B, 2048, l, h, 51200) - flops["model"]
@@ -235,7 +307,9 @@ def _gpt_paper_spec(t: int):
     spec = spec_from_validated(validate(run))
     # Korthikanti's assumptions: fused GeLU (keeps its input), dropout after attention and MLP and on
     # the attention probabilities, the s x s scores stored (no fused attention), 16-bit activations.
-    extras = ModelExtras(activation="gelu", resid_dropout=True, attn_dropout=True, attn_impl="eager", out_bias=True, mlp_bias=True)
+    extras = ModelExtras(
+        activation="gelu", resid_dropout=True, attn_dropout=True, attn_impl="eager", out_bias=True, mlp_bias=True
+    )
     return dataclasses.replace(spec, extras=extras)
 
 
@@ -254,10 +328,16 @@ def test_counted_gpt_layer_reduces_to_korthikanti(t, recompute):
 
 # Table 1 (recalled): params (B), heads, hidden, layers, t, p, GPUs, batch, achieved TFLOP/s per GPU.
 NARAYANAN_TABLE1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138), (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135), (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 
 
@@ -326,7 +406,9 @@ def test_search_1t_gpt_on_4096_h100_is_fast_and_fits():
     assert found and found[0]["estimate"]["fits"]
     assert found[0]["estimate"]["memory_bytes"]["total"] <= 79.6 * GIB
     times = [c["estimate"]["step_time_s"] for c in found]
-    assert all(later >= earlier * (1 - 1e-4) for earlier, later in zip(times, times[1:]))  # best first (near-ties reordered)
+    assert all(
+        later >= earlier * (1 - 1e-4) for earlier, later in zip(times, times[1:])
+    )  # best first (near-ties reordered)
     assert all(c["why"] for c in found)
 
 
@@ -341,8 +423,17 @@ def test_estimate_of_a_1t_layout_is_fast():
 
 
 def _tiny_run(model: str = "gpt2-tiny", devices: int = 8, batch: int = 8) -> RunConfig:
-    return compose([f"model={model}", "cluster=local-cpu", f"cluster.devices_per_node={devices}", "parallel.dp=-1",
-                    f"train.global_batch_size={batch}", "train.micro_batch_size=1", "train.seq_len=64"])
+    return compose(
+        [
+            f"model={model}",
+            "cluster=local-cpu",
+            f"cluster.devices_per_node={devices}",
+            "parallel.dp=-1",
+            f"train.global_batch_size={batch}",
+            "train.micro_batch_size=1",
+            "train.seq_len=64",
+        ]
+    )
 
 
 @pytest.mark.parametrize("model,devices", [("gpt2-tiny", 8), ("mixtral-tiny", 4)])
@@ -351,16 +442,33 @@ def test_search_enumerates_exactly_the_valid_layouts(model, devices):
     v = validate(run)
     base = spec_from_validated(v)
     space = SearchSpace(zero_stages=(0,), recompute=("none",))
-    got = {(s.tp, s.pp, s.dp, s.ep, s.mbs, s.schedule, s.v, s.tp_sp) for s, _ in enumerate_specs(base, space, prune=False)}
+    got = {
+        (s.tp, s.pp, s.dp, s.ep, s.mbs, s.schedule, s.v, s.tp_sp) for s, _ in enumerate_specs(base, space, prune=False)
+    }
     expected = set()
     eps = (1, 2, 4) if v.facts.is_moe else (1,)
-    for tp, pp, mbs, ep, sched, vv, tp_sp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), eps,
-                                                              ("1f1b", "interleaved-1f1b"), (1, 2, 4, 8, 16), (False, True)):
-        if devices % (tp * pp) or (pp == 1 and (sched != "1f1b" or vv != 1)) or (sched == "1f1b" and vv != 1) or \
-                (sched != "1f1b" and vv == 1) or (tp_sp and tp == 1):
+    for tp, pp, mbs, ep, sched, vv, tp_sp in itertools.product(
+        (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), eps, ("1f1b", "interleaved-1f1b"), (1, 2, 4, 8, 16), (False, True)
+    ):
+        if (
+            devices % (tp * pp)
+            or (pp == 1 and (sched != "1f1b" or vv != 1))
+            or (sched == "1f1b" and vv != 1)
+            or (sched != "1f1b" and vv == 1)
+            or (tp_sp and tp == 1)
+        ):
             continue
         dp = devices // (tp * pp)
-        par = dataclasses.replace(run.parallel, tp=tp, pp=pp, dp=dp, ep=ep, pp_schedule=sched, pp_virtual_stages=vv, tp_sequence_parallel=tp_sp)
+        par = dataclasses.replace(
+            run.parallel,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            ep=ep,
+            pp_schedule=sched,
+            pp_virtual_stages=vv,
+            tp_sequence_parallel=tp_sp,
+        )
         try:
             validate(dataclasses.replace(run, parallel=par, train=dataclasses.replace(run.train, micro_batch_size=mbs)))
         except ConfigError:
@@ -385,14 +493,41 @@ def test_search_candidates_validate_and_carry_overrides():
 SHARD_CASES = [
     ["recipe=llama-fsdp-tp"],
     ["recipe=llama-fsdp-tp", "parallel.zero_stage=2"],
-    ["recipe=gpt-dp", "cluster.devices_per_node=8", "parallel.dp=-1", "parallel.tp=2", "parallel.zero_stage=3",
-     "train.global_batch_size=32"],
-    ["model=mixtral-tiny", "cluster.devices_per_node=4", "parallel.tp=2", "parallel.zero_stage=3", "train.global_batch_size=8"],
-    ["model=qwen2-moe-tiny", "cluster.devices_per_node=8", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2",
-     "parallel.zero_stage=3", "train.global_batch_size=8", "train.micro_batch_size=2"],
+    [
+        "recipe=gpt-dp",
+        "cluster.devices_per_node=8",
+        "parallel.dp=-1",
+        "parallel.tp=2",
+        "parallel.zero_stage=3",
+        "train.global_batch_size=32",
+    ],
+    [
+        "model=mixtral-tiny",
+        "cluster.devices_per_node=4",
+        "parallel.tp=2",
+        "parallel.zero_stage=3",
+        "train.global_batch_size=8",
+    ],
+    [
+        "model=qwen2-moe-tiny",
+        "cluster.devices_per_node=8",
+        "parallel.tp=2",
+        "parallel.dp=4",
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=3",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+    ],
     # hidden 132 over 8 ranks: uneven FSDP shards (torch.chunk leaves the last rank short)
-    ["model=gpt2-tiny", "cluster.devices_per_node=8", "parallel.dp=8", "parallel.zero_stage=3", "model.config.n_embd=132",
-     "train.global_batch_size=8", "train.micro_batch_size=1"],
+    [
+        "model=gpt2-tiny",
+        "cluster.devices_per_node=8",
+        "parallel.dp=8",
+        "parallel.zero_stage=3",
+        "model.config.n_embd=132",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+    ],
 ]
 
 
@@ -422,8 +557,12 @@ def test_model_state_bytes_per_rank_fp32(zero):
 
 # ---- activations vs saved-tensor hooks ---------------------------------------------------------------
 
-ACTIVATION_CASES = [(m, p, r) for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
-                    for p in ("fp32", "bf16") for r in ("none", "full")]
+ACTIVATION_CASES = [
+    (m, p, r)
+    for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
+    for p in ("fp32", "bf16")
+    for r in ("none", "full")
+]
 
 
 @pytest.mark.parametrize("name,precision,recompute", ACTIVATION_CASES)
@@ -431,13 +570,26 @@ def test_activation_bytes_match_saved_tensor_hooks(name, precision, recompute):
     from partrain.simulate.measure import model_config, saved_activation_bytes
 
     cfg = model_config(name)
-    run = compose([f"model={name}", "cluster=local-cpu", "cluster.devices_per_node=1", "parallel.dp=1", "train.seq_len=64",
-                   "train.micro_batch_size=2", "train.global_batch_size=2", f"train.precision={precision}", f"parallel.recompute={recompute}"])
+    run = compose(
+        [
+            f"model={name}",
+            "cluster=local-cpu",
+            "cluster.devices_per_node=1",
+            "parallel.dp=1",
+            "train.seq_len=64",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            f"train.precision={precision}",
+            f"parallel.recompute={recompute}",
+        ]
+    )
     v = validate(run)
     est = estimate(v, mixed="autocast")
     measured = saved_activation_bytes(cfg, 2, 64, precision, recompute)
     predicted = est["memory_bytes"]["activations"]
-    tolerance = 0.01 if recompute == "none" else 0.10  # full: rotary cos/sin live in the checkpoint's closure, unseen by hooks
+    tolerance = (
+        0.01 if recompute == "none" else 0.10
+    )  # full: rotary cos/sin live in the checkpoint's closure, unseen by hooks
     assert predicted == pytest.approx(measured, rel=tolerance)
 
 
@@ -449,11 +601,15 @@ def test_estimate_json_contract(recipe):
     v = validate(compose([f"recipe={recipe}"]))
     est = estimate(v)
     json.dumps(est)
-    assert isinstance(est["params_total"], int) and est["params_total"] == param_count(v.facts, spec_from_validated(v).extras)
+    assert isinstance(est["params_total"], int) and est["params_total"] == param_count(
+        v.facts, spec_from_validated(v).extras
+    )
     assert set(est["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert all(isinstance(x, int) for x in est["memory_bytes"].values())
     m = est["memory_bytes"]
-    assert m["total"] == pytest.approx(m["params"] + m["grads"] + m["optimizer"] + m["activations"] + m["transient"], abs=8)
+    assert m["total"] == pytest.approx(
+        m["params"] + m["grads"] + m["optimizer"] + m["activations"] + m["transient"], abs=8
+    )
     assert set(est["comm_bytes_per_step"]) == {"tp", "dp", "pp", "ep", "sp"}
     for key in ("flops_per_step", "pipeline_bubble_fraction", "step_time_s", "tokens_per_s", "mfu"):
         assert isinstance(est[key], float) and est[key] >= 0
@@ -463,9 +619,12 @@ def test_estimate_json_contract(recipe):
 
 
 def test_planner_does_not_import_torch():
-    code = ("import sys, partrain.blueprint.planner as p; from partrain.blueprint.config.compose import compose; from partrain.blueprint.validate import validate; "
-            "v = validate(compose(['recipe=gpt3-175b-h100'])); p.estimate(v); p.search(v, top_k=2); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, partrain.blueprint.planner as p; from partrain.blueprint.config.compose import compose; from "
+        "partrain.blueprint.validate import validate; "
+        "v = validate(compose(['recipe=gpt3-175b-h100'])); p.estimate(v); p.search(v, top_k=2); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -477,5 +636,10 @@ def test_greedy_stage_split_equals_the_runtime_split():
     for _ in range(400):
         layers = rng.randint(1, 40)
         chunks = rng.randint(1, layers)
-        embed, head = rng.choice([0.0, rng.random(), 3 * rng.random()]), rng.choice([0.0, rng.random(), 3 * rng.random()])
-        assert greedy_counts(layers, chunks, embed, head) == [len(r) for r in split_layers(layers, chunks, embed_cost=embed, head_cost=head)]
+        embed, head = (
+            rng.choice([0.0, rng.random(), 3 * rng.random()]),
+            rng.choice([0.0, rng.random(), 3 * rng.random()]),
+        )
+        assert greedy_counts(layers, chunks, embed, head) == [
+            len(r) for r in split_layers(layers, chunks, embed_cost=embed, head_cost=head)
+        ]

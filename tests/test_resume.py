@@ -38,11 +38,19 @@ def straight_3d(tmp_path_factory, data_cache):
     return run_dir
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param(THREE_D, id="same-3d-layout"),
-    pytest.param(["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "cluster.devices_per_node=4"], id="dp4"),
-    pytest.param(["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "cluster.devices_per_node=1"], id="one-process"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(THREE_D, id="same-3d-layout"),
+        pytest.param(
+            ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "cluster.devices_per_node=4"], id="dp4"
+        ),
+        pytest.param(
+            ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "cluster.devices_per_node=1"],
+            id="one-process",
+        ),
+    ],
+)
 def test_3d_checkpoint_resumes_under_any_layout(layout, straight_3d, tmp_path, data_cache):
     """Saved under dp2 x tp2 x pp2 at step 5; resumed under the same layout the remaining steps match
     the straight run within 1e-6, and under dp4 / one process the first loss after loading matches (1e-5)."""
@@ -68,11 +76,17 @@ def test_dp_resume_is_exact_and_survives_a_killed_worker(tmp_path, data_cache):
     assert sorted(b) == list(range(11, 41))
     assert max_relative_difference([a[s] for s in b], [b[s] for s in b]) <= 1e-6
 
-    # kill -9 one worker after the step-10 checkpoint (before the last step).: torchrun restarts the job, which resumes by itself.
+    # kill -9 one worker after the step-10 checkpoint (before the last step): torchrun restarts the
+    # job, which resumes by itself.
     killed = tmp_path / "killed"
     args = [*base, "train.steps=40", f"train.run_dir={killed}", "train.max_restarts=1", "train.eval_batches=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "partrain.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partrain.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 240
     victim = None
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
@@ -80,7 +94,9 @@ def test_dp_resume_is_exact_and_survives_a_killed_worker(tmp_path, data_cache):
             steps = _losses(killed)
             if steps and max(steps) < 40:
                 # Workers only ("-u -m partrain.worker DIR"), never torchrun's agent, whose command line names it too.
-                pids = subprocess.run(["pgrep", "-f", "--", f"-u -m partrain.worker {killed}"], capture_output=True, text=True).stdout.split()
+                pids = subprocess.run(
+                    ["pgrep", "-f", "--", f"-u -m partrain.worker {killed}"], capture_output=True, text=True
+                ).stdout.split()
                 if pids:
                     victim = pids[-1]
                     subprocess.run(["kill", "-9", victim])

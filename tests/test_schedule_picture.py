@@ -61,9 +61,18 @@ def test_zero_bubble_schedules_beat_1f1b():
     assert schedule_grid("dualpipev", 2, 2, 4).note  # says it is an approximation
 
 
-@pytest.mark.parametrize("schedule,p,v,m", [("gpipe", 3, 1, 5), ("1f1b", 4, 1, 6), ("interleaved-1f1b", 2, 2, 4),
-                                            ("looped-bfs", 3, 2, 6), ("interleaved-zero-bubble", 4, 2, 8),
-                                            ("zbv", 3, 2, 7), ("dualpipev", 2, 2, 4)])
+@pytest.mark.parametrize(
+    "schedule,p,v,m",
+    [
+        ("gpipe", 3, 1, 5),
+        ("1f1b", 4, 1, 6),
+        ("interleaved-1f1b", 2, 2, 4),
+        ("looped-bfs", 3, 2, 6),
+        ("interleaved-zero-bubble", 4, 2, 8),
+        ("zbv", 3, 2, 7),
+        ("dualpipev", 2, 2, 4),
+    ],
+)
 def test_grid_shape_and_every_action_once(schedule, p, v, m):
     grid = schedule_grid(schedule, p, v, m)
     assert len(grid.rows) == p and all(len(row) == grid.makespan for row in grid.rows)
@@ -91,8 +100,13 @@ def test_orders_match_torch():
     pytest.importorskip("torch")
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    names = {"gpipe": "GPipe", "interleaved-1f1b": "Interleaved1F1B", "looped-bfs": "LoopedBFS",
-             "interleaved-zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
+    names = {
+        "gpipe": "GPipe",
+        "interleaved-1f1b": "Interleaved1F1B",
+        "looped-bfs": "LoopedBFS",
+        "interleaved-zero-bubble": "InterleavedZeroBubble",
+        "zbv": "ZBVZeroBubble",
+    }
     checked = 0
     for schedule, name in names.items():
         for p in (2, 3, 4):
@@ -102,8 +116,14 @@ def test_orders_match_torch():
                     ops = get_schedule_ops(name, p, m, None if v == 1 else v)
                 except ValueError:
                     continue
-                theirs = [[(a.computation_type.value, a.microbatch_index, a.stage_index) for a in row
-                           if a is not None and a.computation_type.value in "FBIW"] for row in ops]
+                theirs = [
+                    [
+                        (a.computation_type.value, a.microbatch_index, a.stage_index)
+                        for a in row
+                        if a is not None and a.computation_type.value in "FBIW"
+                    ]
+                    for row in ops
+                ]
                 ours = [[(a.kind, a.mb, a.stage) for a in row] for row in rank_orders(schedule, p, v, m)]
                 assert ours == theirs, (schedule, p, m)
                 checked += 1
@@ -150,11 +170,14 @@ def test_svg_is_well_formed(tmp_path):
 
 
 def test_no_torch_and_fast_enough_for_the_dry_run():
-    code = ("import sys, time; t = time.perf_counter();"
-            "from partrain.blueprint.schedule_sim import schedule_grid; from partrain.blueprint.report.schedule import render_text, to_svg;"
-            "g = schedule_grid('interleaved-1f1b', 16, 4, 128); render_text(g); to_svg(g);"
-            "g = schedule_grid('zbv', 16, 2, 128); render_text(g);"
-            "assert 'torch' not in sys.modules, 'torch imported';"
-            "print(time.perf_counter() - t)")
+    code = (
+        "import sys, time; t = time.perf_counter();"
+        "from partrain.blueprint.schedule_sim import schedule_grid; from partrain.blueprint.report.schedule import "
+        "render_text, to_svg;"
+        "g = schedule_grid('interleaved-1f1b', 16, 4, 128); render_text(g); to_svg(g);"
+        "g = schedule_grid('zbv', 16, 2, 128); render_text(g);"
+        "assert 'torch' not in sys.modules, 'torch imported';"
+        "print(time.perf_counter() - t)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout.strip()) < 2.0

@@ -17,7 +17,9 @@ B, H, S, D = 2, 4, 16, 8
 
 
 def _full(q, k, v, causal):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def _case(sp, sp_rank, group, mode, causal, seed, dtype=torch.float64, kernel="auto", kv_heads=H):
@@ -111,8 +113,10 @@ def test_size_one_group_is_plain_attention():
             assert torch.allclose(out, _full(q, k, v, True), atol=1e-12)
         small = [t.detach()[:1, :2, :4, :2].clone().requires_grad_(True) for t in (q, k, v)]
         assert torch.autograd.gradcheck(
-            lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel), small,
-            fast_mode=True)
+            lambda a, b, c: ring_attention(a, b, c, None, causal=True, zigzag=True, block_kernel=kernel),
+            small,
+            fast_mode=True,
+        )
 
 
 def test_autocast_inputs_are_cast_like_sdpa():

@@ -17,8 +17,14 @@ from partrain.blueprint.planner.simulated import default_ranks, grouped_params
 from partrain.blueprint.validate import validate
 from partrain.simulate.fake_world import simulate
 
-LLAMA_70B_1024 = ["model=llama3-70b", "cluster=h100x1024", "train.seq_len=4096", "train.precision=bf16",
-                  "train.micro_batch_size=1", "train.global_batch_size=1024"]
+LLAMA_70B_1024 = [
+    "model=llama3-70b",
+    "cluster=h100x1024",
+    "train.seq_len=4096",
+    "train.precision=bf16",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=1024",
+]
 
 # (name, overrides, extra ranks to simulate beside the first and last rank of each pipeline stage)
 LAYOUTS = {
@@ -27,12 +33,38 @@ LAYOUTS = {
     "fsdp-1024": (["parallel.zero_stage=3", "parallel.dp=1024"], []),
     "tp8-fsdp128": (["parallel.tp=8", "parallel.zero_stage=3", "parallel.dp=128"], [8]),
     "tp8-pp8-zero2": (["parallel.tp=8", "parallel.pp=8", "parallel.zero_stage=2", "parallel.dp=16"], []),
-    "tp8-pp4x2-zero1": (["parallel.tp=8", "parallel.pp=4", "parallel.dp=32", "parallel.zero_stage=1",
-                         "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2"], []),
-    "tp4-pp16-hybrid": (["parallel.tp=4", "parallel.pp=16", "parallel.dp=16", "parallel.dp_shard=4",
-                         "parallel.zero_stage=3", "parallel.tp_sequence_parallel=true"], []),
-    "pp2-zbv-ddp": (["parallel.tp=8", "parallel.pp=2", "parallel.dp=64", "parallel.pp_schedule=zbv",
-                     "parallel.pp_virtual_stages=2"], []),
+    "tp8-pp4x2-zero1": (
+        [
+            "parallel.tp=8",
+            "parallel.pp=4",
+            "parallel.dp=32",
+            "parallel.zero_stage=1",
+            "parallel.pp_schedule=interleaved-1f1b",
+            "parallel.pp_virtual_stages=2",
+        ],
+        [],
+    ),
+    "tp4-pp16-hybrid": (
+        [
+            "parallel.tp=4",
+            "parallel.pp=16",
+            "parallel.dp=16",
+            "parallel.dp_shard=4",
+            "parallel.zero_stage=3",
+            "parallel.tp_sequence_parallel=true",
+        ],
+        [],
+    ),
+    "pp2-zbv-ddp": (
+        [
+            "parallel.tp=8",
+            "parallel.pp=2",
+            "parallel.dp=64",
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+        ],
+        [],
+    ),
 }
 
 
@@ -62,11 +94,28 @@ def test_llama3_70b_at_1024_ranks_matches_the_planner_exactly(name):
 def test_gpt2_tied_weights_and_fused_qkv_over_pipeline_and_tp():
     """GPT-2: fused c_attn sharded by heads, tied embedding/head on the first and last stage (and
     once on a V-schedule rank holding both)."""
-    for overrides in (["parallel.tp=4", "parallel.pp=4", "parallel.dp=4", "parallel.zero_stage=0"],
-                      ["parallel.tp=2", "parallel.pp=2", "parallel.dp=16", "parallel.zero_stage=3",
-                       "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"]):
-        v = validate(compose(["model=gpt2-small", "cluster.devices_per_node=64", "train.global_batch_size=64",
-                              "train.micro_batch_size=1"] + overrides))
+    for overrides in (
+        ["parallel.tp=4", "parallel.pp=4", "parallel.dp=4", "parallel.zero_stage=0"],
+        [
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.dp=16",
+            "parallel.zero_stage=3",
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+        ],
+    ):
+        v = validate(
+            compose(
+                [
+                    "model=gpt2-small",
+                    "cluster.devices_per_node=64",
+                    "train.global_batch_size=64",
+                    "train.micro_batch_size=1",
+                ]
+                + overrides
+            )
+        )
         sim = simulate(v, default_ranks(v.layout))
         assert sim.exact, [(r.rank, r.simulated, r.analytic) for r in sim.ranks]
         names = {p.name for p in sim.ranks[0].params}
@@ -92,8 +141,9 @@ def test_grouped_params_fold_layer_indices():
 
 def test_cli_simulates_llama3_70b_on_1024_ranks_in_under_a_minute(run_partrain):
     started = time.perf_counter()
-    ran = run_partrain("plan", "recipe=llama3-70b-h100", "cluster=h100x1024", "parallel.dp=-1", "--simulate", "--json",
-                       timeout=120)
+    ran = run_partrain(
+        "plan", "recipe=llama3-70b-h100", "cluster=h100x1024", "parallel.dp=-1", "--simulate", "--json", timeout=120
+    )
     wall = time.perf_counter() - started
     assert ran.code == 0, ran.stderr
     assert wall < 60, wall
@@ -114,10 +164,13 @@ def test_cli_terminal_tables(cli):
     assert ran.stdout.count("yes") >= 2
 
 
-@pytest.mark.parametrize("args, key", [
-    (["recipe=gpt-3d", "--simulate-rank", "8"], "--simulate-rank"),
-    (["recipe=gpt-3d", "--simulate-rank", "-1"], "--simulate-rank"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["recipe=gpt-3d", "--simulate-rank", "8"], "--simulate-rank"),
+        (["recipe=gpt-3d", "--simulate-rank", "-1"], "--simulate-rank"),
+    ],
+)
 def test_cli_bad_simulation_requests_exit_2(cli, args, key):
     ran = cli("plan", *args)
     assert ran.code == 2

@@ -22,9 +22,20 @@ TINY = ["model=llama-tiny", "cluster=local-cpu", "train.seq_len=256", "train.mic
 
 def _run(sp: int, dp: int, zero: int, mode: str = "ulysses", extra=()):
     world = sp * dp
-    return validate(compose(TINY + [f"cluster.devices_per_node={world}", f"parallel.sp={sp}", f"parallel.dp={dp}",
-                                    f"parallel.sp_mode={mode}", f"parallel.zero_stage={zero}",
-                                    f"train.global_batch_size={dp}", *extra]))
+    return validate(
+        compose(
+            TINY
+            + [
+                f"cluster.devices_per_node={world}",
+                f"parallel.sp={sp}",
+                f"parallel.dp={dp}",
+                f"parallel.sp_mode={mode}",
+                f"parallel.zero_stage={zero}",
+                f"train.global_batch_size={dp}",
+                *extra,
+            ]
+        )
+    )
 
 
 def _per_rank(v):
@@ -95,8 +106,17 @@ def test_ring_traffic_hides_behind_attention_blocks():
     """Llama-3-8B, 8192 tokens, tp4 x sp2 on one H100 node: the ring's K/V transfers hide behind
     the attention blocks; what shows is the last dK/dV hop of each layer (fp32, 2 x 4096 tokens x
     1024 query width per rank), which nothing overlaps. Ulysses' all-to-alls are on the critical path."""
-    base = ["model=llama3-8b", "cluster=h100x8", "train.seq_len=8192", "train.micro_batch_size=1",
-            "train.global_batch_size=1", "train.precision=bf16", "parallel.dp=1", "parallel.tp=4", "parallel.sp=2"]
+    base = [
+        "model=llama3-8b",
+        "cluster=h100x8",
+        "train.seq_len=8192",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=1",
+        "train.precision=bf16",
+        "parallel.dp=1",
+        "parallel.tp=4",
+        "parallel.sp=2",
+    ]
     ring = estimate(validate(compose(base + ["parallel.sp_mode=ring"])))
     uly = estimate(validate(compose(base + ["parallel.sp_mode=ulysses"])))
     link = 450e9  # h100x8 NVLink GB/s per direction

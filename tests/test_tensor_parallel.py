@@ -22,9 +22,21 @@ LLAMA = ["recipe=llama-fsdp-tp", "parallel.tp_sequence_parallel=false"]
 LAYOUTS = {
     "gpt2-tp2": (GPT + ["parallel.dp=1", "parallel.tp=2", "cluster.devices_per_node=2"], 2),
     "gpt2-tp4": (GPT + ["parallel.dp=1", "parallel.tp=4", "cluster.devices_per_node=4"], 4),
-    "llama-gqa-tp2": (LLAMA + ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "cluster.devices_per_node=2"], 2),
-    "llama-tp2-sp": (LLAMA + ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "cluster.devices_per_node=2",
-                              "parallel.tp_sequence_parallel=true"], 2),
+    "llama-gqa-tp2": (
+        LLAMA + ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "cluster.devices_per_node=2"],
+        2,
+    ),
+    "llama-tp2-sp": (
+        LLAMA
+        + [
+            "parallel.dp=1",
+            "parallel.tp=2",
+            "parallel.zero_stage=0",
+            "cluster.devices_per_node=2",
+            "parallel.tp_sequence_parallel=true",
+        ],
+        2,
+    ),
     "llama-fsdp2-tp2": (LLAMA + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"], 2),
     "mixtral-tp2": (["recipe=mixtral-ep", "parallel.ep=1", "parallel.dp=1", "parallel.tp=2"], 2),
 }
@@ -44,14 +56,33 @@ def references(tmp_path_factory, data_cache):
             base = [recipe] + COMMON + [f"data.cache_dir={data_cache}"]
             cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
         return cache[recipe]
+
     return get
 
 
 def _sharded_by_plan(name: str) -> bool:
     """Parameters the TP plans slice (weights of projections, token embedding / head)."""
-    sliced = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
-              "down_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias", "embed_tokens.weight", "lm_head.weight",
-              "c_attn.weight", "c_attn.bias", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias", "mlp.c_proj.weight", "wte.weight")
+    sliced = (
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "o_proj.weight",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+        "q_proj.bias",
+        "k_proj.bias",
+        "v_proj.bias",
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "c_attn.weight",
+        "c_attn.bias",
+        "attn.c_proj.weight",
+        "c_fc.weight",
+        "c_fc.bias",
+        "mlp.c_proj.weight",
+        "wte.weight",
+    )
     return name.endswith(sliced) and ".experts." not in name
 
 
@@ -93,10 +124,30 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
     from partrain.models.materialize import materialize
     from partrain.parallel.tensor_parallel import apply_tp, loss_context
 
-    cfgs = {"gpt2": dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-            "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, bos_token_id=0, eos_token_id=0)}
+    cfgs = {
+        "gpt2": dict(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        "llama": dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    }
     model_cfg = ModelConfig(arch=arch, config=cfgs[arch])
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 17), generator=gen)
@@ -121,10 +172,13 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch,names", [
-    ("gpt2", ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.wte.weight"]),
-    ("llama", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]),
-])
+@pytest.mark.parametrize(
+    "arch,names",
+    [
+        ("gpt2", ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.wte.weight"]),
+        ("llama", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]),
+    ],
+)
 def test_sharded_gradient_equals_slice_of_reference(arch, names, tmp_path):
     for result in run_spawned(_grad_slices, 2, tmp_path, arch, names):
         for name, rel in result.items():
@@ -132,9 +186,15 @@ def test_sharded_gradient_equals_slice_of_reference(arch, names, tmp_path):
 
 
 def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
-    """Changing a layout's tp to a degree the model's KV heads do not divide: exit 2, both numbers and the valid choices."""
-    proc = subprocess.run([sys.executable, "-m", "partrain.cli", "train", "recipe=llama-fsdp-tp", "parallel.tp=4",
-                           "parallel.dp=1"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    """Changing a layout's tp to a degree the model's KV heads do not divide: exit 2, both numbers
+    and the valid choices."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", "recipe=llama-fsdp-tp", "parallel.tp=4", "parallel.dp=1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 2
     err = proc.stderr
     assert "parallel.tp=4" in err and "KV heads (2)" in err and "valid tp" in err and "1, 2" in err

@@ -40,22 +40,49 @@ BAD = [
     ("tp-vs-kv-heads", [GPT, "model=llama-tiny", "parallel.tp=4", "parallel.dp=1"], "parallel.tp"),
     ("tp-vs-ffn", [GPT, "model.config.n_inner=511"], "parallel.tp"),
     ("tp-vs-vocab", [GPT, "model.config.vocab_size=257"], "parallel.tp"),
-    ("tp-across-nodes", [GPT, "cluster.nodes=4", "cluster.devices_per_node=2", "parallel.tp=4", "parallel.dp=1"], "parallel.tp"),
-    ("order-splits-tp", [GPT, "parallel.order=[dp,tp,sp,pp]", "cluster.nodes=4", "cluster.devices_per_node=2"], "parallel.order"),
+    (
+        "tp-across-nodes",
+        [GPT, "cluster.nodes=4", "cluster.devices_per_node=2", "parallel.tp=4", "parallel.dp=1"],
+        "parallel.tp",
+    ),
+    (
+        "order-splits-tp",
+        [GPT, "parallel.order=[dp,tp,sp,pp]", "cluster.nodes=4", "cluster.devices_per_node=2"],
+        "parallel.order",
+    ),
     ("pp-over-layers", [GPT, "parallel.pp=8", "parallel.dp=1", "parallel.tp=1"], "parallel.pp"),
     ("virtual-stages-1f1b", [GPT, "parallel.pp_virtual_stages=2"], "parallel.pp_virtual_stages"),
     ("interleaved-needs-2", [GPT, "parallel.pp_schedule=interleaved-1f1b"], "parallel.pp_virtual_stages"),
-    ("zbv-needs-exactly-2", [GPT, "parallel.pp_schedule=zbv", "train.global_batch_size=16"], "parallel.pp_virtual_stages"),
-    ("chunks-over-layers", [GPT, "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=4"], "parallel.pp_virtual_stages"),
-    ("virtual-without-pp", [GPT, "parallel.pp=1", "parallel.dp=4", "parallel.pp_virtual_stages=2"], "parallel.pp_virtual_stages"),
+    (
+        "zbv-needs-exactly-2",
+        [GPT, "parallel.pp_schedule=zbv", "train.global_batch_size=16"],
+        "parallel.pp_virtual_stages",
+    ),
+    (
+        "chunks-over-layers",
+        [GPT, "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=4"],
+        "parallel.pp_virtual_stages",
+    ),
+    (
+        "virtual-without-pp",
+        [GPT, "parallel.pp=1", "parallel.dp=4", "parallel.pp_virtual_stages=2"],
+        "parallel.pp_virtual_stages",
+    ),
     ("microbatches-under-stages", [GPT, "train.global_batch_size=4"], "train.microbatches"),
-    ("interleaved-rounds", [GPT, "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2",
-                            "train.global_batch_size=20"], "train.microbatches"),
+    (
+        "interleaved-rounds",
+        [GPT, "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2", "train.global_batch_size=20"],
+        "train.microbatches",
+    ),
     ("global-not-multiple", [GPT, "train.global_batch_size=6"], "train.global_batch_size"),
     ("microbatches-inconsistent", [GPT, "train.microbatches=3"], "train.microbatches"),
     ("odd-micro-batch", [GPT, "train.micro_batch_size=3"], "train.global_batch_size"),
     ("ep-dense-model", [GPT, "parallel.ep=2"], "parallel.ep"),
-    ("ep-vs-experts", [MOE, "cluster.devices_per_node=8", "parallel.dp=8", "train.global_batch_size=16", "parallel.ep=8"], "parallel.ep"),
+    (
+        "ep-vs-experts",
+        [MOE, "cluster.devices_per_node=8", "parallel.dp=8", "train.global_batch_size=16", "parallel.ep=8"],
+        "parallel.ep",
+    ),
     ("ep-vs-dp-sp", [MOE, "parallel.ep=4"], "parallel.ep"),
     ("sp-seq", [SP, "train.seq_len=1023"], "train.seq_len"),
     ("ring-2sp", [SP, "parallel.sp_mode=ring", "train.seq_len=1022"], "train.seq_len"),
@@ -88,13 +115,21 @@ BAD = [
     ("negative-lr", [GPT, "optim.lr=-0.001"], "optim.lr"),
     ("zero-loss-scale", [GPT, "train.precision=fp16", "train.loss_scale_init=0"], "train.loss_scale_init"),
     ("zero-loss-scale-window", [GPT, "train.loss_scale_window=0"], "train.loss_scale_window"),
-    ("unknown-fsdp-grad-sync", [GPT, "parallel.zero_stage=3", "parallel.fsdp_grad_sync=sometimes"], "parallel.fsdp_grad_sync"),
+    (
+        "unknown-fsdp-grad-sync",
+        [GPT, "parallel.zero_stage=3", "parallel.fsdp_grad_sync=sometimes"],
+        "parallel.fsdp_grad_sync",
+    ),
     ("zero-stage-5", [GPT, "parallel.zero_stage=5"], "parallel.zero_stage"),
     ("dp-shard-not-dividing", [GPT, "parallel.dp_shard=3", "parallel.zero_stage=3"], "parallel.dp_shard"),
     ("world-too-large", [GPT, "cluster.nodes=100000", "cluster.devices_per_node=100000"], "cluster.nodes"),
     ("missing-model-fact", [GPT, "model.config.n_head=null"], "model.config.n_head"),
     ("hidden-vs-heads", [GPT, "model.config.n_embd=130"], "model.config.n_head"),
-    ("kv-vs-heads", [GPT, "model=llama-tiny", "model.config.num_key_value_heads=3"], "model.config.num_key_value_heads"),
+    (
+        "kv-vs-heads",
+        [GPT, "model=llama-tiny", "model.config.num_key_value_heads=3"],
+        "model.config.num_key_value_heads",
+    ),
     ("unknown-arch", [GPT, "model.arch=bert"], "model.arch"),
     ("bad-recipes-folder", [GPT, "--recipes", "/nonexistent/recipes"], "--recipes"),
     ("broken-user-recipe", ["recipe=broken", "--recipes", "{user}"], "recipe"),
@@ -161,8 +196,11 @@ def test_bad_config_refused_by_the_installed_command(run_partrain, user_recipes,
 
 UNSUPPORTED = [  # consistent layouts this version cannot train yet (partrain.blueprint.trainable)
     ("zero1-tp", [GPT, "parallel.zero_stage=1", "parallel.pp=1", "parallel.dp=4"], "parallel.zero_stage"),
-    ("tp-sp-learned-positions", [GPT, "parallel.tp_sequence_parallel=true", "parallel.pp=1", "parallel.dp=4"],
-     "parallel.tp_sequence_parallel"),
+    (
+        "tp-sp-learned-positions",
+        [GPT, "parallel.tp_sequence_parallel=true", "parallel.pp=1", "parallel.dp=4"],
+        "parallel.tp_sequence_parallel",
+    ),
 ]
 
 
@@ -188,12 +226,15 @@ def test_fix_names_the_nearest_valid_degrees():
     assert "parallel.dp=2 parallel.tp=2 parallel.pp=2 parallel.sp=1" in err.value.problems[0].fix
 
 
-@pytest.mark.parametrize("overrides,degrees", [
-    ([GPT, "parallel.dp=-1"], dict(dp=2, tp=2, pp=2, sp=1, ep=1)),
-    ([GPT, "parallel.dp=1", "parallel.tp=-1"], dict(dp=1, tp=4, pp=2, sp=1, ep=1)),
-    ([MOE, "parallel.ep=-1"], dict(dp=2, tp=1, pp=1, sp=1, ep=2)),
-    ([GPT, "parallel.ep=-1"], dict(dp=2, tp=2, pp=2, sp=1, ep=1)),  # a dense model: the rest for ep is 1
-])
+@pytest.mark.parametrize(
+    "overrides,degrees",
+    [
+        ([GPT, "parallel.dp=-1"], dict(dp=2, tp=2, pp=2, sp=1, ep=1)),
+        ([GPT, "parallel.dp=1", "parallel.tp=-1"], dict(dp=1, tp=4, pp=2, sp=1, ep=1)),
+        ([MOE, "parallel.ep=-1"], dict(dp=2, tp=1, pp=1, sp=1, ep=2)),
+        ([GPT, "parallel.ep=-1"], dict(dp=2, tp=2, pp=2, sp=1, ep=1)),  # a dense model: the rest for ep is 1
+    ],
+)
 def test_minus_one_takes_the_rest(overrides, degrees):
     assert validate(compose(overrides)).layout.degrees == degrees
 
@@ -221,23 +262,61 @@ def _check_outcome(make_run) -> None:
     json.dumps(report)
 
 
-INT_FIELDS = [("parallel", f) for f in ("dp", "tp", "pp", "sp", "ep", "dp_shard", "zero_stage", "pp_virtual_stages", "recompute_every")] + \
-             [("train", f) for f in ("seq_len", "micro_batch_size", "global_batch_size", "microbatches", "steps")] + \
-             [("cluster", f) for f in ("nodes", "devices_per_node")] + \
-             [("model.config", f) for f in ("vocab_size", "n_head", "n_layer", "num_attention_heads", "num_key_value_heads",
-                                            "num_hidden_layers", "intermediate_size", "num_local_experts", "max_position_embeddings")]
-CHOICES = {("parallel", "pp_schedule"): ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv", "dualpipev", "x"],
-           ("parallel", "sp_mode"): ["ulysses", "ring", ""], ("parallel", "order"): [["tp", "sp", "dp", "pp"], ["pp", "dp", "sp", "tp"],
-                                                                                      ["dp", "tp", "sp", "pp"], ["tp", "tp", "dp", "pp"], []],
-           ("parallel", "pp_layers_per_stage"): [None, [1, 3], [2, 2, 0], [0, 4], [-1, 5]], ("cluster", "allow_tp_across_nodes"): [True, False]}
-FIELD_VALUES = st.one_of(st.tuples(st.sampled_from(INT_FIELDS), NUMBERS),
-                         st.sampled_from(sorted(CHOICES)).flatmap(lambda f: st.tuples(st.just(f), st.sampled_from(CHOICES[f]))))
+INT_FIELDS = (
+    [
+        ("parallel", f)
+        for f in ("dp", "tp", "pp", "sp", "ep", "dp_shard", "zero_stage", "pp_virtual_stages", "recompute_every")
+    ]
+    + [("train", f) for f in ("seq_len", "micro_batch_size", "global_batch_size", "microbatches", "steps")]
+    + [("cluster", f) for f in ("nodes", "devices_per_node")]
+    + [
+        ("model.config", f)
+        for f in (
+            "vocab_size",
+            "n_head",
+            "n_layer",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_local_experts",
+            "max_position_embeddings",
+        )
+    ]
+)
+CHOICES = {
+    ("parallel", "pp_schedule"): [
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "looped-bfs",
+        "interleaved-zero-bubble",
+        "zbv",
+        "dualpipev",
+        "x",
+    ],
+    ("parallel", "sp_mode"): ["ulysses", "ring", ""],
+    ("parallel", "order"): [
+        ["tp", "sp", "dp", "pp"],
+        ["pp", "dp", "sp", "tp"],
+        ["dp", "tp", "sp", "pp"],
+        ["tp", "tp", "dp", "pp"],
+        [],
+    ],
+    ("parallel", "pp_layers_per_stage"): [None, [1, 3], [2, 2, 0], [0, 4], [-1, 5]],
+    ("cluster", "allow_tp_across_nodes"): [True, False],
+}
+FIELD_VALUES = st.one_of(
+    st.tuples(st.sampled_from(INT_FIELDS), NUMBERS),
+    st.sampled_from(sorted(CHOICES)).flatmap(lambda f: st.tuples(st.just(f), st.sampled_from(CHOICES[f]))),
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(base=st.sampled_from(BASES), changes=st.lists(FIELD_VALUES, min_size=1, max_size=4))
 def test_validator_on_random_values_raises_only_config_error(base, changes):
     """Degrees incl. 0, negatives and -1, odd batch sizes, huge clusters, bad orders and schedules."""
+
     def make_run():
         run = copy.deepcopy(_composed(base))
         for (section, name), value in changes:
@@ -250,15 +329,63 @@ def test_validator_on_random_values_raises_only_config_error(base, changes):
     _check_outcome(make_run)
 
 
-KEYS = ["parallel.dp", "parallel.tp", "parallel.ep", "parallel.dp_shard", "parallel.order", "parallel.pp_layers_per_stage",
-        "parallel.pp_schedule", "cluster.devices_per_node", "cluster.allow_tp_across_nodes", "train.seq_len",
-        "train.global_batch_size", "optim.lr", "data.source", "checkpoint.resume", "model.arch", "model.config.n_head",
-        "model.config.num_key_value_heads", "model.config.mlp_only_layers", "model.pretrained", "model", "recipe",
-        "parallel.foo", "+parallel.foo", "+model.config.foo", "~train.steps", "foo"]
-TOKENS = ["abc", "''", "null", "true", "[1,2]", "[]", "{a:1}", "1.5", "-0.5", "nan", "${nope}", "${train.steps}", "[tp,sp,dp,pp]",
-          "ring", "zbv", "llama-tiny", "gpt-3d", "qwen2_moe", "/nonexistent", "a b", "=", "]["]
-OVERRIDES = st.lists(st.builds("{}={}".format, st.sampled_from(KEYS), st.one_of(NUMBERS.map(str), st.sampled_from(TOKENS))),
-                     min_size=1, max_size=3)
+KEYS = [
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.ep",
+    "parallel.dp_shard",
+    "parallel.order",
+    "parallel.pp_layers_per_stage",
+    "parallel.pp_schedule",
+    "cluster.devices_per_node",
+    "cluster.allow_tp_across_nodes",
+    "train.seq_len",
+    "train.global_batch_size",
+    "optim.lr",
+    "data.source",
+    "checkpoint.resume",
+    "model.arch",
+    "model.config.n_head",
+    "model.config.num_key_value_heads",
+    "model.config.mlp_only_layers",
+    "model.pretrained",
+    "model",
+    "recipe",
+    "parallel.foo",
+    "+parallel.foo",
+    "+model.config.foo",
+    "~train.steps",
+    "foo",
+]
+TOKENS = [
+    "abc",
+    "''",
+    "null",
+    "true",
+    "[1,2]",
+    "[]",
+    "{a:1}",
+    "1.5",
+    "-0.5",
+    "nan",
+    "${nope}",
+    "${train.steps}",
+    "[tp,sp,dp,pp]",
+    "ring",
+    "zbv",
+    "llama-tiny",
+    "gpt-3d",
+    "qwen2_moe",
+    "/nonexistent",
+    "a b",
+    "=",
+    "][",
+]
+OVERRIDES = st.lists(
+    st.builds("{}={}".format, st.sampled_from(KEYS), st.one_of(NUMBERS.map(str), st.sampled_from(TOKENS))),
+    min_size=1,
+    max_size=3,
+)
 
 
 @settings(max_examples=40, deadline=None)

@@ -56,8 +56,9 @@ def build_model(spec: dict, world: int) -> torch.nn.Module:
     from transformers.distributed import DistributedConfig
 
     dc = DistributedConfig(ep_size=spec["ep"], fsdp_size=world, ep_implementation="all_to_all")
-    model = AutoModelForCausalLM.from_pretrained(spec["init_dir"], distributed_config=dc, dtype=torch.float32,
-                                                 attn_implementation=spec["attn_implementation"])
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["init_dir"], distributed_config=dc, dtype=torch.float32, attn_implementation=spec["attn_implementation"]
+    )
     model.config.use_cache = False
     model.config.output_router_logits = True
     model.train()
@@ -127,10 +128,24 @@ def run(spec: dict, progress_path: str = "") -> dict:
             progress.write(json.dumps({"step": step + 1, "step_time_s": times[-1]}) + "\n")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "model_state_bytes": mem, "peak_rss_bytes": peak,
-                                      "a2a_forward_sent_bytes_per_step": sent_per_step})
-    return {"step_time_s": times, "losses": losses, "ranks": gathered, "expert_dtensors": len(experts),
-            "local_expert_shape": local_experts, "aux_loss_coef": coef, "threads": torch.get_num_threads()}
+    dist.all_gather_object(
+        gathered,
+        {
+            "rank": rank,
+            "model_state_bytes": mem,
+            "peak_rss_bytes": peak,
+            "a2a_forward_sent_bytes_per_step": sent_per_step,
+        },
+    )
+    return {
+        "step_time_s": times,
+        "losses": losses,
+        "ranks": gathered,
+        "expert_dtensors": len(experts),
+        "local_expert_shape": local_experts,
+        "aux_loss_coef": coef,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:

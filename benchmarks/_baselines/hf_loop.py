@@ -49,8 +49,9 @@ def build_model(spec: dict) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     config = AutoConfig.for_model(spec["arch"], **spec["config"])
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=spec["attn_implementation"],
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=spec["attn_implementation"], dtype=torch.float32
+    )
     model.train()
     return model
 
@@ -59,8 +60,13 @@ def make_optimizer(model: torch.nn.Module, spec: dict) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": spec["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]),
-                             eps=spec["eps"], foreach=False)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=spec["lr"],
+        betas=(spec["beta1"], spec["beta2"]),
+        eps=spec["eps"],
+        foreach=False,
+    )
 
 
 def loss_of(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -135,8 +141,9 @@ def run_accelerate(spec: dict, fsdp: bool) -> dict:
     if fsdp:
         from accelerate import FullyShardedDataParallelPlugin
 
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                reshard_after_forward=True)
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
+        )
         kwargs["fsdp_plugin"] = plugin
     # cpu=True: without it Accelerate ignores torchrun's env on a machine without an accelerator
     # and every process trains alone (DistributedType.NO).
@@ -186,8 +193,13 @@ def run_accelerate(spec: dict, fsdp: bool) -> dict:
     kind = "FSDP2" if fsdp else f"DDP (DistributedType.{str(accelerator.distributed_type).split('.')[-1]})"
     if forced:
         kind += " (forced on CPU: Accelerate 1.15 enables FSDP only for accelerator devices)"
-    return {"step_time_s": times, "losses": losses, "ranks": gathered, "kind": kind,
-            "distributed_type": str(accelerator.distributed_type)}
+    return {
+        "step_time_s": times,
+        "losses": losses,
+        "ranks": gathered,
+        "kind": kind,
+        "distributed_type": str(accelerator.distributed_type),
+    }
 
 
 def main() -> None:

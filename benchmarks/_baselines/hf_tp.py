@@ -50,16 +50,18 @@ def build_model(spec: dict, mode: str, world: int) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mode == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(spec["init_dir"], tp_plan="auto", dtype=torch.float32,
-                                                     attn_implementation=spec["attn_implementation"])
+        model = AutoModelForCausalLM.from_pretrained(
+            spec["init_dir"], tp_plan="auto", dtype=torch.float32, attn_implementation=spec["attn_implementation"]
+        )
     elif mode == "from-config":
         from safetensors.torch import load_file
         from transformers.distributed import DistributedConfig
 
         config = AutoConfig.from_pretrained(spec["init_dir"])
         config.use_cache = False
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec["attn_implementation"],
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=spec["attn_implementation"], dtype=torch.float32
+        )
         cls = type(model)
         dc, _, mesh_manager = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
         model = cls.maybe_distribute_model(model, dc, mesh_manager)
@@ -88,8 +90,13 @@ def make_optimizer(model: torch.nn.Module, spec: dict) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": spec["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]),
-                             eps=spec["eps"], foreach=False)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=spec["lr"],
+        betas=(spec["beta1"], spec["beta2"]),
+        eps=spec["eps"],
+        foreach=False,
+    )
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:
@@ -187,9 +194,15 @@ def run(spec: dict, mode: str, progress_path: str = "") -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "model_state_bytes": mem, "peak_rss_bytes": peak})
-    return {"step_time_s": times, "losses": losses, "ranks": gathered, "mode": mode,
-            "sharded_params": len(sharded), "params": sum(1 for _ in model.parameters()),
-            "threads": torch.get_num_threads()}
+    return {
+        "step_time_s": times,
+        "losses": losses,
+        "ranks": gathered,
+        "mode": mode,
+        "sharded_params": len(sharded),
+        "params": sum(1 for _ in model.parameters()),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:

@@ -9,8 +9,9 @@ What is measured (see profile.py for the file and the bandwidth conventions):
   class runs at the same time (all nodes' intra groups together, all local ranks' inter groups
   together), as they do in training, so shared NICs or memory bandwidth show up;
 - ops all_reduce, all_gather (all_gather_single, formerly all_gather_into_tensor), reduce_scatter
-  (reduce_scatter_single / reduce_scatter_tensor), all_to_all (all_to_all_single) and send_recv (each rank sends to the next rank of its group and
-  receives from the previous one, batched as in nccl-tests' sendrecv);
+  (reduce_scatter_single / reduce_scatter_tensor), all_to_all (all_to_all_single) and send_recv
+  (each rank sends to the next rank of its group and receives from the previous one, batched as in
+  nccl-tests' sendrecv);
 - per message size: `warmup` untimed calls, a barrier, `iters` timed calls; a rank's time is its
   mean per call and the reported time the slowest rank's (all-reduce MAX), as in nccl-tests.
 Before timing, each op runs once on small known values and its result is checked: a backend
@@ -38,9 +39,13 @@ from partrain.blueprint.comm_profile import (
 from partrain.runtime.context import DistEnv, from_environ
 from partrain.runtime.lifecycle import joined_group, leave
 
-TORCH_OPS = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather_single", "all_gather_into_tensor"),
-             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"), "all_to_all": ("all_to_all_single",),
-             "send_recv": ("batch_isend_irecv",)}
+TORCH_OPS = {
+    "all_reduce": ("all_reduce",),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_to_all": ("all_to_all_single",),
+    "send_recv": ("batch_isend_irecv",),
+}
 """torch.distributed calls per op, newest name first (torch 2.13 renamed the flat-tensor collectives
 *_single and deprecates the *_into_tensor / *_tensor names; older torch has only those)."""
 ELEMENT_BYTES = 4
@@ -122,6 +127,7 @@ class _Bench:
                 ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, out, prev, group)]
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()
+
             return call, x, out
         raise ValueError(op)
 
@@ -172,8 +178,11 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
     links: Dict[str, dict] = {}
     for link, groups in link_groups(s.nodes, s.devices_per_node).items():
         # new_subgroups_by_enumeration: every rank creates every group (collective), keeps its own.
-        group = None if len(groups) == 1 and len(groups[0]) == env.world_size else \
-            dist.new_subgroups_by_enumeration(groups)[0]
+        group = (
+            None
+            if len(groups) == 1 and len(groups[0]) == env.world_size
+            else dist.new_subgroups_by_enumeration(groups)[0]
+        )
         members = next(g for g in groups if env.rank in g)
         n = len(members)
         ops: Dict[str, dict] = {}
@@ -181,7 +190,12 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
             progress(f"{op} over {link} groups of {n}")
             bench.error = ""
             verdict = int(bench.world_max(float(bench.check(op, group, members))))
-            rec: dict = {"supported": verdict != 1, "torch_op": torch_op(op), "bus_factor": bus_factor(op, n), "results": []}
+            rec: dict = {
+                "supported": verdict != 1,
+                "torch_op": torch_op(op),
+                "bus_factor": bus_factor(op, n),
+                "results": [],
+            }
             if verdict == 2:
                 raise RuntimeError(f"{op} over {link} groups returned a wrong result on {s.backend}")
             if verdict == 1:
@@ -194,10 +208,18 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
                     rec["results"].append(result(count * ELEMENT_BYTES, t, rec["bus_factor"]))
             ops[op] = rec
         links[link] = {"group_size": n, "groups": groups, "ops": ops}
-    cluster = {"name": s.name, "nodes": s.nodes, "devices_per_node": s.devices_per_node, "backend": s.backend, "device": s.device}
+    cluster = {
+        "name": s.name,
+        "nodes": s.nodes,
+        "devices_per_node": s.devices_per_node,
+        "backend": s.backend,
+        "device": s.device,
+    }
     settings = {"dtype": "float32", "sizes": list(s.sizes), "iters": s.iters, "warmup": s.warmup}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return make_profile(cluster, links, settings, torch_version=torch.__version__, hostname=socket.gethostname(), date=date)
+    return make_profile(
+        cluster, links, settings, torch_version=torch.__version__, hostname=socket.gethostname(), date=date
+    )
 
 
 def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:
@@ -205,11 +227,15 @@ def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:
     group destroyed; the caller ends the process with `lifecycle.leave` (gloo may abort at normal exit)."""
     import torch
 
-    progress = (lambda text: print(PROGRESS + text, flush=True)) if show_progress and env.is_main else (lambda text: None)
+    progress = (
+        (lambda text: print(PROGRESS + text, flush=True)) if show_progress and env.is_main else (lambda text: None)
+    )
     try:
         if env.world_size != s.world_size:
-            raise RuntimeError(f"the cluster has {s.world_size} processes (nodes x devices_per_node) but the launcher "
-                               f"started {env.world_size}")
+            raise RuntimeError(
+                f"the cluster has {s.world_size} processes (nodes x devices_per_node) but the launcher "
+                f"started {env.world_size}"
+            )
         if s.device == "cuda":
             torch.cuda.set_device(env.local_rank)
         with joined_group(s.backend, env.rank, env.world_size, s.timeout_s):

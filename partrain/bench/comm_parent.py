@@ -74,16 +74,18 @@ def launch(s: BenchSettings, status_console, environ: Mapping[str, str], threads
     """Run the workers on this machine; (torchrun's exit code, the first worker failure line, the
     tail of their output: torchrun's own report comes last and rarely names the cause)."""
     env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(worker_command(s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    proc = subprocess.Popen(
+        worker_command(s), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+    )
     tail: deque = deque(maxlen=40)
     cause = ""
     with status_console.status(f"measuring {s.backend} collectives over {s.world_size} processes") as status:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(PROGRESS):
-                status.update(f"measuring {line[len(PROGRESS):].strip()}")
+                status.update(f"measuring {line[len(PROGRESS) :].strip()}")
             elif line.startswith(FAILURE):
-                cause = cause or line[len(FAILURE):].strip()
+                cause = cause or line[len(FAILURE) :].strip()
             else:
                 tail.append(line)
     return proc.wait(), cause, "".join(tail)
@@ -99,21 +101,31 @@ def render_profile(profile: dict, path: Optional[Path], console) -> None:
             rec = entry["ops"].get(op)
             if rec is None:
                 continue
-            title = (f"{op} over {link} groups of {entry['group_size']} ({cl['backend']}, {cl['device']}; "
-                     f"bus factor {rec['bus_factor']:.3g})")
+            title = (
+                f"{op} over {link} groups of {entry['group_size']} ({cl['backend']}, {cl['device']}; "
+                f"bus factor {rec['bus_factor']:.3g})"
+            )
             if not rec["supported"]:
-                console.print(f"[yellow]{title}: not supported by this backend[/yellow] ({rec.get('error', '')})",
-                              highlight=False)
+                console.print(
+                    f"[yellow]{title}: not supported by this backend[/yellow] ({rec.get('error', '')})", highlight=False
+                )
                 continue
             table = Table(title=title, title_justify="left")
             for col in ("size", "bytes", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
                 table.add_column(col, justify="right")
             for r in rec["results"]:
-                table.add_row(human_bytes(r["bytes"]), f"{r['bytes']:,}", f"{r['time_s'] * 1e6:,.1f}",
-                              f"{r['algbw']:.3f}", f"{r['busbw']:.3f}")
+                table.add_row(
+                    human_bytes(r["bytes"]),
+                    f"{r['bytes']:,}",
+                    f"{r['time_s'] * 1e6:,.1f}",
+                    f"{r['algbw']:.3f}",
+                    f"{r['busbw']:.3f}",
+                )
             console.print(table)
-    summary = Table(title="bus bandwidth at the largest size (GB/s): what the planner uses with cluster.comm_profile",
-                    title_justify="left")
+    summary = Table(
+        title="bus bandwidth at the largest size (GB/s): what the planner uses with cluster.comm_profile",
+        title_justify="left",
+    )
     summary.add_column("link")
     for op in OPS:
         summary.add_column(op, justify="right")
@@ -121,8 +133,11 @@ def render_profile(profile: dict, path: Optional[Path], console) -> None:
         summary.add_row(link, *(f"{ops[op]:.3f}" if op in ops else "-" for op in OPS))
     console.print(summary)
     if path is not None:
-        console.print(f"profile written to [cyan]{path}[/cyan]; plan with it: "
-                      f"partrain plan ... cluster.comm_profile={path}", highlight=False, soft_wrap=True)
+        console.print(
+            f"profile written to [cyan]{path}[/cyan]; plan with it: partrain plan ... cluster.comm_profile={path}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 BENCH_KEYS = ("cluster.", "train.timeout_s", "train.threads_per_process")
@@ -147,14 +162,22 @@ def _option_problems(size_text: str, iters: int, warmup: int, out: Optional[Path
         parsed = parse_sizes(size_text)
     except ValueError as exc:
         parsed = []
-        problems.append(Problem("--sizes", size_text, f"must be a comma-separated list of positive byte counts: {exc}",
-                                "e.g. --sizes 1K,64K,1M,16M (K, M, G = 2**10, 2**20, 2**30 bytes)"))
+        problems.append(
+            Problem(
+                "--sizes",
+                size_text,
+                f"must be a comma-separated list of positive byte counts: {exc}",
+                "e.g. --sizes 1K,64K,1M,16M (K, M, G = 2**10, 2**20, 2**30 bytes)",
+            )
+        )
     if iters < 1:
         problems.append(Problem("--iters", iters, "must be >= 1 (timed calls per message size)", "e.g. --iters 20"))
     if warmup < 0:
         problems.append(Problem("--warmup", warmup, "must be >= 0 (untimed calls before timing)", "e.g. --warmup 5"))
     if out is not None and out.is_dir():
-        problems.append(Problem("--out", str(out), "is a folder; the profile is one JSON file", f"e.g. --out {out / 'comm.json'}"))
+        problems.append(
+            Problem("--out", str(out), "is a folder; the profile is one JSON file", f"e.g. --out {out / 'comm.json'}")
+        )
     return parsed, problems
 
 
@@ -165,23 +188,45 @@ def _cluster_problems(cl, dist_env, checked_so_far: bool) -> list:
     problems = []
     world = cl.nodes * cl.devices_per_node
     if world < 2:
-        problems.append(Problem("cluster.devices_per_node", cl.devices_per_node,
-                                "measuring communication needs at least 2 processes (nodes x devices_per_node)",
-                                "set cluster.devices_per_node=2 or more"))
+        problems.append(
+            Problem(
+                "cluster.devices_per_node",
+                cl.devices_per_node,
+                "measuring communication needs at least 2 processes (nodes x devices_per_node)",
+                "set cluster.devices_per_node=2 or more",
+            )
+        )
     if dist_env is None and cl.nodes > 1:
-        problems.append(Problem("cluster.nodes", cl.nodes, "a multi-node measurement needs a launcher on every node",
-                                "start `partrain bench comm ...` under torchrun (--nnodes, --rdzv-endpoint) or srun on each node"))
+        problems.append(
+            Problem(
+                "cluster.nodes",
+                cl.nodes,
+                "a multi-node measurement needs a launcher on every node",
+                "start `partrain bench comm ...` under torchrun (--nnodes, --rdzv-endpoint) or srun on each node",
+            )
+        )
     if dist_env is not None and (dist_env.world_size, dist_env.local_world_size) != (world, cl.devices_per_node):
-        problems.append(Problem("cluster.devices_per_node", cl.devices_per_node,
-                                f"the launcher started {dist_env.world_size} processes, {dist_env.local_world_size} per node, "
-                                f"but the cluster has {cl.nodes} x {cl.devices_per_node}",
-                                "set cluster.nodes and cluster.devices_per_node to what the launcher starts"))
+        problems.append(
+            Problem(
+                "cluster.devices_per_node",
+                cl.devices_per_node,
+                f"the launcher started {dist_env.world_size} processes, {dist_env.local_world_size} per node, "
+                f"but the cluster has {cl.nodes} x {cl.devices_per_node}",
+                "set cluster.nodes and cluster.devices_per_node to what the launcher starts",
+            )
+        )
     if dist_env is None and cl.device == "cuda" and checked_so_far and not problems:
         import torch
 
         if torch.cuda.device_count() < cl.devices_per_node:
-            problems.append(Problem("cluster.device", "cuda", f"the cluster has {cl.devices_per_node} GPUs per node, this machine "
-                                    f"{torch.cuda.device_count()}", "use cluster=local-cpu, or fewer cluster.devices_per_node"))
+            problems.append(
+                Problem(
+                    "cluster.device",
+                    "cuda",
+                    f"the cluster has {cl.devices_per_node} GPUs per node, this machine {torch.cuda.device_count()}",
+                    "use cluster=local-cpu, or fewer cluster.devices_per_node",
+                )
+            )
     return problems
 
 
@@ -200,6 +245,15 @@ def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Opti
     if out is None:
         # Under a launcher every rank computes one; only rank 0 writes (and reports) its own.
         out = default_out(cl.name)
-    return BenchSettings(name=cl.name, nodes=cl.nodes, devices_per_node=cl.devices_per_node, backend=cl.backend,
-                         device=cl.device, sizes=tuple(parsed), iters=iters, warmup=warmup, out=str(out),
-                         timeout_s=float(run.train.timeout_s))
+    return BenchSettings(
+        name=cl.name,
+        nodes=cl.nodes,
+        devices_per_node=cl.devices_per_node,
+        backend=cl.backend,
+        device=cl.device,
+        sizes=tuple(parsed),
+        iters=iters,
+        warmup=warmup,
+        out=str(out),
+        timeout_s=float(run.train.timeout_s),
+    )

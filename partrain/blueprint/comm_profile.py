@@ -123,13 +123,21 @@ def summarize(profile: dict) -> dict:
     return profile
 
 
-def make_profile(cluster: Mapping, links: Mapping, settings: Mapping, torch_version: str = "", hostname: str = "",
-                 date: str = "") -> dict:
+def make_profile(
+    cluster: Mapping, links: Mapping, settings: Mapping, torch_version: str = "", hostname: str = "", date: str = ""
+) -> dict:
     """A complete profile dict (summary computed)."""
-    profile = {"format": FORMAT, "version": VERSION,
-               "cluster": {k: cluster[k] for k in ("name", "nodes", "devices_per_node", "backend", "device")},
-               "torch": torch_version, "hostname": hostname, "date": date, "settings": dict(settings),
-               "units": "bytes; seconds; algbw and busbw in GB/s (10**9 bytes/s)", "links": dict(links)}
+    profile = {
+        "format": FORMAT,
+        "version": VERSION,
+        "cluster": {k: cluster[k] for k in ("name", "nodes", "devices_per_node", "backend", "device")},
+        "torch": torch_version,
+        "hostname": hostname,
+        "date": date,
+        "settings": dict(settings),
+        "units": "bytes; seconds; algbw and busbw in GB/s (10**9 bytes/s)",
+        "links": dict(links),
+    }
     return summarize(profile)
 
 
@@ -150,7 +158,7 @@ def _positive(x) -> bool:
 def check_profile(data) -> dict:
     """The profile if it is one this partrain can use; ProfileError (the broken rule) otherwise."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ProfileError(f"is not a partrain communication profile (no \"format\": \"{FORMAT}\")")
+        raise ProfileError(f'is not a partrain communication profile (no "format": "{FORMAT}")')
     if data.get("version") != VERSION:
         raise ProfileError(f"has profile format version {data.get('version')!r}; this partrain reads version {VERSION}")
     cluster = data.get("cluster")
@@ -158,7 +166,7 @@ def check_profile(data) -> dict:
         raise ProfileError("lacks the cluster it was measured on (cluster.backend, cluster.device)")
     summary = data.get("summary")
     if not isinstance(summary, dict):
-        raise ProfileError("has no \"summary\" of bus bandwidths")
+        raise ProfileError('has no "summary" of bus bandwidths')
     usable = 0
     for link, ops in summary.items():
         if not isinstance(ops, dict):
@@ -200,14 +208,22 @@ def planner_bandwidths(path: Path | str) -> Tuple[Tuple[str, float], ...]:
     """(("intra/all_reduce", bytes/s), ...) for the planner's ClusterSpec: measured bus bandwidths
     of the link classes it knows, as a hashable tuple (ClusterSpec is a cache key)."""
     summary = load_profile(path)["summary"]
-    return tuple(sorted((f"{link}/{op}", float(gbps) * GB) for link in PLANNER_LINKS
-                        for op, gbps in summary.get(link, {}).items() if op in OPS))
+    return tuple(
+        sorted(
+            (f"{link}/{op}", float(gbps) * GB)
+            for link in PLANNER_LINKS
+            for op, gbps in summary.get(link, {}).items()
+            if op in OPS
+        )
+    )
 
 
 def mismatch(profile: dict, backend: str, device: str) -> Optional[str]:
     """Why a profile does not describe a cluster with this backend and device (None if it does)."""
     measured = profile["cluster"]
     if (measured["backend"], measured["device"]) != (backend, device):
-        return (f"was measured with backend {measured['backend']} on {measured['device']}, but the cluster uses "
-                f"{backend} on {device}")
+        return (
+            f"was measured with backend {measured['backend']} on {measured['device']}, but the cluster uses "
+            f"{backend} on {device}"
+        )
     return None

@@ -65,22 +65,38 @@ def load_snapshot() -> Dict[str, dict]:
 def _problem_unknown_arch(arch: str) -> Problem:
     close = difflib.get_close_matches(arch, SUPPORTED_ARCHS, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    return Problem("model.arch", arch, f"not a supported HF architecture family ({', '.join(SUPPORTED_ARCHS)})",
-                   f"{hint}set model.arch to one of them")
+    return Problem(
+        "model.arch",
+        arch,
+        f"not a supported HF architecture family ({', '.join(SUPPORTED_ARCHS)})",
+        f"{hint}set model.arch to one of them",
+    )
 
 
 def read_pretrained_config(folder: str) -> dict:
     path = Path(folder).expanduser() / "config.json"
     if not path.is_file():
-        raise ConfigError(Problem("model.pretrained", folder, "no config.json in that folder (an HF save_pretrained folder is expected)",
-                                  "point model.pretrained at a local folder written by save_pretrained, or unset it"))
+        raise ConfigError(
+            Problem(
+                "model.pretrained",
+                folder,
+                "no config.json in that folder (an HF save_pretrained folder is expected)",
+                "point model.pretrained at a local folder written by save_pretrained, or unset it",
+            )
+        )
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(Problem("model.pretrained", folder, f"{path} is not readable JSON ({exc})", "repair or re-export the folder"))
+        raise ConfigError(
+            Problem(
+                "model.pretrained", folder, f"{path} is not readable JSON ({exc})", "repair or re-export the folder"
+            )
+        )
 
 
-def merged_kwargs(arch: str, config: Mapping[str, Any], pretrained: Optional[str], snapshot: Dict[str, dict]) -> Dict[str, Any]:
+def merged_kwargs(
+    arch: str, config: Mapping[str, Any], pretrained: Optional[str], snapshot: Dict[str, dict]
+) -> Dict[str, Any]:
     """Class defaults <- pretrained config.json <- model.config, with attribute-map aliases resolved.
 
     Raises ConfigError for an unknown arch or a key the config class does not have.
@@ -94,8 +110,14 @@ def merged_kwargs(arch: str, config: Mapping[str, Any], pretrained: Optional[str
     if pretrained:
         stored = read_pretrained_config(pretrained)
         if stored.get("model_type", arch) != arch:
-            raise ConfigError(Problem("model.arch", arch, f"model.pretrained holds a {stored.get('model_type')!r} model",
-                                      f"set model.arch={stored.get('model_type')}"))
+            raise ConfigError(
+                Problem(
+                    "model.arch",
+                    arch,
+                    f"model.pretrained holds a {stored.get('model_type')!r} model",
+                    f"set model.arch={stored.get('model_type')}",
+                )
+            )
         layers.append(({k: v for k, v in stored.items() if k in fields or k in aliases}, None))
     layers.append((dict(config), "model.config"))
     for source, key_prefix in layers:
@@ -106,7 +128,9 @@ def merged_kwargs(arch: str, config: Mapping[str, Any], pretrained: Optional[str
                     continue
                 close = difflib.get_close_matches(key, list(fields) + list(aliases), n=1)
                 hint = f"did you mean {close[0]}?" if close else f"see the fields of transformers.{entry['class']}"
-                raise ConfigError(Problem(f"{key_prefix}.{key}", value, f"not a field of transformers.{entry['class']}", hint))
+                raise ConfigError(
+                    Problem(f"{key_prefix}.{key}", value, f"not a field of transformers.{entry['class']}", hint)
+                )
             values[name] = value
     return values
 
@@ -114,7 +138,9 @@ def merged_kwargs(arch: str, config: Mapping[str, Any], pretrained: Optional[str
 def _int(values: Dict[str, Any], name: str, arch: str) -> int:
     value = values.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(Problem(f"model.config.{name}", value, f"{arch} needs a positive integer here", f"set model.config.{name}"))
+        raise ConfigError(
+            Problem(f"model.config.{name}", value, f"{arch} needs a positive integer here", f"set model.config.{name}")
+        )
     return value
 
 
@@ -125,7 +151,9 @@ def _opt_int(values: Dict[str, Any], name: str, arch: str) -> Optional[int]:
 
 def _divides(part: int, whole: int, key: str, rule: str) -> None:
     if whole % part:
-        raise ConfigError(Problem(key, part, f"{rule}; {whole} % {part} = {whole % part}", f"choose a divisor of {whole}"))
+        raise ConfigError(
+            Problem(key, part, f"{rule}; {whole} % {part} = {whole % part}", f"choose a divisor of {whole}")
+        )
 
 
 def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> ModelFacts:
@@ -133,42 +161,80 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
         hidden, heads = _int(values, "n_embd", arch), _int(values, "n_head", arch)
         _divides(heads, hidden, "model.config.n_head", f"must divide the hidden size n_embd={hidden}")
         return ModelFacts(
-            arch=arch, config_class=class_name, n_layers=_int(values, "n_layer", arch), hidden=hidden, heads=heads,
-            kv_heads=heads, head_dim=hidden // heads, ffn=_opt_int(values, "n_inner", arch) or 4 * hidden,
-            vocab=_int(values, "vocab_size", arch), max_positions=_int(values, "n_positions", arch),
-            tied_embeddings=bool(values.get("tie_word_embeddings", True)), norm="layernorm", gated_mlp=False,
-            qkv_bias=True, learned_positions=True,
+            arch=arch,
+            config_class=class_name,
+            n_layers=_int(values, "n_layer", arch),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=heads,
+            head_dim=hidden // heads,
+            ffn=_opt_int(values, "n_inner", arch) or 4 * hidden,
+            vocab=_int(values, "vocab_size", arch),
+            max_positions=_int(values, "n_positions", arch),
+            tied_embeddings=bool(values.get("tie_word_embeddings", True)),
+            norm="layernorm",
+            gated_mlp=False,
+            qkv_bias=True,
+            learned_positions=True,
         )
     hidden, heads = _int(values, "hidden_size", arch), _int(values, "num_attention_heads", arch)
     kv_heads = _opt_int(values, "num_key_value_heads", arch) or heads
-    _divides(kv_heads, heads, "model.config.num_key_value_heads",
-             f"must divide the attention heads num_attention_heads={heads} (each KV head serves a group of query heads)")
+    _divides(
+        kv_heads,
+        heads,
+        "model.config.num_key_value_heads",
+        f"must divide the attention heads num_attention_heads={heads} (each KV head serves a group of query heads)",
+    )
     n_layers = _int(values, "num_hidden_layers", arch)
     common = dict(
-        arch=arch, config_class=class_name, n_layers=n_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        head_dim=_opt_int(values, "head_dim", arch) or hidden // heads, vocab=_int(values, "vocab_size", arch),
+        arch=arch,
+        config_class=class_name,
+        n_layers=n_layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=_opt_int(values, "head_dim", arch) or hidden // heads,
+        vocab=_int(values, "vocab_size", arch),
         max_positions=_int(values, "max_position_embeddings", arch),
-        tied_embeddings=bool(values.get("tie_word_embeddings", False)), norm="rmsnorm", gated_mlp=True,
+        tied_embeddings=bool(values.get("tie_word_embeddings", False)),
+        norm="rmsnorm",
+        gated_mlp=True,
         qkv_bias=bool(values.get("attention_bias") or values.get("qkv_bias") or arch in ("qwen2", "qwen2_moe")),
     )
     if arch == "mixtral":
-        return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch), n_experts=_int(values, "num_local_experts", arch),
-                          experts_per_token=_int(values, "num_experts_per_tok", arch), moe_layers=n_layers)
+        return ModelFacts(
+            **common,
+            ffn=_int(values, "intermediate_size", arch),
+            n_experts=_int(values, "num_local_experts", arch),
+            experts_per_token=_int(values, "num_experts_per_tok", arch),
+            moe_layers=n_layers,
+        )
     if arch == "qwen2_moe":
         step = _opt_int(values, "decoder_sparse_step", arch) or 1
         dense_only = values.get("mlp_only_layers") or []
-        if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
-            raise ConfigError(Problem("model.config.mlp_only_layers", dense_only, "must be a list of layer indices", "e.g. [0, 1], or []"))
+        if not isinstance(dense_only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in dense_only
+        ):
+            raise ConfigError(
+                Problem(
+                    "model.config.mlp_only_layers", dense_only, "must be a list of layer indices", "e.g. [0, 1], or []"
+                )
+            )
         moe_layers = n_layers // step - sum(1 for i in set(dense_only) if 0 <= i < n_layers and (i + 1) % step == 0)
-        return ModelFacts(**common, ffn=_int(values, "moe_intermediate_size", arch), n_experts=_int(values, "num_experts", arch),
-                          experts_per_token=_int(values, "num_experts_per_tok", arch),
-                          shared_expert_ffn=_opt_int(values, "shared_expert_intermediate_size", arch) or 0, moe_layers=moe_layers)
+        return ModelFacts(
+            **common,
+            ffn=_int(values, "moe_intermediate_size", arch),
+            n_experts=_int(values, "num_experts", arch),
+            experts_per_token=_int(values, "num_experts_per_tok", arch),
+            shared_expert_ffn=_opt_int(values, "shared_expert_intermediate_size", arch) or 0,
+            moe_layers=moe_layers,
+        )
     return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch))
 
 
-def model_facts(arch: str, config: Mapping[str, Any], pretrained: Optional[str] = None,
-                snapshot: Optional[Dict[str, dict]] = None) -> ModelFacts:
+def model_facts(
+    arch: str, config: Mapping[str, Any], pretrained: Optional[str] = None, snapshot: Optional[Dict[str, dict]] = None
+) -> ModelFacts:
     snapshot = snapshot if snapshot is not None else load_snapshot()
     values = merged_kwargs(arch, config, pretrained, snapshot)
     return facts_from_kwargs(arch, values, snapshot[arch]["class"])
-

@@ -104,10 +104,15 @@ class ScheduleGrid:
 
     def to_json(self) -> dict:
         return {
-            "schedule": self.schedule, "pp": self.pp, "virtual_stages": self.v, "microbatches": self.n_microbatches,
-            "makespan_units": self.makespan, "bubble_fraction": self.bubble_fraction,
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "virtual_stages": self.v,
+            "microbatches": self.n_microbatches,
+            "makespan_units": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
             "formula_bubble_fraction": formula_bubble(self.schedule, self.pp, self.v, self.n_microbatches),
-            "placement": self.placement, "note": self.note,
+            "placement": self.placement,
+            "note": self.note,
             "rows": [" ".join(cell_label(c, self.v) if c is not None else "." for c in row) for row in self.rows],
         }
 
@@ -129,6 +134,7 @@ def formula_bubble(schedule: str, pp: int, v: int, m: int) -> Optional[float]:
 
 
 # ---- per-rank orders ----------------------------------------------------------------------------
+
 
 def placement(schedule: str, pp: int, v: int) -> List[List[int]]:
     """Chunks (global stage indices) each rank owns under `schedule`."""
@@ -264,8 +270,10 @@ def _zbv(r: int, p: int, m: int) -> List[Action]:
 
 # ---- simulation ---------------------------------------------------------------------------------
 
-def simulate(orders: Sequence[Sequence[Action]], n_stages: int,
-             duration: Optional[Dict[str, int]] = None) -> List[List[Optional[Tuple[Action, bool]]]]:
+
+def simulate(
+    orders: Sequence[Sequence[Action]], n_stages: int, duration: Optional[Dict[str, int]] = None
+) -> List[List[Optional[Tuple[Action, bool]]]]:
     """Run per-rank orders with unit costs; rows[rank][t] = (action, first unit) or None."""
     dur = dict(DURATION, **(duration or {}))
     end: Dict[Tuple[str, int, int], int] = {}
@@ -317,8 +325,9 @@ def simulate(orders: Sequence[Sequence[Action]], n_stages: int,
     return rows
 
 
-def schedule_grid(schedule: str, pp: int, v: int, n_microbatches: int,
-                  orders: Optional[Sequence[Sequence[Action]]] = None) -> ScheduleGrid:
+def schedule_grid(
+    schedule: str, pp: int, v: int, n_microbatches: int, orders: Optional[Sequence[Sequence[Action]]] = None
+) -> ScheduleGrid:
     """Simulate `schedule` (see module docstring). `orders` overrides the built-in per-rank orders,
     e.g. ones read from torch (`partrain.parallel.pipeline.torch_orders.torch_rank_orders`)."""
     given = orders
@@ -326,8 +335,10 @@ def schedule_grid(schedule: str, pp: int, v: int, n_microbatches: int,
     owned = placement(schedule, pp, v)
     chunk_of = {s: k for chunks in owned for k, s in enumerate(chunks)}
     raw = simulate(orders, pp * v)
-    rows = [[None if c is None else Cell(c[0].kind, c[0].mb, c[0].stage, chunk_of.get(c[0].stage, 0), c[1]) for c in row]
-            for row in raw]
+    rows = [
+        [None if c is None else Cell(c[0].kind, c[0].mb, c[0].stage, chunk_of.get(c[0].stage, 0), c[1]) for c in row]
+        for row in raw
+    ]
     note = APPROXIMATE.get(schedule, "") if given is None else ""
     return ScheduleGrid(schedule, pp, v, n_microbatches, rows, owned, note, orders)
 

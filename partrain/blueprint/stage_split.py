@@ -103,8 +103,10 @@ def schedule_problems(schedule: str, pp: int, v: int, n_microbatches: int, n_lay
     if schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
         rounds = max(1, n_microbatches // pp)
         if n_microbatches % rounds:
-            out.append(f"{schedule} needs microbatches to be a multiple of the rounds max(1, m // pp) = {rounds} "
-                       f"(m={n_microbatches}); multiples of pp always work")
+            out.append(
+                f"{schedule} needs microbatches to be a multiple of the rounds max(1, m // pp) = {rounds} "
+                f"(m={n_microbatches}); multiples of pp always work"
+            )
     if schedule == "dualpipev" and n_microbatches < 2 * pp:
         out.append(f"dualpipev needs microbatches >= 2 * pp = {2 * pp} (got {n_microbatches})")
     if n_layers is not None and n_layers < pp * v:
@@ -135,6 +137,7 @@ def owner_of_chunk(pp: int, v: int, style: str) -> List[int]:
 
 
 # ---- cost model ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ChunkCosts:
@@ -182,17 +185,23 @@ def chunk_costs(facts, seq_len: int = 0, kind: str = "flops") -> ChunkCosts:
     return ChunkCosts(layer=float(layer), embed=embed, head=head, kind=kind)
 
 
-def split_layers(n_layers: int, n_chunks: int, layers_per_chunk: Optional[Sequence[int]] = None,
-                 embed_cost: float = 0.0, head_cost: float = 0.0,
-                 layer_cost: Union[float, Sequence[float]] = 1.0) -> List[range]:
+def split_layers(
+    n_layers: int,
+    n_chunks: int,
+    layers_per_chunk: Optional[Sequence[int]] = None,
+    embed_cost: float = 0.0,
+    head_cost: float = 0.0,
+    layer_cost: Union[float, Sequence[float]] = 1.0,
+) -> List[range]:
     """Contiguous decoder-layer ranges, one per chunk, in chunk order.
 
     `layers_per_chunk` (explicit counts, e.g. from `parallel.pp_layers_per_stage`) wins; counts may
     be 0 for a chunk that only holds the embeddings or the head. Otherwise the split minimises the
     largest chunk cost (chunk cost = its layers' costs, plus `embed_cost` for chunk 0, plus
     `head_cost` for the last chunk), then the sum of squared chunk costs, then the sum of squared
-    layer counts, then gives earlier chunks more layers. `layer_cost` is one number for identical layers or one per layer; any
-    unit works as long as all costs share it (see `chunk_costs`). Every chunk gets >= 1 layer.
+    layer counts, then gives earlier chunks more layers. `layer_cost` is one number for identical
+    layers or one per layer; any unit works as long as all costs share it (see `chunk_costs`).
+    Every chunk gets >= 1 layer.
     """
     if n_chunks < 1:
         raise ValueError(f"n_chunks must be >= 1 (got {n_chunks})")
@@ -265,8 +274,9 @@ def _explicit_ranges(n_layers: int, n_chunks: int, layers_per_chunk: Sequence[in
     return _ranges(counts)
 
 
-def _layer_costs(n_layers: int, layer_cost: Union[float, Sequence[float]], embed_cost: float,
-                 head_cost: float) -> List[float]:
+def _layer_costs(
+    n_layers: int, layer_cost: Union[float, Sequence[float]], embed_cost: float, head_cost: float
+) -> List[float]:
     costs = [float(layer_cost)] * n_layers if isinstance(layer_cost, (int, float)) else [float(c) for c in layer_cost]
     if len(costs) != n_layers:
         raise ValueError(f"layer_cost has {len(costs)} entries for {n_layers} layers")
@@ -283,8 +293,15 @@ def _ranges(counts: Sequence[int]) -> List[range]:
     return out
 
 
-def plan_chunks(facts, pp: int, v: int, schedule: str, seq_len: int = 0,
-                layers_per_chunk: Optional[Sequence[int]] = None, kind: str = "flops") -> dict:
+def plan_chunks(
+    facts,
+    pp: int,
+    v: int,
+    schedule: str,
+    seq_len: int = 0,
+    layers_per_chunk: Optional[Sequence[int]] = None,
+    kind: str = "flops",
+) -> dict:
     """Everything the dry run and a worker need: layer ranges per chunk, chunks per rank, costs.
 
     Returns {"ranges": [range, ...], "placement": [[chunk, ...] per rank], "style", "costs"}.
@@ -292,6 +309,12 @@ def plan_chunks(facts, pp: int, v: int, schedule: str, seq_len: int = 0,
     style = schedule_style(schedule)
     costs = chunk_costs(facts, seq_len=seq_len, kind=kind)
     n_chunks = pp * v
-    ranges = split_layers(facts.n_layers, n_chunks, layers_per_chunk, embed_cost=costs.embed / costs.layer,
-                          head_cost=costs.head / costs.layer, layer_cost=1.0)
+    ranges = split_layers(
+        facts.n_layers,
+        n_chunks,
+        layers_per_chunk,
+        embed_cost=costs.embed / costs.layer,
+        head_cost=costs.head / costs.layer,
+        layer_cost=1.0,
+    )
     return {"ranges": ranges, "placement": chunk_placement(pp, v, style), "style": style, "costs": costs}

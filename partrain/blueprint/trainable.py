@@ -36,12 +36,19 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "ep": (layout.ep > 1, f"parallel.ep={layout.ep} (expert parallelism)"),
         "recompute": (p.recompute != "none", f"parallel.recompute={p.recompute}"),
         "fp16": (v.run.train.precision == "fp16", "train.precision=fp16 (loss scaling; use bf16)"),
-        "zero1-tp": (p.zero_stage == 1 and layout.tp > 1, "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)"),
-        "tp-sp-learned-positions": (p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
-                                    f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)"),
+        "zero1-tp": (
+            p.zero_stage == 1 and layout.tp > 1,
+            "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)",
+        ),
+        "tp-sp-learned-positions": (
+            p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
+            f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)",
+        ),
         **_sp_limits(v),
-        "checkpoint": (v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
-                       "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)"),
+        "checkpoint": (
+            v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
+            "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)",
+        ),
     }
     return [text for key, (used, text) in wanted.items() if used and not IMPLEMENTED[key]]
 
@@ -57,12 +64,20 @@ def _sp_limits(v: ValidatedRun) -> dict:
     m = v.run.model
     cfg = merged_kwargs(m.arch, m.config or {}, m.pretrained, load_snapshot())
     window = cfg.get("sliding_window") or 0
-    windowed = m.arch in ("mistral", "mixtral") or cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])
+    windowed = (
+        m.arch in ("mistral", "mixtral")
+        or cfg.get("use_sliding_window")
+        or "sliding_attention" in (cfg.get("layer_types") or [])
+    )
     dropout = max(float(cfg.get("attention_dropout") or 0.0), float(cfg.get("attn_pdrop") or 0.0))
     return {
-        "sp-sliding-window": (bool(windowed and 0 < window < seq),
-                              f"parallel.sp={layout.sp} (sequence parallelism with a sliding attention window of {window} tokens "
-                              f"< train.seq_len={seq}, i.e. model.config.sliding_window)"),
-        "sp-ring-dropout": (v.run.parallel.sp_mode == "ring" and dropout > 0,
-                            f"parallel.sp_mode=ring (attention dropout {dropout} inside ring attention; Ulysses supports it)"),
+        "sp-sliding-window": (
+            bool(windowed and 0 < window < seq),
+            f"parallel.sp={layout.sp} (sequence parallelism with a sliding attention window of {window} tokens "
+            f"< train.seq_len={seq}, i.e. model.config.sliding_window)",
+        ),
+        "sp-ring-dropout": (
+            v.run.parallel.sp_mode == "ring" and dropout > 0,
+            f"parallel.sp_mode=ring (attention dropout {dropout} inside ring attention; Ulysses supports it)",
+        ),
     }

@@ -74,32 +74,64 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
     ]
     for key, value, allowed in choices:
         c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", f"set {key}={allowed[0]}")
-    c.check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 0, 1, 2 or 3",
-            "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP")
-    c.check(sorted(p.order) == sorted(AXES), "parallel.order", list(p.order), f"must list each of {', '.join(AXES)} once",
-            f"e.g. parallel.order=[{','.join(AXES)}]")
+    c.check(
+        p.zero_stage in (0, 1, 2, 3),
+        "parallel.zero_stage",
+        p.zero_stage,
+        "must be 0, 1, 2 or 3",
+        "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP",
+    )
+    c.check(
+        sorted(p.order) == sorted(AXES),
+        "parallel.order",
+        list(p.order),
+        f"must list each of {', '.join(AXES)} once",
+        f"e.g. parallel.order=[{','.join(AXES)}]",
+    )
     if cl.backend == "nccl":
-        c.check(cl.device == "cuda", "cluster.backend", cl.backend, "nccl needs cluster.device=cuda", "use backend gloo on CPU")
+        c.check(
+            cl.device == "cuda",
+            "cluster.backend",
+            cl.backend,
+            "nccl needs cluster.device=cuda",
+            "use backend gloo on CPU",
+        )
 
 
 def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
     t, o, ck, d, p, cl = run.train, run.optim, run.checkpoint, run.data, run.parallel, run.cluster
     at_least = [
-        ("cluster.nodes", cl.nodes, 1), ("cluster.devices_per_node", cl.devices_per_node, 1),
-        ("train.seq_len", t.seq_len, 1), ("train.micro_batch_size", t.micro_batch_size, 1), ("train.steps", t.steps, 1),
-        ("train.global_batch_size", t.global_batch_size, 0), ("train.microbatches", t.microbatches, 0),
-        ("train.eval_every", t.eval_every, 0), ("train.eval_batches", t.eval_batches, 0), ("train.log_every", t.log_every, 1),
-        ("train.threads_per_process", t.threads_per_process, 0), ("train.max_restarts", t.max_restarts, 0),
-        ("train.timeout_s", t.timeout_s, 1), ("checkpoint.every_steps", ck.every_steps, 0), ("checkpoint.keep_last", ck.keep_last, 0),
-        ("optim.warmup_steps", o.warmup_steps, 0), ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
-        ("parallel.recompute_every", p.recompute_every, 1), ("data.max_bytes", d.max_bytes, 0),
+        ("cluster.nodes", cl.nodes, 1),
+        ("cluster.devices_per_node", cl.devices_per_node, 1),
+        ("train.seq_len", t.seq_len, 1),
+        ("train.micro_batch_size", t.micro_batch_size, 1),
+        ("train.steps", t.steps, 1),
+        ("train.global_batch_size", t.global_batch_size, 0),
+        ("train.microbatches", t.microbatches, 0),
+        ("train.eval_every", t.eval_every, 0),
+        ("train.eval_batches", t.eval_batches, 0),
+        ("train.log_every", t.log_every, 1),
+        ("train.threads_per_process", t.threads_per_process, 0),
+        ("train.max_restarts", t.max_restarts, 0),
+        ("train.timeout_s", t.timeout_s, 1),
+        ("checkpoint.every_steps", ck.every_steps, 0),
+        ("checkpoint.keep_last", ck.keep_last, 0),
+        ("optim.warmup_steps", o.warmup_steps, 0),
+        ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
+        ("parallel.recompute_every", p.recompute_every, 1),
+        ("data.max_bytes", d.max_bytes, 0),
         ("train.loss_scale_window", t.loss_scale_window, 1),
     ]
     for key, value, low in at_least:
         c.check(value >= low, key, value, f"must be >= {low}", f"set {key} to {low} or more")
     c.check(o.lr > 0, "optim.lr", o.lr, "must be > 0", "e.g. optim.lr=3e-4")
-    c.check(1 <= t.loss_scale_init <= 2.0 ** 64, "train.loss_scale_init", t.loss_scale_init,
-            "must be within [1, 2**64] (a loss multiplier for fp16)", "e.g. train.loss_scale_init=65536")
+    c.check(
+        1 <= t.loss_scale_init <= 2.0**64,
+        "train.loss_scale_init",
+        t.loss_scale_init,
+        "must be within [1, 2**64] (a loss multiplier for fp16)",
+        "e.g. train.loss_scale_init=65536",
+    )
     c.check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be within [0, 1]", "e.g. 0.1")
     for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         c.check(0 <= value < 1, key, value, "must be within [0, 1)", "e.g. 0.9 / 0.95")
@@ -109,8 +141,13 @@ def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
     c.check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be within (0, 1)", "e.g. 0.02")
     resume = ck.resume
     if resume not in ("none", "auto"):
-        c.check(Path(resume).expanduser().exists(), "checkpoint.resume", resume, "is neither none, auto nor an existing checkpoint path",
-                "use checkpoint.resume=auto to pick the newest complete checkpoint")
+        c.check(
+            Path(resume).expanduser().exists(),
+            "checkpoint.resume",
+            resume,
+            "is neither none, auto nor an existing checkpoint path",
+            "use checkpoint.resume=auto to pick the newest complete checkpoint",
+        )
 
 
 def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
@@ -123,7 +160,10 @@ def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
         return
     from partrain.blueprint.comm_profile import ProfileError, load_profile, mismatch
 
-    fix = "run `partrain bench comm` with this cluster to write one (then cluster.comm_profile=FILE), or unset cluster.comm_profile"
+    fix = (
+        "run `partrain bench comm` with this cluster to write one (then cluster.comm_profile=FILE), "
+        "or unset cluster.comm_profile"
+    )
     try:
         profile = load_profile(path)
     except ProfileError as exc:
@@ -137,17 +177,32 @@ def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
 def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
     d = run.data
     if d.source != "builtin":
-        c.check(Path(d.source).expanduser().exists(), "data.source", d.source, "no such file or folder",
-                "use data.source=builtin or a local text/jsonl/parquet path")
+        c.check(
+            Path(d.source).expanduser().exists(),
+            "data.source",
+            d.source,
+            "no such file or folder",
+            "use data.source=builtin or a local text/jsonl/parquet path",
+        )
     if d.tokenizer == "byte":
         if facts is not None:
             vocab_key = "model.config.vocab_size"
-            c.check(facts.vocab >= BYTE_VOCAB, vocab_key, facts.vocab, f"the byte tokenizer needs a vocabulary of at least {BYTE_VOCAB}",
-                    f"set {vocab_key}={BYTE_VOCAB}")
+            c.check(
+                facts.vocab >= BYTE_VOCAB,
+                vocab_key,
+                facts.vocab,
+                f"the byte tokenizer needs a vocabulary of at least {BYTE_VOCAB}",
+                f"set {vocab_key}={BYTE_VOCAB}",
+            )
     else:
         folder = Path(d.tokenizer).expanduser()
-        c.check(folder.is_dir(), "data.tokenizer", d.tokenizer, "neither 'byte' nor a local tokenizer folder",
-                "use data.tokenizer=byte or a folder written by tokenizer.save_pretrained")
+        c.check(
+            folder.is_dir(),
+            "data.tokenizer",
+            d.tokenizer,
+            "neither 'byte' nor a local tokenizer folder",
+            "use data.tokenizer=byte or a folder written by tokenizer.save_pretrained",
+        )
 
 
 def _model_problems(c: ProblemCollector, run: RunConfig) -> Optional[ModelFacts]:
@@ -168,14 +223,21 @@ def _batch(c: ProblemCollector, run: RunConfig, dp: int) -> Optional[tuple]:
         return b * m * dp, m
     if g % (b * dp):
         good = [k * b * dp for k in range(1, 5)]
-        c.add("train.global_batch_size", g,
-              f"must be a multiple of micro_batch_size x dp = {b} x {dp} = {b * dp} (global = micro x microbatches x dp)",
-              f"use train.global_batch_size in {good}, or change train.micro_batch_size")
+        c.add(
+            "train.global_batch_size",
+            g,
+            f"must be a multiple of micro_batch_size x dp = {b} x {dp} = {b * dp} (global = micro x microbatches x dp)",
+            f"use train.global_batch_size in {good}, or change train.micro_batch_size",
+        )
         return None
     derived = g // (b * dp)
     if m and m != derived:
-        c.add("train.microbatches", m, f"inconsistent: global_batch_size {g} / (micro_batch_size {b} x dp {dp}) = {derived}",
-              f"set train.microbatches={derived} or 0 (derived)")
+        c.add(
+            "train.microbatches",
+            m,
+            f"inconsistent: global_batch_size {g} / (micro_batch_size {b} x dp {dp}) = {derived}",
+            f"set train.microbatches={derived} or 0 (derived)",
+        )
         return None
     return g, derived
 
@@ -190,9 +252,13 @@ def validate(run: RunConfig) -> ValidatedRun:
     _comm_profile_problems(c, run)
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     if facts is not None:
-        c.check(run.train.seq_len <= facts.max_positions, "train.seq_len", run.train.seq_len,
-                f"exceeds the model's maximum positions ({facts.max_positions})",
-                f"use train.seq_len <= {facts.max_positions} or raise the model's max positions")
+        c.check(
+            run.train.seq_len <= facts.max_positions,
+            "train.seq_len",
+            run.train.seq_len,
+            f"exceeds the model's maximum positions ({facts.max_positions})",
+            f"use train.seq_len <= {facts.max_positions} or raise the model's max positions",
+        )
     batch = None
     if degrees is not None:
         batch = _batch(c, run, degrees["dp"])
@@ -204,13 +270,27 @@ def validate(run: RunConfig) -> ValidatedRun:
         shard = dp_shard_degree(c, run, degrees["dp"])
         if not c.problems and degrees["tp"] > 1 and not run.cluster.allow_tp_across_nodes:
             # Non-default axis orders can still scatter a TP group over nodes.
-            probe = Layout(**{a: degrees[a] for a in AXES}, order=tuple(run.parallel.order), devices_per_node=run.cluster.devices_per_node)
+            probe = Layout(
+                **{a: degrees[a] for a in AXES},
+                order=tuple(run.parallel.order),
+                devices_per_node=run.cluster.devices_per_node,
+            )
             spread = [g for g in probe.groups("tp") if len({probe.node_of(r) for r in g}) > 1]
-            c.check(not spread, "parallel.order", list(run.parallel.order), f"puts tensor-parallel group {spread[0] if spread else ''} across nodes",
-                    "keep tp first in parallel.order, or set cluster.allow_tp_across_nodes=true")
+            c.check(
+                not spread,
+                "parallel.order",
+                list(run.parallel.order),
+                f"puts tensor-parallel group {spread[0] if spread else ''} across nodes",
+                "keep tp first in parallel.order, or set cluster.allow_tp_across_nodes=true",
+            )
     if c.problems:
         raise ConfigError(c.problems)
     assert degrees is not None and facts is not None and batch is not None
-    layout = Layout(**{a: degrees[a] for a in AXES}, ep=ep, dp_shard=shard, order=tuple(run.parallel.order),
-                    devices_per_node=run.cluster.devices_per_node)
+    layout = Layout(
+        **{a: degrees[a] for a in AXES},
+        ep=ep,
+        dp_shard=shard,
+        order=tuple(run.parallel.order),
+        devices_per_node=run.cluster.devices_per_node,
+    )
     return ValidatedRun(run=run, layout=layout, facts=facts, global_batch_size=batch[0], microbatches=batch[1])

@@ -22,19 +22,34 @@ _DEFAULTS = {k: getattr(ParallelConfig(), k) for k in MOE_KEYS}
 def moe_problems(c, p: ParallelConfig, facts: Optional[ModelFacts]) -> None:
     cf = p.moe_capacity_factor
     if cf is not None:
-        c.check(math.isfinite(cf) and cf > 0, "parallel.moe_capacity_factor", cf,
-                "must be > 0 (capacity per expert = ceil(cf x tokens x top_k / experts)), or null for dropless routing",
-                "e.g. parallel.moe_capacity_factor=1.25, or parallel.moe_capacity_factor=null (no token dropped)")
+        c.check(
+            math.isfinite(cf) and cf > 0,
+            "parallel.moe_capacity_factor",
+            cf,
+            "must be > 0 (capacity per expert = ceil(cf x tokens x top_k / experts)), or null for dropless routing",
+            "e.g. parallel.moe_capacity_factor=1.25, or parallel.moe_capacity_factor=null (no token dropped)",
+        )
     for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
         value = getattr(p, key)
         if value is not None:
-            c.check(math.isfinite(value) and value >= 0, f"parallel.{key}", value, "must be a finite number >= 0 (0 = off)",
-                    f"e.g. parallel.{key}=0.001" + (", or null for the model's router_aux_loss_coef" if key == "moe_aux_loss_coef" else ""))
+            c.check(
+                math.isfinite(value) and value >= 0,
+                f"parallel.{key}",
+                value,
+                "must be a finite number >= 0 (0 = off)",
+                f"e.g. parallel.{key}=0.001"
+                + (", or null for the model's router_aux_loss_coef" if key == "moe_aux_loss_coef" else ""),
+            )
     if facts is None or facts.is_moe:
         return
     for key in MOE_KEYS:
         value = getattr(p, key)
         if value != _DEFAULTS[key]:
-            c.check(False, f"parallel.{key}", value, f"is a mixture-of-experts setting; {facts.arch} has no experts",
-                    f"drop parallel.{key} (default {_DEFAULTS[key]!r}), or pick a MoE model (model=mixtral-tiny)")
+            c.check(
+                False,
+                f"parallel.{key}",
+                value,
+                f"is a mixture-of-experts setting; {facts.arch} has no experts",
+                f"drop parallel.{key} (default {_DEFAULTS[key]!r}), or pick a MoE model (model=mixtral-tiny)",
+            )
             break  # one message: the model choice is the one mistake

@@ -18,16 +18,30 @@ safe_io (no unpickling of untrusted data), dist_util, save, load, export.
 
 from partrain.checkpoint.export import checkpoint_info, export_hf, load_model_weights
 from partrain.checkpoint.folders import (
-           complete_checkpoints,
-           find_resume,
-           is_complete,
-           step_dir,
-           step_of,
+    complete_checkpoints,
+    find_resume,
+    is_complete,
+    step_dir,
+    step_of,
 )
 from partrain.checkpoint.load import load_checkpoint, load_with_fallback
 from partrain.checkpoint.record import CorruptCheckpoint, model_record, run_meta
 from partrain.checkpoint.save import save_checkpoint, wait_pending_save
 
-__all__ = ["checkpoint_info", "export_hf", "load_model_weights", "complete_checkpoints", "find_resume", "is_complete",
-           "step_dir", "step_of", "load_checkpoint", "load_with_fallback", "CorruptCheckpoint", "model_record", "run_meta",
-           "save_checkpoint", "wait_pending_save"]
+__all__ = [
+    "checkpoint_info",
+    "export_hf",
+    "load_model_weights",
+    "complete_checkpoints",
+    "find_resume",
+    "is_complete",
+    "step_dir",
+    "step_of",
+    "load_checkpoint",
+    "load_with_fallback",
+    "CorruptCheckpoint",
+    "model_record",
+    "run_meta",
+    "save_checkpoint",
+    "wait_pending_save",
+]

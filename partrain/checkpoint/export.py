@@ -21,17 +21,35 @@ from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger("partrain")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 """Files of an HF tokenizer folder that export copies (weights and config.json are not among them)."""
 
 
 def _require_checkpoint(path: Path, key: str = "checkpoint.path") -> None:
     if not folders.is_complete(path):
-        what = "an unfinished save" if path.name.endswith(folders.PARTIAL_SUFFIX) else "not a complete partrain checkpoint"
-        raise ConfigError(Problem(key, str(path), f"{what} (a checkpoint folder is step-NNNNNNNN with partrain.json "
-                                                  "and .metadata)", "pass a folder such as <run>/checkpoints/step-00000100"))
+        what = (
+            "an unfinished save" if path.name.endswith(folders.PARTIAL_SUFFIX) else "not a complete partrain checkpoint"
+        )
+        raise ConfigError(
+            Problem(
+                key,
+                str(path),
+                f"{what} (a checkpoint folder is step-NNNNNNNN with partrain.json and .metadata)",
+                "pass a folder such as <run>/checkpoints/step-00000100",
+            )
+        )
 
 
 def checkpoint_info(path: Path) -> Dict[str, Any]:
@@ -62,10 +80,20 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
         n_params += count
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     m = record["model"]
-    return {"path": str(path), "step": record["step"], "time": record.get("time"), "world_size": record["world_size"],
-            "layout": record.get("layout", {}), "model": {"arch": m.get("arch"), "name": m.get("name"), "config": m.get("config")},
-            "size_bytes": size, "n_tensors": len(tensors), "n_model_tensors": len(model), "n_parameters": n_params,
-            "partrain_version": record.get("partrain_version"), "extra": record.get("extra", {})}
+    return {
+        "path": str(path),
+        "step": record["step"],
+        "time": record.get("time"),
+        "world_size": record["world_size"],
+        "layout": record.get("layout", {}),
+        "model": {"arch": m.get("arch"), "name": m.get("name"), "config": m.get("config")},
+        "size_bytes": size,
+        "n_tensors": len(tensors),
+        "n_model_tensors": len(model),
+        "n_parameters": n_params,
+        "partrain_version": record.get("partrain_version"),
+        "extra": record.get("extra", {}),
+    }
 
 
 def _hf_model_from_record(model: Dict[str, Any]):
@@ -75,8 +103,13 @@ def _hf_model_from_record(model: Dict[str, Any]):
 
     from partrain.models.build import build_meta_model
 
-    cfg = ModelConfig(arch=model["arch"], config=dict(model.get("config") or {}), pretrained=model.get("pretrained"),
-                      trust_remote_code=bool(model.get("trust_remote_code")), name=model.get("name", ""))
+    cfg = ModelConfig(
+        arch=model["arch"],
+        config=dict(model.get("config") or {}),
+        pretrained=model.get("pretrained"),
+        trust_remote_code=bool(model.get("trust_remote_code")),
+        name=model.get("name", ""),
+    )
     if cfg.pretrained and not Path(cfg.pretrained).is_dir() and model.get("hf_config"):
         from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
@@ -118,7 +151,7 @@ def load_model_weights(path: Path):
     model.to_empty(device=torch.device("cpu"))
     model.tie_weights()  # to_empty gives every slot its own tensor: share the tied ones again
     state = model.state_dict()
-    saved = {k[len(MODEL) + 1:] for k in read_metadata(path).state_dict_metadata if k.startswith(MODEL + ".")}
+    saved = {k[len(MODEL) + 1 :] for k in read_metadata(path).state_dict_metadata if k.startswith(MODEL + ".")}
     request = {}
     for key, value in state.items():
         if key in saved:
@@ -126,8 +159,14 @@ def load_model_weights(path: Path):
         elif alias.get(key) in saved:
             continue  # a tied alias the checkpoint does not hold separately: filled through its twin
         else:
-            raise ConfigError(Problem("checkpoint.path", str(path), f"the checkpoint has no tensor {key}",
-                                      "export a checkpoint saved from this model"))
+            raise ConfigError(
+                Problem(
+                    "checkpoint.path",
+                    str(path),
+                    f"the checkpoint has no tensor {key}",
+                    "export a checkpoint saved from this model",
+                )
+            )
     with quiet_single_process():
         dcp.load({MODEL: request}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
     for key, source in alias.items():
@@ -161,8 +200,14 @@ def export_hf(path: Path, out_dir: Path, tokenizer_folder: Optional[str] = None)
         log.warning("the run's tokenizer folder %s is gone: exporting the model without tokenizer files", src)
         src = None
     if src is not None and not any((src / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(Problem("tokenizer", str(folder), "not a local HF tokenizer folder (no tokenizer.json, "
-                                  "vocab.json, tokenizer.model, ...)", "pass the local tokenizer folder the run used"))
+        raise ConfigError(
+            Problem(
+                "tokenizer",
+                str(folder),
+                "not a local HF tokenizer folder (no tokenizer.json, vocab.json, tokenizer.model, ...)",
+                "pass the local tokenizer folder the run used",
+            )
+        )
     model, record = load_model_weights(path)
     model.config.use_cache = True  # partrain turns the KV cache off for training only
     model.config.architectures = [type(model).__name__]

@@ -49,8 +49,12 @@ def step_of(path: Path) -> Optional[int]:
 
 def is_complete(path: Path) -> bool:
     path = Path(path)
-    return (step_of(path) is not None and path.is_dir() and (path / RECORD_FILE).is_file()
-            and (path / METADATA_FILE).is_file())
+    return (
+        step_of(path) is not None
+        and path.is_dir()
+        and (path / RECORD_FILE).is_file()
+        and (path / METADATA_FILE).is_file()
+    )
 
 
 def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
@@ -83,9 +87,13 @@ def find_resume(root: Path, resume: str) -> Optional[Path]:
     newest = complete_checkpoints(path.parent if path.name.endswith(PARTIAL_SUFFIX) else path)
     hint = f"checkpoint.resume={newest[-1][1]}" if newest else "checkpoint.resume=auto, or none to start afresh"
     if not path.exists():
-        raise _resume_problem(resume, "no such folder", "checkpoint.resume=auto (the newest checkpoint in checkpoint.dir)")
+        raise _resume_problem(
+            resume, "no such folder", "checkpoint.resume=auto (the newest checkpoint in checkpoint.dir)"
+        )
     if path.name.endswith(PARTIAL_SUFFIX):
-        raise _resume_problem(resume, "this is an unfinished save (the run stopped while writing it), not a checkpoint", hint)
+        raise _resume_problem(
+            resume, "this is an unfinished save (the run stopped while writing it), not a checkpoint", hint
+        )
     if not path.is_dir():
         raise _resume_problem(resume, "is a file; a checkpoint is a folder named step-NNNNNNNN", hint)
     if step_of(path) is None and newest:
@@ -93,9 +101,13 @@ def find_resume(root: Path, resume: str) -> Optional[Path]:
     if not (path / RECORD_FILE).is_file():
         raise _resume_problem(resume, f"{path / RECORD_FILE} is missing: not a complete partrain checkpoint", hint)
     if not (path / METADATA_FILE).is_file():
-        raise _resume_problem(resume, f"{path / METADATA_FILE} (DCP's index) is missing: not a complete checkpoint", hint)
+        raise _resume_problem(
+            resume, f"{path / METADATA_FILE} (DCP's index) is missing: not a complete checkpoint", hint
+        )
     if step_of(path) is None:
-        raise _resume_problem(resume, "a checkpoint folder is named step-NNNNNNNN (renamed copies are not resumed)", hint)
+        raise _resume_problem(
+            resume, "a checkpoint folder is named step-NNNNNNNN (renamed copies are not resumed)", hint
+        )
     return path
 
 

@@ -53,8 +53,9 @@ def _first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def load_checkpoint(path: Path, model_parts: Sequence[nn.Module], optimizer: Any,
-                    expect: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def load_checkpoint(
+    path: Path, model_parts: Sequence[nn.Module], optimizer: Any, expect: Optional[Dict[str, Any]]
+) -> Dict[str, Any]:
     """Load the checkpoint folder `path` into model_parts and optimizer (collective).
 
     expect: `run_meta(...)` of this run (at least {"model": model_record(...)}); None skips the model
@@ -73,17 +74,24 @@ def load_checkpoint(path: Path, model_parts: Sequence[nn.Module], optimizer: Any
 
     loaded = rank_state(model_parts, optimizer, for_save=False)
     # Tensors only: hyperparameters stay the run's own (see module docstring).
-    request = {MODEL: loaded.state[MODEL], OPTIM: {k: v for k, v in loaded.state[OPTIM].items() if k.startswith("state.")}}
+    request = {
+        MODEL: loaded.state[MODEL],
+        OPTIM: {k: v for k, v in loaded.state[OPTIM].items() if k.startswith("state.")},
+    }
     try:
         with quiet_single_process():
-            dcp.load(request, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not distributed())
+            dcp.load(
+                request, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not distributed()
+            )
     except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure in CheckpointException
         text = str(exc)
         named = _DATA_FILE.search(text)
         where = path / named.group(0) if named else path
         missing = re.search(r"Missing key in checkpoint state_dict: ([^\s.]+\.[^\s]+)", text)
         if missing:
-            raise corrupt(where, f"lacks {missing.group(1)}, which this run needs (saved by another kind of run?)") from exc
+            raise corrupt(
+                where, f"lacks {missing.group(1)}, which this run needs (saved by another kind of run?)"
+            ) from exc
         raise corrupt(where, f"cannot be loaded: {_first_line(exc)}") from exc
     apply_loaded(model_parts, optimizer, loaded)
 
@@ -96,8 +104,9 @@ def load_checkpoint(path: Path, model_parts: Sequence[nn.Module], optimizer: Any
     return record
 
 
-def load_with_fallback(root: Path, model_parts: Sequence[nn.Module], optimizer: Any,
-                       expect: Optional[Dict[str, Any]]) -> Tuple[Optional[Path], Dict[str, Any]]:
+def load_with_fallback(
+    root: Path, model_parts: Sequence[nn.Module], optimizer: Any, expect: Optional[Dict[str, Any]]
+) -> Tuple[Optional[Path], Dict[str, Any]]:
     """checkpoint.resume=auto: load the newest complete checkpoint under root; if its files are
     damaged, warn and try the one before, and so on. Returns (path, extra), or (None, {}) when
     there is nothing to resume. A checkpoint of another model is an error, not a fallback; so is

@@ -27,7 +27,8 @@ METADATA_FILE = ".metadata"
 """DCP's index of a checkpoint: which file and byte range holds each tensor chunk."""
 
 _ALLOWED = {
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -51,7 +52,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise UnsafeCheckpointData(f"refusing to load {module}.{name} from checkpoint metadata")
 
@@ -61,7 +64,9 @@ def read_metadata(folder: Path) -> Metadata:
     data = (Path(folder) / METADATA_FILE).read_bytes()
     metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointData(f"{Path(folder) / METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata")
+        raise UnsafeCheckpointData(
+            f"{Path(folder) / METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata"
+        )
     return metadata
 
 

@@ -88,8 +88,16 @@ def _get_async_group():
     return _async_group[1]
 
 
-def save_checkpoint(root: Path, step: int, model_parts: Sequence[nn.Module], optimizer: Any, extra: Dict[str, Any],
-                    meta: Dict[str, Any], keep_last: int, async_save: bool = False) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model_parts: Sequence[nn.Module],
+    optimizer: Any,
+    extra: Dict[str, Any],
+    meta: Dict[str, Any],
+    keep_last: int,
+    async_save: bool = False,
+) -> Path:
     """Save model_parts and optimizer as `root/step-NNNNNNNN` (collective: every rank calls it).
 
     model_parts: this rank's modules, each with the full model's FQNs (one, or a pipeline rank's

@@ -46,7 +46,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.checkpoint import zero1_state as zero1
 from partrain.models.shards import copy_local_shard, param_fqns
-from partrain.parallel.expert_parallel import ExpertSplitOptimizer
+from partrain.parallel.expert_optimizer import ExpertSplitOptimizer
 from partrain.parallel.zero1_optimizer import ShardedOptimizer
 
 MODEL = "model"
@@ -55,6 +55,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 # ---- model -------------------------------------------------------------------------------------
+
 
 def model_state(parts: Sequence[nn.Module]) -> Dict[str, Any]:
     """FQN -> tensor over all parts; a key held by two parts (a tied copy) is taken once."""
@@ -73,10 +74,13 @@ def set_model_state(parts: Sequence[nn.Module], state: Dict[str, Any]) -> None:
 
 # ---- optimizer ---------------------------------------------------------------------------------
 
+
 def _optimizers(parts: Sequence[nn.Module], optimizer: Any) -> List[Any]:
     if isinstance(optimizer, (list, tuple)):
         if len(optimizer) != len(parts):
-            raise ValueError(f"{len(optimizer)} optimizers for {len(parts)} model parts: pass one optimizer, or one per part")
+            raise ValueError(
+                f"{len(optimizer)} optimizers for {len(parts)} model parts: pass one optimizer, or one per part"
+            )
         return list(optimizer)
     return [optimizer]
 
@@ -90,7 +94,10 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
     if optimizer is None:
         return {}
     if isinstance(optimizer, ExpertSplitOptimizer):  # ZeRO-1 with expert parallelism: both halves
-        return {**optimizer_state(parts, optimizer.dense, template), **optimizer.experts.full_state(param_fqns(parts), template)}
+        return {
+            **optimizer_state(parts, optimizer.dense, template),
+            **optimizer.experts.full_state(param_fqns(parts), template),
+        }
     optimizers = _optimizers(parts, optimizer)
     if isinstance(optimizers[0], ShardedOptimizer):
         if len(optimizers) != 1:
@@ -124,7 +131,9 @@ def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[
         _load_optimizer_state_by_fqn(parts, optimizers[0], state)
 
 
-def _groups_by_fqn(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> List[Tuple[Dict[str, Any], List[Tuple[str, nn.Parameter]]]]:
+def _groups_by_fqn(
+    optimizer: torch.optim.Optimizer, names: Dict[int, str]
+) -> List[Tuple[Dict[str, Any], List[Tuple[str, nn.Parameter]]]]:
     out = []
     for group in optimizer.param_groups:
         params = []
@@ -148,8 +157,11 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and not optimizer.state.get(p):
-                state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                state = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
                 if group.get("amsgrad"):
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 optimizer.state[p] = state
@@ -168,7 +180,9 @@ def _optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.O
     return flat
 
 
-def _load_optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, flat: Dict[str, Any]) -> None:
+def _load_optimizer_state_by_fqn(
+    parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer, flat: Dict[str, Any]
+) -> None:
     _ensure_adam_state(optimizer)
     groups, state, index = [], {}, 0
     for hyper, params in _groups_by_fqn(optimizer, param_fqns(parts)):
@@ -184,6 +198,7 @@ def _load_optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.op
 
 
 # ---- DTensors DCP cannot describe ----------------------------------------------------------------
+
 
 def dcp_can_describe(t: DTensor) -> bool:
     """Whether each rank's piece of `t` is one box of the global tensor, as DCP needs.
@@ -238,7 +253,11 @@ def for_dcp(sections: Dict[str, Dict[str, Any]], for_save: bool) -> RankState:
     for section in out.state.values():
         for key, value in section.items():
             if isinstance(value, DTensor) and not dcp_can_describe(value):
-                full = value.full_tensor() if for_save else torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+                full = (
+                    value.full_tensor()
+                    if for_save
+                    else torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+                )
                 out.gathered.append(Gathered(value, full))
                 section[key] = full
     return out
@@ -246,7 +265,9 @@ def for_dcp(sections: Dict[str, Dict[str, Any]], for_save: bool) -> RankState:
 
 def rank_state(parts: Sequence[nn.Module], optimizer: Any, for_save: bool) -> RankState:
     """{"model": ..., "optim": ...} for this rank, ready for dcp.save / dcp.load."""
-    return for_dcp({MODEL: model_state(parts), OPTIM: optimizer_state(parts, optimizer, template=not for_save)}, for_save)
+    return for_dcp(
+        {MODEL: model_state(parts), OPTIM: optimizer_state(parts, optimizer, template=not for_save)}, for_save
+    )
 
 
 def apply_loaded(parts: Sequence[nn.Module], optimizer: Any, loaded: RankState) -> None:

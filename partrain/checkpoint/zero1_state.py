@@ -31,7 +31,9 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq")
 """Per-element state of the inner optimizer (AdamW); `step` is one scalar per group."""
 
 
-def _layout(parts: Sequence[nn.Module], optimizer) -> Iterator[Tuple[int, Dict[str, Any], List[Tuple[str, torch.Tensor, int]]]]:
+def _layout(
+    parts: Sequence[nn.Module], optimizer
+) -> Iterator[Tuple[int, Dict[str, Any], List[Tuple[str, torch.Tensor, int]]]]:
     """(group index, group, [(fqn, param, offset in the flat buffer)]) for every parameter group."""
     names = param_fqns(parts)
     for gi, g in enumerate(optimizer.groups):
@@ -72,7 +74,7 @@ def full_state(parts: Sequence[nn.Module], optimizer) -> Dict[str, Any]:
         step = state.get("step", torch.zeros((), dtype=torch.float32))
         for fqn, p, offset in entries:
             for name in STATE_NAMES:
-                flat[f"state.{fqn}.{name}"] = gathered[name][offset:offset + p.numel()].view_as(p).clone()
+                flat[f"state.{fqn}.{name}"] = gathered[name][offset : offset + p.numel()].view_as(p).clone()
             flat[f"state.{fqn}.step"] = step.detach().clone()
         for fqn, _, _ in entries:
             for k, v in _hyper(optimizer, gi).items():
@@ -100,7 +102,9 @@ def load_full_state(parts: Sequence[nn.Module], optimizer, flat: Dict[str, Any])
     groups = []
     for gi, g, entries in _layout(parts, optimizer):
         lo, hi = optimizer.rank * g["per_rank"], (optimizer.rank + 1) * g["per_rank"]
-        slices = {name: torch.zeros(g["per_rank"], dtype=g["flat"].dtype, device=g["flat"].device) for name in STATE_NAMES}
+        slices = {
+            name: torch.zeros(g["per_rank"], dtype=g["flat"].dtype, device=g["flat"].device) for name in STATE_NAMES
+        }
         steps = set()
         for fqn, p, offset in entries:
             start, end = max(lo, offset), min(hi, offset + p.numel())
@@ -110,8 +114,10 @@ def load_full_state(parts: Sequence[nn.Module], optimizer, flat: Dict[str, Any])
             for name in STATE_NAMES:
                 full = flat[f"state.{fqn}.{name}"]
                 if tuple(full.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {fqn}.{name} has shape {tuple(full.shape)}, the parameter {tuple(p.shape)}")
-                slices[name][start - lo:end - lo] = full.reshape(-1)[start - offset:end - offset]
+                    raise ValueError(
+                        f"optimizer state {fqn}.{name} has shape {tuple(full.shape)}, the parameter {tuple(p.shape)}"
+                    )
+                slices[name][start - lo : end - lo] = full.reshape(-1)[start - offset : end - offset]
         if len(steps) > 1:
             raise ValueError(f"parameters of one ZeRO-1 group were saved at different optimizer steps {sorted(steps)}")
         step = steps.pop() if steps else 0.0

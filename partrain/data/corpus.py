@@ -78,10 +78,16 @@ class Corpus:
                 st = path.stat()
             except OSError as exc:
                 raise source_error(path, f"cannot read the file: {exc}", "check the path and its permissions") from exc
-            stats.append([path.relative_to(self.root).as_posix() if path != self.root else path.name,
-                          st.st_size, st.st_mtime_ns])
-        ident: Dict[str, Any] = {"kind": self.kind, "root": str(self.root), "files": stats,
-                                 "text_field": self.text_field, "max_bytes": self.max_bytes}
+            stats.append(
+                [path.relative_to(self.root).as_posix() if path != self.root else path.name, st.st_size, st.st_mtime_ns]
+            )
+        ident: Dict[str, Any] = {
+            "kind": self.kind,
+            "root": str(self.root),
+            "files": stats,
+            "text_field": self.text_field,
+            "max_bytes": self.max_bytes,
+        }
         if self.kind == BUILTIN:
             ident["python"] = sys.version
         return ident
@@ -110,8 +116,9 @@ class Corpus:
             produced = True
             yield text
         if not produced:
-            raise source_error(self.root, "holds no text (every document is empty)",
-                               "check the file contents and data.text_field")
+            raise source_error(
+                self.root, "holds no text (every document is empty)", "check the file contents and data.text_field"
+            )
 
     def _texts(self, errors: str, limit: Optional[int]) -> Iterator[str]:
         # `limit` is only a read-ahead hint for the txt reader; exact clipping is done above.
@@ -126,19 +133,28 @@ def _builtin_files(root: Path) -> Tuple[Path, ...]:
         dirs[:] = [d for d in dirs if d not in _BUILTIN_SKIP_DIRS and not d.startswith((".", "config-"))]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     if not files:
-        raise source_error(root, "data.source=builtin found no standard-library .py files in this Python",
-                           "give a local .txt/.jsonl/.parquet file or folder as data.source")
+        raise source_error(
+            root,
+            "data.source=builtin found no standard-library .py files in this Python",
+            "give a local .txt/.jsonl/.parquet file or folder as data.source",
+        )
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def _user_files(root: Path, given: str) -> Tuple[Path, ...]:
     if not root.exists():
-        raise source_error(Path(given), "no such file or folder",
-                           "give an existing .txt/.jsonl/.parquet file or folder, or data.source=builtin")
+        raise source_error(
+            Path(given),
+            "no such file or folder",
+            "give an existing .txt/.jsonl/.parquet file or folder, or data.source=builtin",
+        )
     if root.is_file():
         if root.suffix.lower() not in SUFFIXES:
-            raise source_error(root, f"unsupported file type {root.suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
-                               "convert the data to .txt, .jsonl or .parquet")
+            raise source_error(
+                root,
+                f"unsupported file type {root.suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
+                "convert the data to .txt, .jsonl or .parquet",
+            )
         if root.stat().st_size == 0:
             raise source_error(root, "the file is empty", "give a file with text in it")
         return (root,)
@@ -147,6 +163,9 @@ def _user_files(root: Path, given: str) -> Tuple[Path, ...]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         files.extend(Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES)
     if not files:
-        raise source_error(root, f"the folder holds no {', '.join(SUFFIXES)} files",
-                           "put the data files in the folder, or point data.source at a file")
+        raise source_error(
+            root,
+            f"the folder holds no {', '.join(SUFFIXES)} files",
+            "put the data files in the folder, or point data.source at a file",
+        )
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))

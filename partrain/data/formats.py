@@ -2,9 +2,9 @@
 
 One reader per format, chosen by the file suffix:
 
-- ``.txt`` (and ``.py``, which the builtin corpus reads): the whole file is one document. Paragraphs are not split, because blank lines
-  inside prose or code are not document boundaries; put documents in separate files (a folder
-  source) or use jsonl when they are.
+- ``.txt`` (and ``.py``, which the builtin corpus reads): the whole file is one document.
+  Paragraphs are not split, because blank lines inside prose or code are not document boundaries;
+  put documents in separate files (a folder source) or use jsonl when they are.
 - ``.jsonl``: one JSON object per line; the document is the string under ``text_field``.
   Blank lines are skipped.
 - ``.parquet``: the string column ``text_field``; needs pyarrow, imported only here.
@@ -40,8 +40,11 @@ def read_documents(path: Path, text_field: str, limit: Optional[int] = None, err
         return _read_jsonl(path, text_field)
     if suffix == ".parquet":
         return _read_parquet(path, text_field)
-    raise source_error(path, f"unsupported file type {suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
-                       "convert the data to .txt, .jsonl or .parquet")
+    raise source_error(
+        path,
+        f"unsupported file type {suffix or '(none)'}; supported: {', '.join(SUFFIXES)}",
+        "convert the data to .txt, .jsonl or .parquet",
+    )
 
 
 def source_error(path: Path, rule: str, fix: str = "") -> ConfigError:
@@ -82,25 +85,35 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                    raise source_error(path, f"line {lineno} is not valid JSON: {exc}",
-                                       "write one JSON object per line (JSON Lines)") from exc
+                    raise source_error(
+                        path, f"line {lineno} is not valid JSON: {exc}", "write one JSON object per line (JSON Lines)"
+                    ) from exc
                 yield _text_of(record, path, text_field, f"line {lineno}")
         except OSError as exc:  # e.g. a network filesystem dropping out mid-file
-            raise source_error(path, f"reading failed after line {lineno}: {exc}", "check the file and its storage") from exc
+            raise source_error(
+                path, f"reading failed after line {lineno}: {exc}", "check the file and its storage"
+            ) from exc
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise source_error(path, "reading a .parquet file needs the pyarrow package, which is not installed",
-                           "pip install pyarrow (or pip install 'partrain[data]')") from exc
+        raise source_error(
+            path,
+            "reading a .parquet file needs the pyarrow package, which is not installed",
+            "pip install pyarrow (or pip install 'partrain[data]')",
+        ) from exc
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise source_error(path, f"cannot read the parquet file: {exc}", "check that the file is a complete parquet file") from exc
+        raise source_error(
+            path, f"cannot read the parquet file: {exc}", "check that the file is a complete parquet file"
+        ) from exc
     if text_field not in parquet.schema_arrow.names:
-        raise _field_error(path, text_field, f"the parquet file has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+        raise _field_error(
+            path, text_field, f"the parquet file has no column {text_field!r} (columns: {parquet.schema_arrow.names})"
+        )
     row = 0
     for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         for value in batch.column(0).to_pylist():
@@ -119,5 +132,11 @@ def _text_of(record: object, path: Path, text_field: str, where: str) -> str:
 
 
 def _field_error(path: Path, text_field: str, rule: str) -> ConfigError:
-    return ConfigError(Problem(key="data.text_field", value=text_field, rule=f"{path}: {rule}",
-                               fix="set data.text_field to the field that holds the text"))
+    return ConfigError(
+        Problem(
+            key="data.text_field",
+            value=text_field,
+            rule=f"{path}: {rule}",
+            fix="set data.text_field to the field that holds the text",
+        )
+    )

@@ -75,11 +75,14 @@ def _rank_slice(batch_size: int, dp_rank: int, dp_size: int) -> slice:
         raise ValueError(f"dp_rank={dp_rank} is not a rank of a data-parallel group of {dp_size}")
     if batch_size % dp_size:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        raise ConfigError(Problem(
-            key="train.global_batch_size", value=batch_size,
-            rule=f"must be divisible by the data-parallel degree {dp_size}, so every rank gets the same rows",
-            fix=f"a multiple of {dp_size}, or dp in {divisors}",
-        ))
+        raise ConfigError(
+            Problem(
+                key="train.global_batch_size",
+                value=batch_size,
+                rule=f"must be divisible by the data-parallel degree {dp_size}, so every rank gets the same rows",
+                fix=f"a multiple of {dp_size}, or dp in {divisors}",
+            )
+        )
     rows = batch_size // dp_size
     return slice(dp_rank * rows, (dp_rank + 1) * rows)
 
@@ -98,11 +101,18 @@ class TokenBatches:
     very batch the interrupted one would have produced next.
     """
 
-    def __init__(self, token_file: Union[str, Path], dtype: Union[str, np.dtype], seq_len: int,
-                 global_batch_size: int, seed: int):
+    def __init__(
+        self, token_file: Union[str, Path], dtype: Union[str, np.dtype], seq_len: int, global_batch_size: int, seed: int
+    ):
         if global_batch_size < 1:
-            raise ConfigError(Problem(key="train.global_batch_size", value=global_batch_size, rule="must be >= 1",
-                                      fix="set train.global_batch_size (or micro_batch_size, microbatches, dp)"))
+            raise ConfigError(
+                Problem(
+                    key="train.global_batch_size",
+                    value=global_batch_size,
+                    rule="must be >= 1",
+                    fix="set train.global_batch_size (or micro_batch_size, microbatches, dp)",
+                )
+            )
         if seed < 0:
             raise ConfigError(Problem(key="train.seed", value=seed, rule="must be >= 0", fix="train.seed=1234"))
         self._windows = _Windows(token_file, dtype, seq_len)
@@ -114,8 +124,9 @@ class TokenBatches:
         self.n_tokens = self._windows.n_tokens
         self.n_windows = self._windows.count
         if self.n_windows < global_batch_size:
-            raise ConfigError(_too_short(self.token_file, self.n_tokens, seq_len, global_batch_size,
-                                         "or raise data.max_bytes"))
+            raise ConfigError(
+                _too_short(self.token_file, self.n_tokens, seq_len, global_batch_size, "or raise data.max_bytes")
+            )
         self.steps_per_epoch = self.n_windows // global_batch_size
         """Global batches per pass over the data."""
         self.step = 0
@@ -137,7 +148,7 @@ class TokenBatches:
             raise ValueError(f"step must be >= 0, got {step}")
         epoch, within = divmod(step, self.steps_per_epoch)
         start = within * self.global_batch_size
-        return self._permutation(epoch)[start:start + self.global_batch_size]
+        return self._permutation(epoch)[start : start + self.global_batch_size]
 
     def global_batch(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch_size, seq_len + 1]: the windows of ``step`` (inputs + next token)."""
@@ -157,20 +168,32 @@ class TokenBatches:
 
     def state_dict(self) -> Dict[str, int]:
         """The position, plus what the order depends on (checked on load)."""
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch_size": self.global_batch_size, "n_tokens": self.n_tokens}
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "n_tokens": self.n_tokens,
+        }
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
-        for name, key in (("seed", "train.seed"), ("seq_len", "train.seq_len"),
-                          ("global_batch_size", "train.global_batch_size"), ("n_tokens", "data.source")):
+        for name, key in (
+            ("seed", "train.seed"),
+            ("seq_len", "train.seq_len"),
+            ("global_batch_size", "train.global_batch_size"),
+            ("n_tokens", "data.source"),
+        ):
             if int(state[name]) != getattr(self, name):
-                raise ConfigError(Problem(
-                    key=key, value=getattr(self, name),
-                    rule=f"the checkpoint's data position was recorded with {name}={state[name]}; "
-                         "with another value the run would not continue the same data order",
-                    fix=f"resume with the original value ({state[name]}), or start a new run",
-                ))
+                raise ConfigError(
+                    Problem(
+                        key=key,
+                        value=getattr(self, name),
+                        rule=f"the checkpoint's data position was recorded with {name}={state[name]}; "
+                        "with another value the run would not continue the same data order",
+                        fix=f"resume with the original value ({state[name]}), or start a new run",
+                    )
+                )
         self.step = int(state["step"])
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -193,15 +216,28 @@ class EvalBatches:
 
     def __init__(self, token_file: Union[str, Path], dtype: Union[str, np.dtype], seq_len: int, global_batch_size: int):
         if global_batch_size < 1:
-            raise ConfigError(Problem(key="train.global_batch_size", value=global_batch_size, rule="must be >= 1",
-                                      fix="set train.global_batch_size"))
+            raise ConfigError(
+                Problem(
+                    key="train.global_batch_size",
+                    value=global_batch_size,
+                    rule="must be >= 1",
+                    fix="set train.global_batch_size",
+                )
+            )
         self._windows = _Windows(token_file, dtype, seq_len)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.n_windows = self._windows.count
         if self.n_windows < global_batch_size:
-            raise ConfigError(_too_short(self._windows.path, self._windows.n_tokens, seq_len, global_batch_size,
-                                         "or raise data.eval_fraction or data.max_bytes"))
+            raise ConfigError(
+                _too_short(
+                    self._windows.path,
+                    self._windows.n_tokens,
+                    seq_len,
+                    global_batch_size,
+                    "or raise data.eval_fraction or data.max_bytes",
+                )
+            )
         self.num_batches = self.n_windows // global_batch_size
         """Distinct eval batches in the file."""
 
@@ -229,8 +265,11 @@ def _too_short(path: Path, n_tokens: int, seq_len: int, batch: int, more: str) -
     longest = (n_tokens - 1) // batch
     fix = f"train.seq_len <= {longest}, " if longest >= 1 else ""
     return Problem(
-        key="train.seq_len", value=seq_len,
-        rule=(f"{path} holds {n_tokens} tokens: {n_windows} windows of seq_len+1={seq_len + 1} tokens, "
-              f"fewer than one batch of {batch} sequences"),
+        key="train.seq_len",
+        value=seq_len,
+        rule=(
+            f"{path} holds {n_tokens} tokens: {n_windows} windows of seq_len+1={seq_len + 1} tokens, "
+            f"fewer than one batch of {batch} sequences"
+        ),
         fix=f"{fix}a smaller global batch, {more}",
     )

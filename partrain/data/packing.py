@@ -103,8 +103,12 @@ def cache_root_for(cfg: DataConfig, cache_root: Optional[Path] = None) -> Path:
 
 def cache_key(corpus: Corpus, tokenizer: str, eval_fraction: float) -> str:
     """A hash of everything the cached tokens depend on."""
-    inputs = {"format": FORMAT_VERSION, "source": corpus.identity(), "tokenizer": tokenizer,
-              "eval_fraction": float(eval_fraction)}
+    inputs = {
+        "format": FORMAT_VERSION,
+        "source": corpus.identity(),
+        "tokenizer": tokenizer,
+        "eval_fraction": float(eval_fraction),
+    }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
@@ -132,8 +136,14 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
     except OSError as exc:
         # Reading the source already reports its own errors (as ConfigErrors); an OSError here
         # is the cache side: no permission, no space.
-        raise ConfigError(Problem(key="data.cache_dir", value=str(folder.parent), rule=f"cannot write the token cache: {exc}",
-                                  fix="set data.cache_dir to a writable folder with enough free space")) from exc
+        raise ConfigError(
+            Problem(
+                key="data.cache_dir",
+                value=str(folder.parent),
+                rule=f"cannot write the token cache: {exc}",
+                fix="set data.cache_dir to a writable folder with enough free space",
+            )
+        ) from exc
 
 
 def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
@@ -154,9 +164,15 @@ def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
         raise ValueError(f"{meta_path} has format {meta.get('format')}, this partrain reads format {FORMAT_VERSION}")
     folder = meta_path.parent
     packed = PackedData(
-        train_path=folder / meta["train_file"], eval_path=folder / meta["eval_file"], dtype=meta["dtype"],
-        vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]), n_train_tokens=int(meta["n_train_tokens"]),
-        n_eval_tokens=int(meta["n_eval_tokens"]), tokenizer=meta["tokenizer"], meta_path=meta_path,
+        train_path=folder / meta["train_file"],
+        eval_path=folder / meta["eval_file"],
+        dtype=meta["dtype"],
+        vocab_size=int(meta["vocab_size"]),
+        eos_id=int(meta["eos_id"]),
+        n_train_tokens=int(meta["n_train_tokens"]),
+        n_eval_tokens=int(meta["n_eval_tokens"]),
+        tokenizer=meta["tokenizer"],
+        meta_path=meta_path,
     )
     itemsize = np.dtype(packed.dtype).itemsize
     for path, n in ((packed.train_path, packed.n_train_tokens), (packed.eval_path, packed.n_eval_tokens)):
@@ -168,11 +184,23 @@ def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
 
 def _check_numbers(cfg: DataConfig) -> None:
     if cfg.max_bytes < 0:
-        raise ConfigError(Problem(key="data.max_bytes", value=cfg.max_bytes, rule="must be >= 0 (0 = read everything)",
-                                  fix="data.max_bytes=0 or a positive byte count"))
+        raise ConfigError(
+            Problem(
+                key="data.max_bytes",
+                value=cfg.max_bytes,
+                rule="must be >= 0 (0 = read everything)",
+                fix="data.max_bytes=0 or a positive byte count",
+            )
+        )
     if not 0.0 <= cfg.eval_fraction < 1.0:
-        raise ConfigError(Problem(key="data.eval_fraction", value=cfg.eval_fraction, rule="must be in [0, 1)",
-                                  fix="data.eval_fraction=0.02 (or 0 for no held-out split)"))
+        raise ConfigError(
+            Problem(
+                key="data.eval_fraction",
+                value=cfg.eval_fraction,
+                rule="must be in [0, 1)",
+                fix="data.eval_fraction=0.02 (or 0 for no held-out split)",
+            )
+        )
 
 
 def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: Path, key: str) -> PackedData:
@@ -201,18 +229,37 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: P
         eval_tmp.unlink(missing_ok=True)
         raise
     meta = {
-        "format": FORMAT_VERSION, "key": key, "train_file": TRAIN_NAME, "eval_file": EVAL_NAME,
-        "dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
-        "n_train_tokens": n_train, "n_eval_tokens": n_eval, "n_documents": n_docs, "tokenizer": tokenizer.name,
-        "source": {"kind": corpus.kind, "root": str(corpus.root), "files": len(corpus.files),
-                   "text_field": corpus.text_field, "max_bytes": corpus.max_bytes},
+        "format": FORMAT_VERSION,
+        "key": key,
+        "train_file": TRAIN_NAME,
+        "eval_file": EVAL_NAME,
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "n_train_tokens": n_train,
+        "n_eval_tokens": n_eval,
+        "n_documents": n_docs,
+        "tokenizer": tokenizer.name,
+        "source": {
+            "kind": corpus.kind,
+            "root": str(corpus.root),
+            "files": len(corpus.files),
+            "text_field": corpus.text_field,
+            "max_bytes": corpus.max_bytes,
+        },
         "eval_fraction": eval_fraction,
     }
     fsync_dir(folder)  # the token files' renames must be durable before meta.json vouches for them
     write_json(folder / META_NAME, meta)
     fsync_dir(folder)
-    log.info("packed %d documents into %d train + %d eval tokens in %.1f s (%s)",
-             n_docs, n_train, n_eval, time.perf_counter() - started, folder)
+    log.info(
+        "packed %d documents into %d train + %d eval tokens in %.1f s (%s)",
+        n_docs,
+        n_train,
+        n_eval,
+        time.perf_counter() - started,
+        folder,
+    )
     return open_packed(folder / META_NAME)
 
 

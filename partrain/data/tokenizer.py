@@ -72,18 +72,25 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
         except Exception as exc:  # transformers raises many types (OSError, ValueError, KeyError...)
-            raise ConfigError(Problem(
-                key="data.tokenizer", value=str(folder),
-                rule=f"could not load a Hugging Face tokenizer from {self.folder}: {exc}",
-                fix="point data.tokenizer at a folder written by tokenizer.save_pretrained(), or use data.tokenizer=byte",
-            )) from exc
+            raise ConfigError(
+                Problem(
+                    key="data.tokenizer",
+                    value=str(folder),
+                    rule=f"could not load a Hugging Face tokenizer from {self.folder}: {exc}",
+                    fix="point data.tokenizer at a folder written by tokenizer.save_pretrained(), or use "
+                    "data.tokenizer=byte",
+                )
+            ) from exc
         eos = self._tok.eos_token_id
         if eos is None:
-            raise ConfigError(Problem(
-                key="data.tokenizer", value=str(folder),
-                rule="the tokenizer has no end-of-sequence token (eos_token), which separates documents",
-                fix="set eos_token in its tokenizer_config.json, or use data.tokenizer=byte",
-            ))
+            raise ConfigError(
+                Problem(
+                    key="data.tokenizer",
+                    value=str(folder),
+                    rule="the tokenizer has no end-of-sequence token (eos_token), which separates documents",
+                    fix="set eos_token in its tokenizer_config.json, or use data.tokenizer=byte",
+                )
+            )
         self.eos_id = int(eos)
         # len() counts added tokens too, unlike .vocab_size; ids of added tokens can be produced.
         self.vocab_size = max(len(self._tok), self.eos_id + 1)
@@ -143,9 +150,13 @@ def hf_tokenizer_name(folder: Path) -> str:
 def _tokenizer_folder(spec: str) -> Path:
     folder = Path(spec).expanduser()
     if not folder.is_dir():
-        raise ConfigError(Problem(
-            key="data.tokenizer", value=spec,
-            rule="must be 'byte' or an existing local folder holding a Hugging Face tokenizer (nothing is downloaded)",
-            fix="use data.tokenizer=byte, or save the tokenizer with save_pretrained() and give that folder",
-        ))
+        raise ConfigError(
+            Problem(
+                key="data.tokenizer",
+                value=spec,
+                rule="must be 'byte' or an existing local folder holding a Hugging Face tokenizer (nothing is "
+                "downloaded)",
+                fix="use data.tokenizer=byte, or save the tokenizer with save_pretrained() and give that folder",
+            )
+        )
     return folder.resolve()

@@ -209,8 +209,14 @@ def get_adapter(model_or_arch: Any) -> Adapter:
         supported = ", ".join(sorted(ADAPTERS))
         close = difflib.get_close_matches(str(arch), list(ADAPTERS), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(Problem("model.arch", arch, f"no partrain adapter for this architecture (supported: {supported})",
-                                  f"{hint}set model.arch to a supported one"))
+        raise ConfigError(
+            Problem(
+                "model.arch",
+                arch,
+                f"no partrain adapter for this architecture (supported: {supported})",
+                f"{hint}set model.arch to a supported one",
+            )
+        )
     return adapter
 
 

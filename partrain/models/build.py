@@ -43,9 +43,14 @@ def hf_config(model_cfg: ModelConfig) -> Any:
     kwargs: Dict[str, Any] = dict(model_cfg.config or {})
     implementations = {k: kwargs.pop(k) for k in _IMPLEMENTATION_KEYS if k in kwargs}
     if kwargs.get("use_cache"):
-        raise ConfigError(Problem("model.config.use_cache", kwargs["use_cache"],
-                                  "training needs use_cache=False (a KV cache makes recomputed activations wrong)",
-                                  "remove model.config.use_cache"))
+        raise ConfigError(
+            Problem(
+                "model.config.use_cache",
+                kwargs["use_cache"],
+                "training needs use_cache=False (a KV cache makes recomputed activations wrong)",
+                "remove model.config.use_cache",
+            )
+        )
     kwargs.pop("use_cache", None)
     # One validator for unknown archs, unknown keys and arch/pretrained mismatch: the facts layer.
     merged_kwargs(model_cfg.arch, kwargs, model_cfg.pretrained, load_snapshot())
@@ -60,8 +65,14 @@ def hf_config(model_cfg: ModelConfig) -> Any:
     except ConfigError:
         raise
     except Exception as exc:  # HF's strict dataclass and __post_init__ checks raise various types
-        raise ConfigError(Problem("model.config", kwargs, f"transformers rejects this {model_cfg.arch} config: {exc}",
-                                  "fix the named value")) from exc
+        raise ConfigError(
+            Problem(
+                "model.config",
+                kwargs,
+                f"transformers rejects this {model_cfg.arch} config: {exc}",
+                "fix the named value",
+            )
+        ) from exc
 
     config.use_cache = False
     config._attn_implementation = implementations.get("attn_implementation", ATTN_IMPLEMENTATION)
@@ -73,17 +84,29 @@ def _load_pretrained_config(model_cfg: ModelConfig, kwargs: Dict[str, Any]) -> A
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_cfg.pretrained, local_files_only=True,
-                                          trust_remote_code=model_cfg.trust_remote_code, **kwargs)
+        return AutoConfig.from_pretrained(
+            model_cfg.pretrained, local_files_only=True, trust_remote_code=model_cfg.trust_remote_code, **kwargs
+        )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise ConfigError(Problem("model.trust_remote_code", model_cfg.trust_remote_code,
-                                      "the pretrained folder ships its own modelling code",
-                                      "set model.trust_remote_code=true if you trust that code")) from exc
+            raise ConfigError(
+                Problem(
+                    "model.trust_remote_code",
+                    model_cfg.trust_remote_code,
+                    "the pretrained folder ships its own modelling code",
+                    "set model.trust_remote_code=true if you trust that code",
+                )
+            ) from exc
         raise
     except OSError as exc:
-        raise ConfigError(Problem("model.pretrained", model_cfg.pretrained, f"cannot read the HF config there: {exc}",
-                                  "point model.pretrained at a local save_pretrained folder")) from exc
+        raise ConfigError(
+            Problem(
+                "model.pretrained",
+                model_cfg.pretrained,
+                f"cannot read the HF config there: {exc}",
+                "point model.pretrained at a local save_pretrained folder",
+            )
+        ) from exc
 
 
 def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
@@ -98,8 +121,15 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
         with torch.device("meta"):
             # dtype=fp32 explicitly: a pretrained config.json may say bf16; master weights are fp32
             # and mixed precision is applied later by the parallel wrappers.
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                    trust_remote_code=model_cfg.trust_remote_code)
+            return AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
+            )
     except (ValueError, ImportError) as exc:  # e.g. an attention implementation that is not installed
-        raise ConfigError(Problem("model.config", dict(model_cfg.config or {}),
-                                  f"transformers cannot build this model: {exc}", "fix the named setting")) from exc
+        raise ConfigError(
+            Problem(
+                "model.config",
+                dict(model_cfg.config or {}),
+                f"transformers cannot build this model: {exc}",
+                "fix the named setting",
+            )
+        ) from exc

@@ -25,8 +25,9 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def forward_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def forward_loss(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Run `model` on `input_ids` and return `token_loss` of its logits against `labels`.
 
     position_ids default to arange(seq_len) and are always passed explicitly: with sequence

@@ -25,8 +25,7 @@ from partrain.models.shards import canonical_fqn, copy_local_shard
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, model_cfg: ModelConfig, seed: int,
-                device: Union[str, torch.device]) -> nn.Module:
+def materialize(model: nn.Module, model_cfg: ModelConfig, seed: int, device: Union[str, torch.device]) -> nn.Module:
     """Allocate `model`'s local shards on `device` and fill them; returns `model`.
 
     Parameters may be plain tensors or DTensors (FSDP2 / TP, any mesh). One tensor at a time, the
@@ -52,15 +51,24 @@ def materialize(model: nn.Module, model_cfg: ModelConfig, seed: int,
             full = checkpoint.value(fqn, tensor.shape) if checkpoint is not None else None
             if full is None:
                 if checkpoint is not None and is_param:
-                    raise ConfigError(Problem("model.pretrained", model_cfg.pretrained,
-                                              f"the checkpoint has no tensor for parameter {fqn}",
-                                              "use a checkpoint saved from this architecture and config"))
+                    raise ConfigError(
+                        Problem(
+                            "model.pretrained",
+                            model_cfg.pretrained,
+                            f"the checkpoint has no tensor for parameter {fqn}",
+                            "use a checkpoint saved from this architecture and config",
+                        )
+                    )
                 full = oracle.value(fqn)
             elif tuple(full.shape) != tuple(tensor.shape):
-                raise ConfigError(Problem("model.pretrained", model_cfg.pretrained,
-                                          f"{fqn} has shape {tuple(full.shape)} there, the model expects "
-                                          f"{tuple(tensor.shape)}", "do not override size keys in model.config "
-                                          "when loading a pretrained folder"))
+                raise ConfigError(
+                    Problem(
+                        "model.pretrained",
+                        model_cfg.pretrained,
+                        f"{fqn} has shape {tuple(full.shape)} there, the model expects {tuple(tensor.shape)}",
+                        "do not override size keys in model.config when loading a pretrained folder",
+                    )
+                )
             copy_local_shard(tensor, full)  # copy_ casts (a bf16 checkpoint into fp32 master weights)
             del full  # drop it before the next one is made: one full tensor alive at a time
     return model

@@ -67,7 +67,7 @@ class SafetensorsCheckpoint:
             if in_model in fqn:
                 keys.append(fqn.replace(in_model, in_file))
         prefix = self.adapter.base_prefix + "."
-        keys += [k[len(prefix):] for k in list(keys) if k.startswith(prefix)]
+        keys += [k[len(prefix) :] for k in list(keys) if k.startswith(prefix)]
         return keys
 
     def _legacy_experts(self, fqn: str, shape: Sequence[int]) -> Optional[torch.Tensor]:
@@ -92,7 +92,7 @@ class SafetensorsCheckpoint:
                 part = self.read(key)
                 if full is None:
                     full = torch.empty(tuple(shape), dtype=part.dtype)
-                full[e, row:row + part.shape[0]].copy_(part)
+                full[e, row : row + part.shape[0]].copy_(part)
                 row += part.shape[0]
                 del part
             if row != shape[1]:
@@ -108,6 +108,12 @@ def _key_to_file(folder: Path) -> Dict[str, str]:
     if single.is_file():
         with safe_open(str(single), framework="pt", device="cpu") as handle:
             return {key: _SINGLE_FILE for key in handle.keys()}
-    raise ConfigError(Problem("model.pretrained", str(folder), "no safetensors weights in that folder "
-                              f"({_SINGLE_FILE} or {_INDEX_FILE}); pickled .bin files are never loaded",
-                              "re-save the model with save_pretrained(..., safe_serialization=True)"))
+    raise ConfigError(
+        Problem(
+            "model.pretrained",
+            str(folder),
+            "no safetensors weights in that folder "
+            f"({_SINGLE_FILE} or {_INDEX_FILE}); pickled .bin files are never loaded",
+            "re-save the model with save_pretrained(..., safe_serialization=True)",
+        )
+    )

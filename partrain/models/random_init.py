@@ -46,10 +46,16 @@ class InitOracle:
         if placeholder is None:
             raise KeyError(f"{fqn} is None in the model")
         # NaN marks "not written": HF init that does not touch a tensor must not pass silently.
-        full = torch.full(placeholder.shape, math.nan, dtype=placeholder.dtype) if placeholder.is_floating_point() \
+        full = (
+            torch.full(placeholder.shape, math.nan, dtype=placeholder.dtype)
+            if placeholder.is_floating_point()
             else torch.zeros(placeholder.shape, dtype=placeholder.dtype)
-        slots[name] = nn.Parameter(full, requires_grad=placeholder.requires_grad) if isinstance(placeholder, nn.Parameter) \
+        )
+        slots[name] = (
+            nn.Parameter(full, requires_grad=placeholder.requires_grad)
+            if isinstance(placeholder, nn.Parameter)
             else full
+        )
         try:
             with torch.random.fork_rng(devices=[]):  # leave the caller's CPU random state untouched
                 for module, init_owner in _writers(chain):
@@ -58,8 +64,10 @@ class InitOracle:
         finally:
             slots[name] = placeholder  # the shadow never keeps more than one real tensor
         if full.is_floating_point() and torch.isnan(full).any():
-            raise NotImplementedError(f"transformers' _init_weights does not initialise {fqn}; "
-                                      "partrain cannot derive its initial value on the meta device")
+            raise NotImplementedError(
+                f"transformers' _init_weights does not initialise {fqn}; "
+                "partrain cannot derive its initial value on the meta device"
+            )
         return full
 
 

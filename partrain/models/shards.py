@@ -25,7 +25,7 @@ def canonical_fqn(name: str) -> str:
     """`name` as in the plain HF model, whatever wrappers sit around the modules."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    return name[len("module."):] if name.startswith("module.") else name
+    return name[len("module.") :] if name.startswith("module.") else name
 
 
 @torch.no_grad()

@@ -85,7 +85,9 @@ class SequenceShard:
         count = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
         if self.size > 1:
             dist.all_reduce(count, group=self.group)
-        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        total = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         return total * (self.size / max(float(count.item()), 1.0))
 
     def forward_loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -105,6 +107,7 @@ def sequence_shard(mesh, mode: str) -> Optional[SequenceShard]:
 
 
 # ---- data -------------------------------------------------------------------------------------
+
 
 class SequenceSharded:
     """Train or eval batches with each row cut to this rank's tokens (inputs and labels alike).
@@ -143,14 +146,24 @@ def shard_batches(batches, evals, shard: Optional[SequenceShard]):
 
 # ---- attention --------------------------------------------------------------------------------
 
-def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
-                  **kwargs):
+
+def _sp_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+):
     """The attention function HF calls (see `transformers.AttentionInterface`); returns [B, S, H, D]."""
     shard: Optional[SequenceShard] = getattr(module, SP_ATTR, None)
     if shard is None:
-        raise RuntimeError(f"{type(module).__name__} runs partrain's sequence-parallel attention but apply_sp "
-                           "did not give it an sp group")
+        raise RuntimeError(
+            f"{type(module).__name__} runs partrain's sequence-parallel attention but apply_sp "
+            "did not give it an sp group"
+        )
     if attention_mask is not None:
         raise NotImplementedError("sequence-parallel attention supports causal attention without padding masks")
     if dropout and shard.mode == "ring":  # apply_sp refuses such models; never drop it silently
@@ -161,9 +174,11 @@ def _sp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if shard.mode == "ring":
         out = ops.ring_attention(query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling)
     else:
+
         def full_sequence(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+            )
 
         out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
     return out.transpose(1, 2).contiguous(), None
@@ -176,13 +191,17 @@ def _check_supported(config, mode: str, seq_len: int) -> None:
     types = getattr(config, "layer_types", None) or []
     windowed = "sliding_attention" in types or (config.model_type in ("mistral", "mixtral") and window)
     if windowed and window and window < seq_len:
-        raise NotImplementedError(f"sequence parallelism runs full causal attention; this {config.model_type} model uses "
-                                  f"a sliding window of {window} < train.seq_len={seq_len}: set "
-                                  "model.config.sliding_window=null or parallel.sp=1")
+        raise NotImplementedError(
+            f"sequence parallelism runs full causal attention; this {config.model_type} model uses "
+            f"a sliding window of {window} < train.seq_len={seq_len}: set "
+            "model.config.sliding_window=null or parallel.sp=1"
+        )
     dropout = max(float(getattr(config, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop"))
     if mode == "ring" and dropout > 0:
-        raise NotImplementedError(f"ring attention does not implement attention dropout ({dropout}): set the model's "
-                                  "attention dropout to 0 or use parallel.sp_mode=ulysses")
+        raise NotImplementedError(
+            f"ring attention does not implement attention dropout ({dropout}): set the model's "
+            "attention dropout to 0 or use parallel.sp_mode=ulysses"
+        )
 
 
 def _no_mask(*args, **kwargs):
@@ -214,7 +233,7 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
     name = ATTENTION_NAMES[shard.mode]
     layers = adapter.layers(model)
     found = 0
-    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         attn = adapter.attention(layer)
         setattr(attn, SP_ATTR, shard)
         found += 1
@@ -227,8 +246,14 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
             config._attn_implementation = name
     if "position_ids" in vars(model):  # a PipelineStageModule's plain attribute (never an HF buffer)
         model.position_ids = shard.position_ids(seq_len)
-    log.info("sequence parallel %s: sp rank %d of %d, %d attention layers, tokens at positions %s",
-             shard.mode, shard.rank, shard.size, found, _ranges(shard.positions(seq_len)))
+    log.info(
+        "sequence parallel %s: sp rank %d of %d, %d attention layers, tokens at positions %s",
+        shard.mode,
+        shard.rank,
+        shard.size,
+        found,
+        _ranges(shard.positions(seq_len)),
+    )
 
 
 def _ranges(positions: torch.Tensor) -> str:

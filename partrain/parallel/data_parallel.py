@@ -44,7 +44,9 @@ def fsdp_mesh(mesh: ParallelMesh):
     return mesh.world["dp_replicate", "dp_shard_sp"] if sp else mesh.world["dp_replicate", "dp_shard"]
 
 
-def apply_fsdp(model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int, precision: str = "fp32") -> None:
+def apply_fsdp(
+    model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int, precision: str = "fp32"
+) -> None:
     """Shard each decoder layer, then the root; call on the meta model, before materialize."""
     from torch.distributed.fsdp import fully_shard
 
@@ -102,7 +104,7 @@ def allreduce_gradients_of(modules, group, size: int) -> None:
     flat /= size
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -119,8 +121,13 @@ def _fsdp_sync_only_if(model: nn.Module, last: bool):
         model.set_requires_gradient_sync(True)
 
 
-def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig,
-         fsdp_grad_sync: str = "every_microbatch") -> DataParallelModel:
+def wrap(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    zero_stage: int,
+    optim_cfg: OptimConfig,
+    fsdp_grad_sync: str = "every_microbatch",
+) -> DataParallelModel:
     """After materialize: DDP for stages 0/1, and the optimizer for every stage."""
     groups = param_groups(model, optim_cfg.weight_decay)
     dp_group_size = mesh.size("dp_sp")
@@ -137,7 +144,9 @@ def wrap(model: nn.Module, mesh: ParallelMesh, zero_stage: int, optim_cfg: Optim
     microbatch: Callable[[bool], ContextManager] = lambda last: contextlib.nullcontext()
     if dp_group_size > 1 and _has_dtensor_params(model):
         group = mesh["dp_sp"].get_group()
-        return DataParallelModel(module, model, optimizer, microbatch, lambda: allreduce_gradients(model, group, dp_group_size))
+        return DataParallelModel(
+            module, model, optimizer, microbatch, lambda: allreduce_gradients(model, group, dp_group_size)
+        )
     if dp_group_size > 1:
         ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_sp"].get_group())
         module = ddp

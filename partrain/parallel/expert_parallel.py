@@ -30,6 +30,8 @@ Losses (per MoE layer l, over the layer's local tokens of one microbatch; then t
 
 The extra terms enter as gradients at each MoE block's output (a pass-through autograd Function,
 as Megatron's aux-loss scaler does), so pipeline stages need no extra loss plumbing.
+
+ZeRO-1 with expert parallelism (expert Adam state over edp): `partrain.parallel.expert_optimizer`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from partrain.models.adapters import Adapter
 from partrain.parallel import moe_dispatch
 
 # ---- settings and the per-run state shared by the MoE layers ----------------------------------
+
 
 @dataclass
 class MoESettings:
@@ -96,7 +99,7 @@ class MoERuntime:
         for group in (dp_sp_group, pp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 table = _all_reduce_sum(table, group)
-        routed, dropped = table[:, :E], table[:, E:2 * E]
+        routed, dropped = table[:, :E], table[:, E : 2 * E]
         forwards = table[:, -1].clamp(min=1)
         per_layer_mean = routed.mean(1).clamp(min=1e-12)
         self.totals = routed if self.totals is None else self.totals + routed
@@ -154,9 +157,14 @@ def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESe
     aux = getattr(parallel, "moe_aux_loss_coef", None)
     if aux is None:
         aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    return MoESettings(num_experts=experts.gate_up_proj.shape[0], top_k=int(config.num_experts_per_tok),
-                       num_moe_layers=n_moe, capacity_factor=getattr(parallel, "moe_capacity_factor", None),
-                       aux_coef=float(aux), z_coef=float(getattr(parallel, "moe_z_loss_coef", 0.0) or 0.0))
+    return MoESettings(
+        num_experts=experts.gate_up_proj.shape[0],
+        top_k=int(config.num_experts_per_tok),
+        num_moe_layers=n_moe,
+        capacity_factor=getattr(parallel, "moe_capacity_factor", None),
+        aux_coef=float(aux),
+        z_coef=float(getattr(parallel, "moe_z_loss_coef", 0.0) or 0.0),
+    )
 
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -168,15 +176,24 @@ def experts_attr(adapter: Adapter, config) -> str:
     has one (its "ep_dispatch_experts" entry, with "grouped_gemm" weights), else the adapter."""
     plan = adapter.hf_plan(config, "ep") or {}
     prefix = adapter.layer_prefix + ".*."
-    dispatch = [k[len(prefix):] for k, style in plan.items() if style == "ep_dispatch_experts" and k.startswith(prefix)]
+    dispatch = [
+        k[len(prefix) :] for k, style in plan.items() if style == "ep_dispatch_experts" and k.startswith(prefix)
+    ]
     if not dispatch:
         return adapter.experts_attr
     attr = dispatch[0]
-    weights = tuple(sorted(k[len(prefix) + len(attr) + 1:] for k, style in plan.items()
-                           if style == "grouped_gemm" and k.startswith(prefix + attr + ".")))
+    weights = tuple(
+        sorted(
+            k[len(prefix) + len(attr) + 1 :]
+            for k, style in plan.items()
+            if style == "grouped_gemm" and k.startswith(prefix + attr + ".")
+        )
+    )
     if weights != tuple(sorted(FUSED_EXPERT_PARAMS)):
-        raise NotImplementedError(f"{config.model_type}: transformers' expert plan names weights {weights}; partrain's "
-                                  f"routed experts compute with {FUSED_EXPERT_PARAMS}")
+        raise NotImplementedError(
+            f"{config.model_type}: transformers' expert plan names weights {weights}; partrain's "
+            f"routed experts compute with {FUSED_EXPERT_PARAMS}"
+        )
     return attr
 
 
@@ -197,6 +214,7 @@ def _layers(model: nn.Module, adapter: Adapter) -> Dict[int, nn.Module]:
 
 
 # ---- the module ---------------------------------------------------------------------------------
+
 
 class _AddLossGradient(torch.autograd.Function):
     """Identity on the MoE output; in backward also sends d(extra loss) = grad_scale into `extra`."""
@@ -259,7 +277,9 @@ class RoutedExperts(nn.Module):
     def _local(self, p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if hasattr(p, "to_local") else p
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         s = self.runtime.settings
         E, tokens = self.num_experts, hidden_states.shape[0]
         cap = moe_dispatch.capacity(s.capacity_factor, tokens, s.top_k, E)
@@ -281,7 +301,7 @@ class RoutedExperts(nn.Module):
         if counting:
             st = self._stats
             st[:E] += routing.counts.double().cpu()
-            st[E:2 * E] += (routing.counts - routing.kept).double().cpu()
+            st[E : 2 * E] += (routing.counts - routing.kept).double().cpu()
             st[-1] += 1
         if extra is not None and torch.is_grad_enabled():
             out = _AddLossGradient.apply(out, extra, self.runtime)
@@ -291,7 +311,10 @@ class RoutedExperts(nn.Module):
         """x: rows grouped by source then local expert; counts [sources, local experts]."""
         gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
         if self.grad_factor != 1.0:
-            gate_up, down = _ScaleGradient.apply(gate_up, self.grad_factor), _ScaleGradient.apply(down, self.grad_factor)
+            gate_up, down = (
+                _ScaleGradient.apply(gate_up, self.grad_factor),
+                _ScaleGradient.apply(down, self.grad_factor),
+            )
         perm = moe_dispatch.by_local_expert(counts)
         xs = x[perm]
         outs = []
@@ -303,8 +326,9 @@ class RoutedExperts(nn.Module):
         ys = torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
         return torch.empty_like(ys).index_copy_(0, perm, ys) if ys.numel() else ys
 
-    def _router_losses(self, logits: Optional[torch.Tensor], counts: torch.Tensor, tokens: int,
-                       counting: bool) -> Optional[torch.Tensor]:
+    def _router_losses(
+        self, logits: Optional[torch.Tensor], counts: torch.Tensor, tokens: int, counting: bool
+    ) -> Optional[torch.Tensor]:
         s = self.runtime.settings
         if logits is None or tokens == 0:
             return None
@@ -325,10 +349,12 @@ class RoutedExperts(nn.Module):
 def _keep_router_logits(experts: RoutedExperts):
     def hook(_module, _inputs, output):
         experts.router_logits = output[0] if isinstance(output, tuple) else output
+
     return hook
 
 
 # ---- applying it --------------------------------------------------------------------------------
+
 
 def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -> List[RoutedExperts]:
     """Swap every experts module of `model` (a whole model or a pipeline stage, on meta) for a
@@ -347,7 +373,7 @@ def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -
             rank, local = ep_mesh.get_local_rank(), hf.gate_up_proj.shape[0] // ep
             for name in FUSED_EXPERT_PARAMS:
                 full = getattr(hf, name)
-                piece = full.detach()[rank * local:(rank + 1) * local]
+                piece = full.detach()[rank * local : (rank + 1) * local]
                 setattr(hf, name, nn.Parameter(DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)))
         new = RoutedExperts(hf, runtime, moe_order[index], ep_mesh if ep > 1 else None)
         parent_path, _, attr = attr_path.rpartition(".")
@@ -420,7 +446,7 @@ def _sum_into(grads: List[torch.Tensor], group, divisor: int) -> None:
     flat /= divisor
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -440,182 +466,3 @@ def sync_gradients(parts: Sequence[nn.Module], mesh) -> None:
     edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
     if size > 1:
         _sum_into(_local_grads(expert_parameters(parts)), edp, size)
-
-
-# ---- ZeRO-1 with expert parallelism --------------------------------------------------------------
-
-class ExpertShardOptimizer:
-    """ZeRO-1 for the expert shards over edp (the ranks holding the same experts).
-
-    Like `ShardedOptimizer`, per parameter group the local expert tensors are seen as one flat
-    vector cut into equal slices; this rank's inner AdamW holds state for its slice only (a copy
-    of the slice is its parameter), and after the step the slices are all-gathered over edp and
-    written back into the local tensors. Checkpoints see per-parameter DTensors (Shard(0) over ep)
-    under the usual keys, so they reshard like any other layout's expert state.
-    """
-
-    def __init__(self, param_groups, group, make_inner) -> None:
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.groups, inner_groups = [], []
-        for spec in param_groups:
-            params = [p for p in spec["params"] if p.requires_grad]
-            numel = sum(_local_of(p).numel() for p in params)
-            per_rank = -(-numel // self.world)
-            shard = nn.Parameter(self._flat(params, use_grad=False)[self.rank * per_rank:(self.rank + 1) * per_rank].clone())
-            self.groups.append({"params": params, "numel": numel, "per_rank": per_rank, "shard": shard})
-            inner_groups.append({**{k: v for k, v in spec.items() if k != "params"}, "params": [shard]})
-        self.inner = make_inner(inner_groups)
-
-    def _flat(self, params, use_grad: bool) -> torch.Tensor:
-        """The group's local tensors (or gradients) as one vector, zero-padded to world slices."""
-        parts = []
-        for p in params:
-            t = p.grad if use_grad else p
-            parts.append(_local_of(p).new_zeros(_local_of(p).numel()) if t is None else _local_of(t).reshape(-1))
-        flat = torch.cat(parts) if parts else torch.zeros(0)
-        pad = -(-flat.numel() // self.world) * self.world - flat.numel()
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.groups:
-            for p in g["params"]:
-                p.grad = None
-            g["shard"].grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for g in self.groups:
-            lo, hi = self.rank * g["per_rank"], (self.rank + 1) * g["per_rank"]
-            # The slice is a copy: refresh it from the parameters (a checkpoint load writes those).
-            g["shard"].copy_(self._flat(g["params"], use_grad=False)[lo:hi])
-            g["shard"].grad = self._flat(g["params"], use_grad=True)[lo:hi].clone()
-        self.inner.step()
-        for g in self.groups:
-            g["shard"].grad = None
-            self._scatter_back(g["params"], self._gather(g["shard"].detach()))
-
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return shard.clone()
-        out = shard.new_empty(shard.numel() * self.world)
-        dist.all_gather_into_tensor(out, shard.contiguous().clone(), group=self.group)
-        return out
-
-    @staticmethod
-    def _scatter_back(params, flat: torch.Tensor, into=None) -> None:
-        offset = 0
-        for i, p in enumerate(params):
-            local = _local_of(p) if into is None else into[i]
-            local.copy_(flat[offset:offset + local.numel()].view_as(local))
-            offset += local.numel()
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
-                   if torch.is_tensor(t) and t.dim() > 0)
-
-    # -- checkpoints: the same keys as a plain AdamW over the expert DTensors ---------------------
-    @torch.no_grad()
-    def full_state(self, names: Dict[int, str], template: bool = False) -> Dict[str, object]:
-        """{state.<fqn>.exp_avg / exp_avg_sq / step, param_groups.<fqn>.<hyper>}; collective over edp."""
-        from torch.distributed.tensor import DTensor
-
-        flat: Dict[str, object] = {}
-        for gi, g in enumerate(self.groups):
-            state = self.inner.state.get(g["shard"], {})
-            hyper = {k: v for k, v in self.inner.param_groups[gi].items() if k != "params"}
-            for name in ("exp_avg", "exp_avg_sq"):
-                shard = state.get(name)
-                full = self._gather(torch.zeros_like(g["shard"]) if shard is None or template else shard)
-                locals_ = [torch.empty_like(_local_of(p)) for p in g["params"]]
-                self._scatter_back(g["params"], full, into=locals_)
-                for p, local in zip(g["params"], locals_):
-                    flat[f"state.{names[id(p)]}.{name}"] = DTensor.from_local(local, p.device_mesh, p.placements,
-                                                                               run_check=False)
-            step = state.get("step", torch.zeros((), dtype=torch.float32))
-            for p in g["params"]:
-                flat[f"state.{names[id(p)]}.step"] = step.detach().clone()
-                for k, v in hyper.items():
-                    flat[f"param_groups.{names[id(p)]}.{k}"] = v
-        return flat
-
-    @torch.no_grad()
-    def load_full_state(self, names: Dict[int, str], flat: Dict[str, object]) -> None:
-        state, groups = {}, []
-        for gi, g in enumerate(self.groups):
-            lo, hi = self.rank * g["per_rank"], (self.rank + 1) * g["per_rank"]
-            entry = {}
-            for name in ("exp_avg", "exp_avg_sq"):
-                values = [flat[f"state.{names[id(p)]}.{name}"] for p in g["params"]]
-                vec = self._flat_values(values)
-                entry[name] = vec[lo:hi].clone()
-            entry["step"] = torch.as_tensor(flat[f"state.{names[id(g['params'][0])]}.step"], dtype=torch.float32).clone()
-            state[gi] = entry
-            hyper = {k: flat.get(f"param_groups.{names[id(g['params'][0])]}.{k}", v)
-                     for k, v in self.inner.param_groups[gi].items() if k != "params"}
-            groups.append({**hyper, "params": [gi]})
-        self.inner.load_state_dict({"state": state, "param_groups": groups})
-
-    def _flat_values(self, values) -> torch.Tensor:
-        flat = torch.cat([_local_of(v).reshape(-1) for v in values])
-        pad = -(-flat.numel() // self.world) * self.world - flat.numel()
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-
-def _local_of(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class ExpertSplitOptimizer:
-    """ZeRO-1 under expert parallelism: the dense parameters' state sharded over dp_shard by a
-    `ShardedOptimizer` (they are the same on every dp x sp rank), the expert shards (different on
-    each ep rank, already 1/ep of the experts) by an `ExpertShardOptimizer` over edp.
-
-    The trainer sees one optimizer (param_groups, zero_grad, step, state_bytes); checkpoints save
-    both halves under the same per-parameter FQN keys as any other layout (checkpoint/state.py).
-    """
-
-    def __init__(self, dense, experts: torch.optim.Optimizer) -> None:
-        self.dense = dense
-        self.experts = experts
-
-    @property
-    def param_groups(self):
-        return [*self.dense.param_groups, *self.experts.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dense.zero_grad(set_to_none)
-        self.experts.zero_grad(set_to_none)
-
-    def step(self) -> None:
-        self.dense.step()
-        self.experts.step()
-
-    def state_bytes(self) -> int:
-        return self.dense.state_bytes() + self.experts.state_bytes()
-
-
-def is_expert_shard(p: torch.Tensor) -> bool:
-    """An expert parameter sharded over the ep mesh (ZeRO-1 refuses tensor parallelism, so under
-    ZeRO-1 these are the only DTensor parameters)."""
-    mesh = getattr(p, "device_mesh", None)
-    return mesh is not None and mesh.mesh_dim_names == ("ep",)
-
-
-def zero1_optimizer(groups, make_sharded, make_experts) -> ExpertSplitOptimizer:
-    """Split parameter groups into dense (-> make_sharded) and expert shards (-> make_experts)."""
-    dense, experts = [], []
-    for g in groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        d = [p for p in g["params"] if not is_expert_shard(p)]
-        e = [p for p in g["params"] if is_expert_shard(p)]
-        if d:
-            dense.append({**hyper, "params": d})
-        if e:
-            experts.append({**hyper, "params": e})
-    return ExpertSplitOptimizer(make_sharded(dense), make_experts(experts))

@@ -36,14 +36,16 @@ def make_adamw(groups: List[Dict], cfg: OptimConfig) -> torch.optim.Optimizer:
 def make_optimizer(groups, mesh: ParallelMesh, zero_stage: int, optim_cfg: OptimConfig):
     """AdamW; for ZeRO-1 with its state sharded over the dp_shard ranks."""
     if zero_stage == 1 and mesh.size("dp_shard") > 1:
+
         def sharded(gs):
             return ShardedOptimizer(gs, torch.optim.AdamW, mesh["dp_shard"].get_group(), **adamw_kwargs(optim_cfg))
 
         if mesh.size("ep") > 1:  # expert shards differ per ep rank: they stay out of the flat buffers
-            from partrain.parallel.expert_parallel import ExpertShardOptimizer, zero1_optimizer
+            from partrain.parallel.expert_optimizer import ExpertShardOptimizer, zero1_optimizer
 
             edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
-            return zero1_optimizer(groups, sharded,
-                                   lambda gs: ExpertShardOptimizer(gs, edp, lambda inner: make_adamw(inner, optim_cfg)))
+            return zero1_optimizer(
+                groups, sharded, lambda gs: ExpertShardOptimizer(gs, edp, lambda inner: make_adamw(inner, optim_cfg))
+            )
         return sharded(groups)
     return make_adamw(groups, optim_cfg)

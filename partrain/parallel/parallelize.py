@@ -5,8 +5,8 @@
     -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
 `partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
-optimizer and the engine. Everything here `materialize` runs on the meta device, so no rank ever allocates the full model
-when the layout shards it. Every axis exists (size 1 when unused); the code asks the mesh.
+optimizer and the engine. Everything here runs on the meta device, so no rank ever allocates the
+full model when the layout shards it. Every axis exists (size 1 when unused); the code asks the mesh.
 """
 
 from __future__ import annotations

@@ -13,5 +13,6 @@ def mixed_precision_policy(precision: str):
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                                reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16, reduce_dtype=torch.float32
+    )

@@ -41,7 +41,8 @@ def apply_recompute(model: nn.Module, adapter: Adapter, policy: str, every: int 
             continue
         if policy == "full":
             layers[key if isinstance(layers, nn.ModuleDict) else int(key)] = checkpoint_wrapper(
-                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            )
         elif policy == "selective":
             _wrap(layer, adapter.attention_attr)
         else:

@@ -36,6 +36,7 @@ Tensor = torch.Tensor
 # Which global positions a rank holds
 # ---------------------------------------------------------------------------------------------
 
+
 def _check_split(seq_len: int, parts: int, what: str) -> None:
     if seq_len <= 0 or parts <= 0 or seq_len % parts:
         raise ValueError(f"{what}: sequence length {seq_len} must be a positive multiple of {parts}")
@@ -63,6 +64,7 @@ def contiguous_positions(seq_len: int, sp: int, sp_rank: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Ring attention
 # ---------------------------------------------------------------------------------------------
+
 
 def _group_size_rank(group) -> Tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
@@ -133,6 +135,7 @@ def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
 # the full gradient. "math" is portable matmul/softmax in fp32 (fp64 stays fp64); "flash_cpu" is
 # torch's fused CPU flash-attention kernel, which returns the log-sum-exp (about 4x faster here).
 
+
 def _grouped(q: Tensor, kv_heads: int) -> Tensor:
     """[b, h, n, d] -> [b, kv_heads, h / kv_heads, n, d]: query heads grouped by the K/V head they
     share (HF's GQA order: query head i uses K/V head i // (h / kv_heads))."""
@@ -171,7 +174,8 @@ def _flash_cpu_fwd(q, k, v, scale, diag):
 
 def _flash_cpu_bwd(do, q, k, v, out, lse, scale, diag):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do.to(q.dtype).contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, diag, scale=scale)
+        do.to(q.dtype).contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, diag, scale=scale
+    )
 
 
 _KERNELS = {"math": (_math_fwd, _math_bwd), "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd)}
@@ -198,8 +202,10 @@ class _Ring:
 
     def start(self, send: Tensor, tag: int) -> Tuple[Tensor, list]:
         recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.nxt, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prv, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.nxt, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prv, self.group, tag),
+        ]
         return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -236,7 +242,9 @@ class _RingAttention(torch.autograd.Function):
                 blk_out, blk_lse = blk_out.to(cdt), blk_lse.to(cdt)
                 old = lse[:, :, qs]
                 new = torch.logaddexp(old, blk_lse)
-                out[:, :, qs] = out[:, :, qs] * torch.exp(old - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
+                out[:, :, qs] = (
+                    out[:, :, qs] * torch.exp(old - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
+                )
                 lse[:, :, qs] = new
             if step < sp - 1:
                 _Ring.finish(reqs)
@@ -279,8 +287,9 @@ class _RingAttention(torch.autograd.Function):
             dk_blk = torch.zeros(kc.shape, dtype=cdt, device=q.device)
             dv_blk = torch.zeros(vc.shape, dtype=cdt, device=q.device)
             for qs, ks, diag in _block_plan(rank, src, sp, n, zigzag, causal):
-                gq, gk, gv = block_bwd(dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks], out[:, :, qs],
-                                       lse[:, :, qs], scale, diag)
+                gq, gk, gv = block_bwd(
+                    dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks], out[:, :, qs], lse[:, :, qs], scale, diag
+                )
                 dq[:, :, qs] += gq
                 dk_blk[:, :, ks] += gk
                 dv_blk[:, :, ks] += gv
@@ -324,16 +333,33 @@ def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, T
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [batch, heads, local_seq, head_dim]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]) or v.shape[:3] != k.shape[:3] \
-            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch and local "
-                         "length, k in head_dim, and the K/V heads must divide the query heads (GQA)")
+        raise ValueError(
+            f"q, k, v must be [batch, heads, local_seq, head_dim]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if (
+        (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3])
+        or v.shape[:3] != k.shape[:3]
+        or k.shape[1] == 0
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch and local "
+            "length, k in head_dim, and the K/V heads must divide the query heads (GQA)"
+        )
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigzag: bool,
-                   scale: Optional[float] = None, block_kernel: str = "auto") -> Tensor:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group,
+    *,
+    causal: bool,
+    zigzag: bool,
+    scale: Optional[float] = None,
+    block_kernel: str = "auto",
+) -> Tensor:
     """Attention of the local queries over the whole sequence, K/V passed around the sp group.
 
     q: [batch, heads, local_seq, head_dim]; k, v: [batch, kv_heads, local_seq, head_dim] with
@@ -346,8 +372,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigz
     _check_qkv(q, k, v)
     n = q.shape[2]
     if zigzag and n % 2:
-        raise ValueError(f"zig-zag ring attention needs an even local sequence length (two chunks per rank); "
-                         f"got local_seq={n}: make the sequence length a multiple of 2*sp")
+        raise ValueError(
+            f"zig-zag ring attention needs an even local sequence length (two chunks per rank); "
+            f"got local_seq={n}: make the sequence length a multiple of 2*sp"
+        )
     sp, rank = _group_size_rank(group)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -360,6 +388,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, zigz
 # ---------------------------------------------------------------------------------------------
 # Ulysses
 # ---------------------------------------------------------------------------------------------
+
 
 def _seq_to_head(x: Tensor, group, sp: int) -> Tensor:
     """[b, h, n, d] sequence shard -> [b, h/sp, sp*n, d] head shard (all-to-all)."""
@@ -418,8 +447,9 @@ def _repeat_heads(t: Tensor, r: int) -> Tensor:
     return t[:, :, None].expand(b, kv, r, n, d).reshape(b, kv * r, n, d)
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
-                      attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group, attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
+) -> Tensor:
     """Sequence-sharded q, k, v -> head-sharded full sequences -> attention_fn -> back.
 
     q: [batch, heads, local_seq, head_dim], k, v: [batch, kv_heads, local_seq, head_dim] (kv_heads
@@ -437,8 +467,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group,
         return attention_fn(q, k, v)
     heads = q.shape[1]
     if heads % sp:
-        raise ValueError(f"Ulysses attention needs the head count divisible by sp: {heads} heads, sp={sp} "
-                         f"(use sp_mode=ring or an sp that divides {heads})")
+        raise ValueError(
+            f"Ulysses attention needs the head count divisible by sp: {heads} heads, sp={sp} "
+            f"(use sp_mode=ring or an sp that divides {heads})"
+        )
     q, k, v = _autocast_inputs(q, k, v)  # also halves the all-to-all bytes of fp32 rotary outputs
     r = _kv_repeat_for(heads, k.shape[1], sp)
     k, v = _repeat_heads(k, r), _repeat_heads(v, r)

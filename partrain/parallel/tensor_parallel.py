@@ -153,18 +153,26 @@ def _style(name: str, key: str, sequence_parallel: bool, model_type: str):
         if sequence_parallel and leaf in BLOCK_OUTPUTS:
             return RowwiseParallel(output_layouts=Shard(1))
         return RowwiseParallel()
-    raise ConfigError(Problem("parallel.tp", "", f"{model_type}'s tensor-parallel plan uses style {name!r} for {key}, "
-                                                  "which partrain does not translate", "set parallel.tp=1 for this model"))
+    raise ConfigError(
+        Problem(
+            "parallel.tp",
+            "",
+            f"{model_type}'s tensor-parallel plan uses style {name!r} for {key}, which partrain does not translate",
+            "set parallel.tp=1 for this model",
+        )
+    )
 
 
-def layer_plan_from_hf(hf_plan: Dict[str, str], adapter: Adapter, sequence_parallel: bool, model_type: str) -> Dict[str, object]:
+def layer_plan_from_hf(
+    hf_plan: Dict[str, str], adapter: Adapter, sequence_parallel: bool, model_type: str
+) -> Dict[str, object]:
     """Per-layer styles (keys relative to one decoder layer) from transformers' base_model_tp_plan."""
     prefix = adapter.layer_prefix + LAYER_WILDCARD
     plan: Dict[str, object] = {}
     for key, style in hf_plan.items():
         if not key.startswith(prefix):
             continue  # embeddings and head are handled by partrain (vocab parallel)
-        rel = key[len(prefix):]
+        rel = key[len(prefix) :]
         if style in MOE_STYLES or (adapter.experts_attr and rel.startswith(adapter.experts_attr)):
             continue  # experts stay replicated over TP; expert parallelism shards them
         plan[rel] = _style(style, key, sequence_parallel, model_type)
@@ -177,15 +185,19 @@ def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter) -> Dict[st
         if hasattr(layer, norm):
             plan[norm] = SequenceParallel()
     # HF passes hidden_states to attention by keyword and to the MLP positionally.
-    plan[adapter.attention_attr] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                      desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                      use_local_output=True)
+    plan[adapter.attention_attr] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    )
     mlp_in = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     if adapter.experts(layer) is not None:
         # Replicated experts return a full local tensor: hand the residual stream back as sequence shards.
         # Local output: the residual stream between blocks is plain local shards (as after down_proj).
-        plan[adapter.mlp_attr] = [mlp_in, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                                              use_local_output=True)]
+        plan[adapter.mlp_attr] = [
+            mlp_in,
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+        ]
     else:
         plan[adapter.mlp_attr] = mlp_in
     return plan
@@ -198,12 +210,17 @@ def _replicated_block_inputs(layer: nn.Module, adapter: Adapter) -> Dict[str, ob
     a DTensor itself and all-reduces its own input gradient in backward: 5 all-reduces per layer
     where 2 suffice (measured: 68 -> 44 all-reduces per step, about 8% less CPU per step).
     """
-    plan: Dict[str, object] = {adapter.attention_attr: PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Replicate()}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        use_local_output=False)}
+    plan: Dict[str, object] = {
+        adapter.attention_attr: PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        )
+    }
     if adapter.experts(layer) is None:  # replicated experts compute on plain tensors
-        plan[adapter.mlp_attr] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                                    use_local_output=False)
+        plan[adapter.mlp_attr] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
     return plan
 
 
@@ -228,16 +245,27 @@ def _parallelize_layers(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, se
     entries = layers.values() if isinstance(layers, nn.ModuleDict) else layers
     if adapter.conv1d_weights:
         if sequence_parallel:
-            raise ConfigError(Problem("parallel.tp_sequence_parallel", True,
-                                      "not supported for GPT-2 (learned position embeddings are added outside the embedding)",
-                                      "set parallel.tp_sequence_parallel=false"))
+            raise ConfigError(
+                Problem(
+                    "parallel.tp_sequence_parallel",
+                    True,
+                    "not supported for GPT-2 (learned position embeddings are added outside the embedding)",
+                    "set parallel.tp_sequence_parallel=false",
+                )
+            )
         for layer in entries:
             _gpt2_layer(layer, mesh)
         return
     hf_plan = adapter.hf_plan(model, "tp")
     if not hf_plan:
-        raise ConfigError(Problem("parallel.tp", mesh.size(), f"{model.config.model_type} has no tensor-parallel plan",
-                                  "set parallel.tp=1"))
+        raise ConfigError(
+            Problem(
+                "parallel.tp",
+                mesh.size(),
+                f"{model.config.model_type} has no tensor-parallel plan",
+                "set parallel.tp=1",
+            )
+        )
     base = layer_plan_from_hf(hf_plan, adapter, sequence_parallel, model.config.model_type)
     for layer in entries:
         plan = {k: v for k, v in base.items() if _has(layer, k)}
@@ -259,17 +287,23 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def _parallelize_ends(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool) -> None:
+def _parallelize_ends(
+    model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool
+) -> None:
     token_embedding = adapter.embedding_paths[0]
     plan: Dict[str, object] = {}
     if _has(model, token_embedding):
-        plan[token_embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate())
+        plan[token_embedding] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
+        )
     if sequence_parallel and _has(model, adapter.final_norm_path):
         plan[adapter.final_norm_path] = SequenceParallel()
     if _has(model, adapter.lm_head_path):
-        plan[adapter.lm_head_path] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                                     output_layouts=Shard(-1) if use_loss_parallel else Replicate(),
-                                                     use_local_output=not use_loss_parallel)
+        plan[adapter.lm_head_path] = ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if use_loss_parallel else Replicate(),
+            use_local_output=not use_loss_parallel,
+        )
     tied = adapter.tied_embeddings(model) and len(plan) >= 2
     parallelize_module(model, mesh, plan)
     if tied:
@@ -277,7 +311,9 @@ def _parallelize_ends(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequ
         model.get_submodule(adapter.lm_head_path).weight = model.get_submodule(token_embedding).weight
 
 
-def apply_tp(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool = True) -> None:
+def apply_tp(
+    model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool = True
+) -> None:
     """Slice `model` (on the meta device) over the TP mesh in place."""
     if mesh.size() == 1:
         return

@@ -33,10 +33,10 @@ class ShardedOptimizer:
             flat = torch.zeros(per_rank * self.world, dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in params:
-                flat[offset:offset + p.numel()] = p.detach().reshape(-1)
-                p.data = flat[offset:offset + p.numel()].view_as(p)
+                flat[offset : offset + p.numel()] = p.detach().reshape(-1)
+                p.data = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            shard = nn.Parameter(flat[self.rank * per_rank:(self.rank + 1) * per_rank])
+            shard = nn.Parameter(flat[self.rank * per_rank : (self.rank + 1) * per_rank])
             self.groups.append({"params": params, "numel": numel, "per_rank": per_rank, "shard": shard, "flat": flat})
             shard_groups.append({**{k: v for k, v in spec.items() if k != "params"}, "params": [shard]})
         self.inner = optimizer_cls(shard_groups, **defaults)
@@ -87,5 +87,5 @@ def _copy_range(params: List[torch.Tensor], lo: int, hi: int, out: torch.Tensor,
         if start < end:
             src = p.grad if use_grad else p
             if src is not None:
-                out[start - lo:end - lo] = src.reshape(-1)[start - offset:end - offset]
+                out[start - lo : end - lo] = src.reshape(-1)[start - offset : end - offset]
         offset += n

@@ -32,13 +32,25 @@ def finish_group() -> None:
 
 
 @contextlib.contextmanager
-def joined_group(backend: str, rank: int, world_size: int, timeout_s: float, store: Optional[Any] = None,
-                 init_method: Optional[str] = None) -> Iterator[None]:
+def joined_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store: Optional[Any] = None,
+    init_method: Optional[str] = None,
+) -> Iterator[None]:
     """The default process group for the block; `finish_group` when it ends without an exception."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, store=store, init_method=init_method,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        init_method=init_method,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     yield
     finish_group()
 

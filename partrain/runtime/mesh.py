@@ -58,7 +58,9 @@ def _flatten(world: DeviceMesh, names: Tuple[str, ...], as_name: str) -> DeviceM
 
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     dims = mesh_dims(layout)
-    world = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims))
+    world = init_device_mesh(
+        device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
+    )
     order = [name for name, _ in dims]
 
     def in_mesh_order(*names: str) -> Tuple[str, ...]:

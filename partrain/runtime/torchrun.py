@@ -12,15 +12,26 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 
-def torchrun_command(nproc_per_node: int, target: Sequence[str], max_restarts: int = 0,
-                     log_dir: Optional[Path] = None, quiet_other_ranks: bool = False) -> List[str]:
+def torchrun_command(
+    nproc_per_node: int,
+    target: Sequence[str],
+    max_restarts: int = 0,
+    log_dir: Optional[Path] = None,
+    quiet_other_ranks: bool = False,
+) -> List[str]:
     """`python -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=N ... TARGET`.
 
     target: what each process runs, e.g. ["-m", "partrain.worker", RUN_DIR] or [script, args...].
     quiet_other_ranks: ranks other than 0 write their output to files under log_dir only.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={nproc_per_node}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc_per_node}",
+    ]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     if log_dir is not None:

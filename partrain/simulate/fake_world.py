@@ -74,8 +74,16 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
                 seen.add(id(p))
                 local = _local(p)
                 placements = ", ".join(str(x) for x in p.placements) if hasattr(p, "placements") else ""
-                params.append(SimulatedParam(name, list(p.shape), list(local.shape), placements,
-                                             str(local.dtype).replace("torch.", ""), local.numel() * local.element_size()))
+                params.append(
+                    SimulatedParam(
+                        name,
+                        list(p.shape),
+                        list(local.shape),
+                        placements,
+                        str(local.dtype).replace("torch.", ""),
+                        local.numel() * local.element_size(),
+                    )
+                )
         zero = v.run.parallel.zero_stage
         opt_elems = _optimizer_elements(held.modules, zero, mesh.size("dp_shard"), v.run.optim.weight_decay)
         chunks = held.chunks or [0]
@@ -89,8 +97,12 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     param_bytes = sum(p.bytes for p in params)
     param_elements = sum(math.prod(p.local_shape) for p in params)
     element_size = param_bytes // param_elements if param_elements else 4
-    simulated = {"param_elements": param_elements, "params": param_bytes, "grads": param_bytes,
-                 "optimizer": opt_elems * 2 * element_size}
+    simulated = {
+        "param_elements": param_elements,
+        "params": param_bytes,
+        "grads": param_bytes,
+        "optimizer": opt_elems * 2 * element_size,
+    }
     simulated["total"] = simulated["params"] + simulated["grads"] + simulated["optimizer"]
     analytic = {"param_elements": p_el, "params": p_el * d.param, "grads": g_el * d.grad, "optimizer": o_el * d.optim}
     analytic["total"] = analytic["params"] + analytic["grads"] + analytic["optimizer"]
@@ -104,12 +116,19 @@ def simulate(v, ranks: Optional[Sequence[int]] = None) -> Simulation:
     started = time.perf_counter()
     out = Simulation(v.layout.world_size)
     p = v.run.parallel
-    if p.tp_sequence_parallel and v.layout.tp > 1 and v.facts.learned_positions and not IMPLEMENTED["tp-sp-learned-positions"]:
+    if (
+        p.tp_sequence_parallel
+        and v.layout.tp > 1
+        and v.facts.learned_positions
+        and not IMPLEMENTED["tp-sp-learned-positions"]
+    ):
         # Megatron-SP moves activations, not parameters: the shards are those of plain TP.
         v = replace(v, run=replace(v.run, parallel=replace(p, tp_sequence_parallel=False)))
-        out.notes.append(f"Megatron sequence parallelism is not built for {v.facts.arch} yet: simulated without it "
-                         "(it changes activations, not where parameters live)")
-    for rank in (list(ranks) if ranks else default_ranks(v.layout)):
+        out.notes.append(
+            f"Megatron sequence parallelism is not built for {v.facts.arch} yet: simulated without it "
+            "(it changes activations, not where parameters live)"
+        )
+    for rank in list(ranks) if ranks else default_ranks(v.layout):
         out.ranks.append(simulate_rank(v, rank))
     out.seconds = time.perf_counter() - started
     return out

@@ -38,8 +38,9 @@ def _checkpoint_layers(model) -> None:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.REENTRANT)
 
 
-def saved_activation_bytes(model_cfg: ModelConfig, batch: int, seq: int, precision: str = "fp32",
-                           recompute: str = "none", model=None) -> int:
+def saved_activation_bytes(
+    model_cfg: ModelConfig, batch: int, seq: int, precision: str = "fp32", recompute: str = "none", model=None
+) -> int:
     """Bytes saved for backward by one forward + loss of `batch` x `seq` tokens on CPU."""
     import torch
 

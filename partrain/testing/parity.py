@@ -19,9 +19,18 @@ from pathlib import Path
 from typing import List, Sequence
 
 REFERENCE_OVERRIDES = (
-    "parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.sp=1", "parallel.ep=1", "parallel.zero_stage=0",
-    "parallel.dp_shard=-1", "parallel.pp_virtual_stages=1", "parallel.tp_sequence_parallel=false",
-    "parallel.recompute=none", "cluster.nodes=1", "cluster.devices_per_node=1",
+    "parallel.dp=1",
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "parallel.sp=1",
+    "parallel.ep=1",
+    "parallel.zero_stage=0",
+    "parallel.dp_shard=-1",
+    "parallel.pp_virtual_stages=1",
+    "parallel.tp_sequence_parallel=false",
+    "parallel.recompute=none",
+    "cluster.nodes=1",
+    "cluster.devices_per_node=1",
 )
 """What turns any layout into the single-process reference (later overrides win in Hydra)."""
 
@@ -34,13 +43,28 @@ class RunRecord:
     summary: dict
 
 
-def run_training(overrides: Sequence[str], run_dir: Path, steps: int, extra_env: dict | None = None, timeout_s: int = 600) -> RunRecord:
+def run_training(
+    overrides: Sequence[str], run_dir: Path, steps: int, extra_env: dict | None = None, timeout_s: int = 600
+) -> RunRecord:
     """`partrain train OVERRIDES` for `steps` steps into run_dir; raises with the output on failure."""
-    args = [*overrides, f"train.steps={steps}", f"train.run_dir={run_dir}", "train.eval_every=0", "train.eval_batches=0"]
-    proc = subprocess.run([sys.executable, "-m", "partrain.cli", "train", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=extra_env)
+    args = [
+        *overrides,
+        f"train.steps={steps}",
+        f"train.run_dir={run_dir}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=extra_env,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"partrain train {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"partrain train {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_only = [r for r in records if "loss" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -69,8 +93,10 @@ def check_parity(reference: RunRecord, layout: RunRecord, rtol: float = 1e-5) ->
     loss_diff = max_relative_difference(reference.losses, layout.losses)
     grad_diff = max_relative_difference(reference.grad_norms, layout.grad_norms)
     if loss_diff > rtol or grad_diff > rtol:
-        raise AssertionError(f"parity broken: loss rel diff {loss_diff:.2e}, grad-norm rel diff {grad_diff:.2e} (tolerance {rtol:.0e})\n"
-                             f"reference losses {reference.losses}\nlayout losses    {layout.losses}")
+        raise AssertionError(
+            f"parity broken: loss rel diff {loss_diff:.2e}, grad-norm rel diff {grad_diff:.2e} (tolerance {rtol:.0e})\n"
+            f"reference losses {reference.losses}\nlayout losses    {layout.losses}"
+        )
     return {"loss_rel_diff": loss_diff, "grad_norm_rel_diff": grad_diff}
 
 

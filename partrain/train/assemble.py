@@ -38,8 +38,14 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
             dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
         shard = sequence_shard(mesh, run.parallel.sp_mode)
-        engine = DirectEngine(dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx,
-                              **({"forward_loss": shard.forward_loss} if shard else {}))
+        engine = DirectEngine(
+            dp_model,
+            run.train.micro_batch_size,
+            run.train.precision,
+            device,
+            loss_ctx,
+            **({"forward_loss": shard.forward_loss} if shard else {}),
+        )
         engine.moe = held.moe
         return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx)
@@ -61,12 +67,28 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     # let torch infer the shapes then.
     static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
     shard = sequence_shard(mesh, p.sp_mode)  # context parallelism: local tokens, its own loss
-    runner = PipelineRunner(stages, chunks, pp * vstages, mesh["pp"], p.pp_schedule, v.microbatches,
-                            shard.loss if shard else token_loss, device, microbatch_size=run.train.micro_batch_size,
-                            seq_len=run.train.seq_len // mesh.size("sp"), static_shapes=static)
-    sync = (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp"))) if dp_group else (lambda: None)
+    runner = PipelineRunner(
+        stages,
+        chunks,
+        pp * vstages,
+        mesh["pp"],
+        p.pp_schedule,
+        v.microbatches,
+        shard.loss if shard else token_loss,
+        device,
+        microbatch_size=run.train.micro_batch_size,
+        seq_len=run.train.seq_len // mesh.size("sp"),
+        static_shapes=static,
+    )
+    sync = (
+        (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp")))
+        if dp_group
+        else (lambda: None)
+    )
     if dp_group and mesh.size("ep") > 1:
         sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
-    engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync)
+    engine = PipelineEngine(
+        runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync
+    )
     engine.moe = held.moe
     return engine

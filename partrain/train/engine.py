@@ -61,8 +61,15 @@ class DirectEngine:
     moe = None
     """MoE models: expert_parallel.MoERuntime (router-loss gradient weight, expert-load metrics)."""
 
-    def __init__(self, dp: DataParallelModel, micro_batch_size: int, precision: str, device: torch.device,
-                 loss_context: Callable[[], ContextManager], forward_loss: Callable = forward_loss) -> None:
+    def __init__(
+        self,
+        dp: DataParallelModel,
+        micro_batch_size: int,
+        precision: str,
+        device: torch.device,
+        loss_context: Callable[[], ContextManager],
+        forward_loss: Callable = forward_loss,
+    ) -> None:
         self.dp = dp
         self.forward_loss = forward_loss
         """forward_loss(model, inputs, labels) -> loss (context parallelism passes its own)."""
@@ -117,8 +124,17 @@ class PipelineEngine:
     moe = None
     """As DirectEngine.moe."""
 
-    def __init__(self, runner, optimizer, stage_modules: List[nn.Module], pp_group, precision: str, device: torch.device,
-                 loss_context: Callable[[], ContextManager], sync_gradients: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        runner,
+        optimizer,
+        stage_modules: List[nn.Module],
+        pp_group,
+        precision: str,
+        device: torch.device,
+        loss_context: Callable[[], ContextManager],
+        sync_gradients: Callable[[], None],
+    ) -> None:
         self.runner = runner
         self.sync_gradients = sync_gradients
         """Data-parallel gradient averaging for unwrapped stages (FSDP stages reduce by themselves)."""

@@ -70,6 +70,7 @@ def _start_mean_over(value: float, group, size: int) -> Callable[[], float]:
 
 def model_state_bytes(parts, optimizer) -> int:
     """Parameters + gradients + optimizer state this rank holds (local shards only)."""
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -89,10 +90,18 @@ def model_state_bytes(parts, optimizer) -> int:
 
 
 class Trainer:
-    def __init__(self, validated: ValidatedRun, mesh: ParallelMesh, engine: Engine, batches: TokenBatches,
-                 eval_batches: Optional[EvalBatches], metrics: MetricsWriter, is_main: bool,
-                 on_step_end: Callable[[int], None] = lambda step: None,
-                 loss_scale: Optional[DynamicLossScale] = None) -> None:
+    def __init__(
+        self,
+        validated: ValidatedRun,
+        mesh: ParallelMesh,
+        engine: Engine,
+        batches: TokenBatches,
+        eval_batches: Optional[EvalBatches],
+        metrics: MetricsWriter,
+        is_main: bool,
+        on_step_end: Callable[[int], None] = lambda step: None,
+        loss_scale: Optional[DynamicLossScale] = None,
+    ) -> None:
         self.on_step_end = on_step_end
         self.loss_scale = loss_scale
         self.v = validated
@@ -136,9 +145,16 @@ class Trainer:
             raise FloatingPointError(f"loss became {loss_value} at step {step + 1} (train.stop_on_nan=true)")
         dt = time.perf_counter() - t0
         self.state.step += 1
-        return StepResult(step=self.state.step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=dt,
-                          tokens_per_s=self.v.tokens_per_step / dt, loss_scale=scale if self.loss_scale else None,
-                          skipped=not stepped)
+        return StepResult(
+            step=self.state.step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=dt,
+            tokens_per_s=self.v.tokens_per_step / dt,
+            loss_scale=scale if self.loss_scale else None,
+            skipped=not stepped,
+        )
 
     def _group(self, name: str):
         return self.mesh[name].get_group() if self.mesh.size(name) > 1 else None
@@ -157,14 +173,26 @@ class Trainer:
         train = self.cfg.train
         started, first_step = time.perf_counter(), self.state.step
         if self.is_main:
-            emit("start", steps=train.steps, first_step=first_step, world_size=self.v.world_size, tokens_per_step=self.v.tokens_per_step)
+            emit(
+                "start",
+                steps=train.steps,
+                first_step=first_step,
+                world_size=self.v.world_size,
+                tokens_per_step=self.v.tokens_per_step,
+            )
         while self.state.step < train.steps:
             result = self.train_step()
             self.state.history.append(result)
             elapsed = time.perf_counter() - started
             eta = elapsed / (result.step - first_step) * (train.steps - result.step)
-            record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                      "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s}
+            record = {
+                "step": result.step,
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.grad_norm,
+                "tokens_per_s": result.tokens_per_s,
+                "step_time_s": result.step_time_s,
+            }
             if result.loss_scale is not None:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
             if getattr(self.engine, "moe", None) is not None:

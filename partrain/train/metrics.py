@@ -26,7 +26,7 @@ def parse_event(line: str) -> Optional[dict]:
     if not line.startswith(EVENT_PREFIX):
         return None
     try:
-        return json.loads(line[len(EVENT_PREFIX):])
+        return json.loads(line[len(EVENT_PREFIX) :])
     except ValueError:
         return None
 

@@ -35,8 +35,14 @@ def _parse_overrides(overrides: Sequence[str]):
         except HydraException as exc:  # OverrideParseException and raw grammar errors
             key = text.split("=", 1)[0] if "=" in text else text
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "cannot parse"
-            raise ConfigError(Problem(key or text, text, f"malformed override ({reason})",
-                                      "write key=value, e.g. parallel.tp=4 or model=llama-tiny; quote values with spaces"))
+            raise ConfigError(
+                Problem(
+                    key or text,
+                    text,
+                    f"malformed override ({reason})",
+                    "write key=value, e.g. parallel.tp=4 or model=llama-tiny; quote values with spaces",
+                )
+            )
     return parsed
 
 
@@ -84,9 +90,13 @@ def _load_recipe(name: str, recipe_dirs: Sequence[str | Path]) -> Tuple[dict, Pa
     try:
         body = yaml.safe_load(recipe.path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(Problem("recipe", name, f"{recipe.path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the file"))
+        raise ConfigError(
+            Problem("recipe", name, f"{recipe.path} is not valid YAML ({str(exc).splitlines()[0]})", "fix the file")
+        )
     if not isinstance(body, dict):
-        raise ConfigError(Problem("recipe", name, f"{recipe.path} must hold a mapping", "see the README section on recipes"))
+        raise ConfigError(
+            Problem("recipe", name, f"{recipe.path} must hold a mapping", "see the README section on recipes")
+        )
     body.pop("description", None)
     return body, recipe.path
 
@@ -106,18 +116,35 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     recipe_name = ""
     for ov in parsed:
         if ov.is_delete():
-            raise ConfigError(Problem(ov.key_or_group, _raw_value(ov.input_line), "deleting keys (~key) is not allowed", "override the value instead"))
+            raise ConfigError(
+                Problem(
+                    ov.key_or_group,
+                    _raw_value(ov.input_line),
+                    "deleting keys (~key) is not allowed",
+                    "override the value instead",
+                )
+            )
         if ov.key_or_group in GROUPS + (RECIPE_GROUP,) and not (isinstance(ov.value(), str) and ov.value()):
             group = ov.key_or_group
-            options = "see `partrain recipes`" if group == RECIPE_GROUP else f"choose one of {', '.join(_group_options(group))}"
+            options = (
+                "see `partrain recipes`"
+                if group == RECIPE_GROUP
+                else f"choose one of {', '.join(_group_options(group))}"
+            )
             raise ConfigError(Problem(group, ov.value(), f"must name one {group} config", options))
         if ov.key_or_group == RECIPE_GROUP:
             recipe_name = ov.value()
         elif ov.key_or_group.split(".")[0] not in GROUPS and not ov.key_or_group.startswith("hydra"):
             close = difflib.get_close_matches(ov.key_or_group.split(".")[0], GROUPS + (RECIPE_GROUP,), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(Problem(ov.key_or_group, _raw_value(ov.input_line), "not a config key",
-                                      f"{hint}top-level keys are {', '.join(GROUPS + (RECIPE_GROUP,))}"))
+            raise ConfigError(
+                Problem(
+                    ov.key_or_group,
+                    _raw_value(ov.input_line),
+                    "not a config key",
+                    f"{hint}top-level keys are {', '.join(GROUPS + (RECIPE_GROUP,))}",
+                )
+            )
 
     store = ConfigStore.instance()
     if recipe_name:
@@ -131,8 +158,14 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     except ConfigCompositionException as exc:
         raise ConfigError(_composition_problem(exc, parsed, recipe_name))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(Problem(RECIPE_GROUP if recipe_name else "overrides", recipe_name or " ".join(overrides),
-                                  str(exc).splitlines()[0], "check the recipe's defaults list and the overrides"))
+        raise ConfigError(
+            Problem(
+                RECIPE_GROUP if recipe_name else "overrides",
+                recipe_name or " ".join(overrides),
+                str(exc).splitlines()[0],
+                "check the recipe's defaults list and the overrides",
+            )
+        )
     finally:
         if recipe_name:
             store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
@@ -150,7 +183,9 @@ def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
             hint = f"did you mean {group}={close[0]}? " if close else ""
             return Problem(group, value, f"no {group} config of that name", f"{hint}choose one of {', '.join(options)}")
     if recipe_name:
-        return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the group options in the recipe's defaults list")
+        return Problem(
+            RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the group options in the recipe's defaults list"
+        )
     return Problem("defaults", "", text.splitlines()[0], "check the group names in the defaults list")
 
 
@@ -159,14 +194,28 @@ def _composition_problem(exc, parsed, recipe_name: str) -> Problem:
     for ov in parsed:
         if f"'{ov.key_or_group}'" in text or ov.input_line in text:
             parent, _, leaf = ov.key_or_group.lstrip("+").rpartition(".")
-            siblings = [k.rpartition(".")[2] for k in _known_keys(OmegaConf.structured(RunConfig)) if k.rpartition(".")[0] == parent]
+            siblings = [
+                k.rpartition(".")[2]
+                for k in _known_keys(OmegaConf.structured(RunConfig))
+                if k.rpartition(".")[0] == parent
+            ]
             close = difflib.get_close_matches(leaf, siblings, n=1)
-            hint = (f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else
-                    f"known keys here: {', '.join(siblings)}" if siblings else "see `partrain show --explain` for every key")
+            hint = (
+                f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+                if close
+                else f"known keys here: {', '.join(siblings)}"
+                if siblings
+                else "see `partrain show --explain` for every key"
+            )
             if "not in struct" in text or "Could not override" in text:
                 return Problem(ov.key_or_group, ov.value(), "not a config key", hint)
             if "Could not append" in text or "already" in text:
-                return Problem(ov.key_or_group, ov.value(), "key already exists: drop the '+'", f"write {ov.key_or_group.lstrip('+')}=...")
+                return Problem(
+                    ov.key_or_group,
+                    ov.value(),
+                    "key already exists: drop the '+'",
+                    f"write {ov.key_or_group.lstrip('+')}=...",
+                )
             return Problem(ov.key_or_group, ov.value(), text.splitlines()[-1], hint)
     if recipe_name:
         return Problem(RECIPE_GROUP, recipe_name, text.splitlines()[0], "check the recipe's defaults list")
@@ -179,7 +228,14 @@ def _typed(cfg: DictConfig, recipe_name: str) -> RunConfig:
         raw = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:  # a broken ${...} interpolation
         key = getattr(exc, "full_key", "") or "config"
-        raise ConfigError(Problem(key, _lookup(OmegaConf.to_container(cfg, resolve=False), key), f"cannot resolve ({str(exc).splitlines()[0]})", "give a plain value or a valid ${...} reference"))
+        raise ConfigError(
+            Problem(
+                key,
+                _lookup(OmegaConf.to_container(cfg, resolve=False), key),
+                f"cannot resolve ({str(exc).splitlines()[0]})",
+                "give a plain value or a valid ${...} reference",
+            )
+        )
     raw.pop("hydra", None)
     raw["recipe"] = recipe_name
     schema = OmegaConf.structured(RunConfig)
@@ -194,7 +250,14 @@ def _typed(cfg: DictConfig, recipe_name: str) -> RunConfig:
         key = getattr(exc, "full_key", "") or "config"
         value = _lookup(raw, key)
         expected = getattr(exc, "msg", str(exc)).splitlines()[0]
-        raise ConfigError(Problem(key, value, f"wrong type ({expected})", "give a value of the documented type (see `partrain show --explain`)"))
+        raise ConfigError(
+            Problem(
+                key,
+                value,
+                f"wrong type ({expected})",
+                "give a value of the documented type (see `partrain show --explain`)",
+            )
+        )
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or "config"
         raise ConfigError(Problem(key, _lookup(raw, key), str(exc).splitlines()[0], "see `partrain show --explain`"))
@@ -219,7 +282,11 @@ def _check_keys(raw, schema, prefix: str, problems: list) -> None:
         if key not in schema:
             known = list(schema.keys())
             close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
-            hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else f"known keys here: {', '.join(map(str, known))}"
+            hint = (
+                f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+                if close
+                else f"known keys here: {', '.join(map(str, known))}"
+            )
             problems.append(Problem(full, value, "not a config key", hint))
             continue
         if full == "model.config":

@@ -12,7 +12,9 @@ def _first_existing(*candidates: Path) -> Path:
     for path in candidates:
         if path.is_dir():
             return path
-    raise FileNotFoundError(f"partrain's config files are missing (looked in {', '.join(map(str, candidates))}); reinstall partrain")
+    raise FileNotFoundError(
+        f"partrain's config files are missing (looked in {', '.join(map(str, candidates))}); reinstall partrain"
+    )
 
 
 def conf_dir() -> Path:

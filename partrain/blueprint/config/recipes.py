@@ -42,7 +42,9 @@ def recipe_dirs(user_dirs: Sequence[str | Path]) -> List[Path]:
     for d in user_dirs:
         path = Path(d).expanduser()
         if not path.is_dir():
-            raise ConfigError(Problem("--recipes", str(d), "not a folder", "pass an existing folder of recipe YAML files"))
+            raise ConfigError(
+                Problem("--recipes", str(d), "not a folder", "pass an existing folder of recipe YAML files")
+            )
         dirs.append(path.resolve())
     dirs.append(shipped_recipes_dir())
     return dirs
@@ -65,7 +67,9 @@ def list_recipes(user_dirs: Sequence[str | Path]) -> Dict[str, Recipe]:
             name = path.stem
             if name in found:
                 if found[name].shadows is None:
-                    found[name] = Recipe(found[name].name, found[name].path, found[name].description, found[name].shipped, path)
+                    found[name] = Recipe(
+                        found[name].name, found[name].path, found[name].description, found[name].shipped, path
+                    )
                 continue
             found[name] = Recipe(name, path, _description(path), folder == shipped)
     return dict(sorted(found.items()))
@@ -76,5 +80,12 @@ def find_recipe(name: str, user_dirs: Sequence[str | Path]) -> Recipe:
     if name not in recipes:
         close = difflib.get_close_matches(name, list(recipes), n=1)
         hint = f"did you mean recipe={close[0]}? " if close else ""
-        raise ConfigError(Problem("recipe", name, "no recipe of that name", f"{hint}known recipes: {', '.join(recipes)} (see `partrain recipes`)"))
+        raise ConfigError(
+            Problem(
+                "recipe",
+                name,
+                "no recipe of that name",
+                f"{hint}known recipes: {', '.join(recipes)} (see `partrain recipes`)",
+            )
+        )
     return recipes[name]

@@ -30,7 +30,8 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
     pretrained: Optional[str] = None
-    """Local folder with an HF `save_pretrained` checkpoint; its config.json is the base and `config` keys override it. Nothing is downloaded."""
+    """Local folder with an HF `save_pretrained` checkpoint; its config.json is the base and `config`
+    keys override it. Nothing is downloaded."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped in a pretrained folder. Off: such code is never executed."""
     name: str = ""
@@ -117,7 +118,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """builtin (this Python's standard-library sources, read at run time) or a local text/jsonl/parquet file or folder."""
+    """builtin (this Python's standard-library sources, read at run time) or a local
+    text/jsonl/parquet file or folder."""
     text_field: str = "text"
     """Field holding the text in jsonl/parquet records."""
     tokenizer: str = "byte"

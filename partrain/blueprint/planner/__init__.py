@@ -21,8 +21,19 @@ from partrain.blueprint.planner.rank_state import model_state_bytes_per_rank
 from partrain.blueprint.planner.search import SearchSpace, base_spec, search
 from partrain.blueprint.planner.spec import PlanSpec, spec_from_validated
 
-__all__ = ["estimate", "estimate_spec", "model_state_bytes_per_rank", "param_count", "param_tensors", "search", "SearchSpace",
-           "PlanSpec", "spec_from_validated", "plan_report", "base_spec"]
+__all__ = [
+    "estimate",
+    "estimate_spec",
+    "model_state_bytes_per_rank",
+    "param_count",
+    "param_tensors",
+    "search",
+    "SearchSpace",
+    "PlanSpec",
+    "spec_from_validated",
+    "plan_report",
+    "base_spec",
+]
 
 
 def plan_report(v, search_layouts: bool = False, top_k: int = 10) -> dict:

@@ -56,7 +56,9 @@ def greedy_counts(n_layers: int, n_chunks: int, embed_cost: float, head_cost: fl
 
 
 @functools.lru_cache(maxsize=4096)
-def chunk_layer_counts(facts, pp: int, v: int, seq: int, layers_per_chunk: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
+def chunk_layer_counts(
+    facts, pp: int, v: int, seq: int, layers_per_chunk: Optional[Tuple[int, ...]] = None
+) -> Tuple[int, ...]:
     """Decoder layers in each of the pp*v chunks (chunk order)."""
     n_chunks = pp * v
     if layers_per_chunk:

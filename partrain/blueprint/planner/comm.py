@@ -67,7 +67,7 @@ def spans_nodes(members: Sequence[int], devices_per_node: int) -> bool:
 
 
 def link_of(cluster: ClusterSpec, members: Sequence[int]) -> str:
-    """"inter" when the group spans nodes, else "intra" (the link classes of a comm profile)."""
+    """ "inter" when the group spans nodes, else "intra" (the link classes of a comm profile)."""
     return "inter" if spans_nodes(members, cluster.devices_per_node) else "intra"
 
 

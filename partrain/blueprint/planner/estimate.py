@@ -166,9 +166,14 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     transient += _fsdp_gathered(spec, r, p, unsharded, s.gathered_param_bytes)
     if spec.fsdp_sync_once:
         transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
-    return RankMemory(params=p * dt.param, grads=g * dt.grad, optimizer=o * dt.optim,
-                      activations=saved + chunk_mbs * (ends + rotary_extra), transient=transient,
-                      unsharded_param_elements=unsharded)
+    return RankMemory(
+        params=p * dt.param,
+        grads=g * dt.grad,
+        optimizer=o * dt.optim,
+        activations=saved + chunk_mbs * (ends + rotary_extra),
+        transient=transient,
+        unsharded_param_elements=unsharded,
+    )
 
 
 @dataclass
@@ -296,7 +301,10 @@ def _time_breakdown(slowest: RankEstimate, m: int, units: float, t_dp_exposed: f
     t = slowest.traffic
     return {
         "compute": m * slowest.compute.t_compute,
-        "tp": m * t.t_tp, "sp": m * t.t_sp, "ep": m * t.t_ep, "pp": m * t.t_pp,
+        "tp": m * t.t_tp,
+        "sp": m * t.t_sp,
+        "ep": m * t.t_ep,
+        "pp": m * t.t_pp,
         "dp_exposed": t_dp_exposed + m * slowest.t_dp_exposed_per_microbatch,
         "bubble": units * slowest.t_microbatch,
     }
@@ -305,33 +313,49 @@ def _time_breakdown(slowest: RankEstimate, m: int, units: float, t_dp_exposed: f
 def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: dict, worst: RankEstimate) -> dict:
     f, cl = spec.facts, spec.cluster
     eff = matmul_efficiency(spec)
-    groups = family_groups(spec.order, {"tp": spec.tp, "sp": spec.sp, "dp": spec.dp, "pp": spec.pp}, spec.ep,
-                           spec.dp_shard or spec.dp)
-    used = {"tp": s.tp_bw, "sp": s.bw["sp/all_to_all" if spec.sp_mode == "ulysses" else "sp/send_recv"],
-            "dp_sp": mixed_bandwidth(s.bw, "dp_sp", s.dp_ops), "pp": s.bw["pp/send_recv"], "ep": s.bw["ep/all_to_all"]}
+    groups = family_groups(
+        spec.order, {"tp": spec.tp, "sp": spec.sp, "dp": spec.dp, "pp": spec.pp}, spec.ep, spec.dp_shard or spec.dp
+    )
+    used = {
+        "tp": s.tp_bw,
+        "sp": s.bw["sp/all_to_all" if spec.sp_mode == "ulysses" else "sp/send_recv"],
+        "dp_sp": mixed_bandwidth(s.bw, "dp_sp", s.dp_ops),
+        "pp": s.bw["pp/send_recv"],
+        "ep": s.bw["ep/all_to_all"],
+    }
     detail = {
         "params_total": param_count(f, spec.extras),
         "memory_bytes_per_stage": [
-            {"pp_rank": e.rank.pp_rank, "chunks": e.rank.chunks, "layers": e.rank.layers,
-             "in_flight_microbatches": e.in_flight, **e.memory.rounded()} for e in per_rank],
+            {
+                "pp_rank": e.rank.pp_rank,
+                "chunks": e.rank.chunks,
+                "layers": e.rank.layers,
+                "in_flight_microbatches": e.in_flight,
+                **e.memory.rounded(),
+            }
+            for e in per_rank
+        ],
         "device_memory_bytes": cl.device_memory_bytes,
         "memory_gib": {k: vv / GIB for k, vv in out["memory_bytes"].items()},
         "links": {name: f"{link_of(cl, groups[name])}-node {used[name] / GB:g} GB/s" for name in used},
         "bandwidth_source": cl.bandwidth_source,
         "assumptions": {
             "matmul_efficiency": eff,
-            "link_bandwidths_gbps": {link: {op: cl.bw(link, op) / GB for op in COMM_OPS} for link in ("intra", "inter")},
+            "link_bandwidths_gbps": {
+                link: {op: cl.bw(link, op) / GB for op in COMM_OPS} for link in ("intra", "inter")
+            },
             "mixed_precision": spec.mixed if spec.precision != "fp32" else "fp32",
             "bytes_per_param": {"params": s.dt.param, "grads": s.dt.grad, "optimizer": s.dt.optim},
             "usable_memory_fraction": USABLE_MEMORY_FRACTION,
             "activation_model": "counted saved tensors of the HF modules (memory.py)",
             "units": "memory in bytes (memory_gib: GiB = 2**30 bytes); comm_bytes_per_step: bytes one rank moves per "
-                     "step; bandwidths GB/s = 10**9 bytes/s; FLOPs per step (whole cluster)",
+            "step; bandwidths GB/s = 10**9 bytes/s; FLOPs per step (whole cluster)",
         },
     }
     if f.arch == "gpt2":
-        detail["korthikanti_layer_bytes"] = korthikanti_layer_bytes(spec.seq, spec.mbs, f.hidden, f.heads, spec.tp,
-                                                                   spec.tp_sp, spec.recompute)
+        detail["korthikanti_layer_bytes"] = korthikanti_layer_bytes(
+            spec.seq, spec.mbs, f.hidden, f.heads, spec.tp, spec.tp_sp, spec.recompute
+        )
         detail["counted_layer_bytes"] = s.acts[False][0] * spec.sp
     if f.is_moe:
         rec = s.passes_extra if spec.recompute == "full" else 0.0
@@ -342,37 +366,57 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
 
 def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, eff: float) -> List[str]:
     cl = spec.cluster
-    notes = [f"memory in bytes and GiB (2**30); worst rank is pipeline rank {worst_pp_rank} "
-             f"({worst_total / GIB:.2f} GiB of {cl.device_memory_bytes / GIB:.2f} GiB, "
-             f"{USABLE_MEMORY_FRACTION:.0%} usable)"]
+    notes = [
+        f"memory in bytes and GiB (2**30); worst rank is pipeline rank {worst_pp_rank} "
+        f"({worst_total / GIB:.2f} GiB of {cl.device_memory_bytes / GIB:.2f} GiB, "
+        f"{USABLE_MEMORY_FRACTION:.0%} usable)"
+    ]
     if spec.precision != "fp32":
         d = dtypes(spec.precision, "autocast")
         if spec.mixed == "zero":
-            notes.append("16-bit states counted as ZeRO/Megatron do (2+2+12 bytes/param); partrain's runtime today keeps fp32 "
-                         "weights under torch.autocast (4+4+8, plus 16-bit weight copies per in-flight microbatch): "
-                         "estimate(v, mixed='autocast') counts that")
+            notes.append(
+                "16-bit states counted as ZeRO/Megatron do (2+2+12 bytes/param); partrain's runtime today keeps fp32 "
+                "weights under torch.autocast (4+4+8, plus 16-bit weight copies per in-flight microbatch): "
+                "estimate(v, mixed='autocast') counts that"
+            )
         else:
-            notes.append(f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit copy of each "
-                         "weight saved per in-flight microbatch")
+            notes.append(
+                f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit "
+                "copy of each "
+                "weight saved per in-flight microbatch"
+            )
     if spec.sp > 1:
         over = "dp_shard (partrain's ZeRO-1 optimizer shards over dp only)" if spec.zero_stage == 1 else "dp_shard x sp"
-        notes.append(f"context parallel ({spec.sp_mode}): weights replicated over sp; model state sharded over {over}; "
-                     "activations of seq/sp tokens per rank")
+        notes.append(
+            f"context parallel ({spec.sp_mode}): weights replicated over sp; model state sharded over {over}; "
+            "activations of seq/sp tokens per rank"
+        )
     if spec.ep > 1:
-        notes.append(f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their "
-                     f"states sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over "
-                     f"edp = {est['moe']['edp']} ranks; all-to-all (dispatch + combine, forward + backward) at the ep link "
-                     f"({est['links']['ep']})")
+        notes.append(
+            f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their "
+            f"states sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over "
+            f"edp = {est['moe']['edp']} ranks; all-to-all (dispatch + combine, forward + backward) at the ep link "
+            f"({est['links']['ep']})"
+        )
     if spec.facts.is_moe:
         cf = spec.moe_capacity_factor
-        notes.append("MoE routing: " + ("dropless" if cf is None else f"capacity factor {cf:g}, "
-                     f"{est['moe']['capacity_per_expert']} slots per expert per rank and microbatch") +
-                     "; expected volumes assume balanced routing (the dropped share is unknown before training)")
+        notes.append(
+            "MoE routing: "
+            + (
+                "dropless"
+                if cf is None
+                else f"capacity factor {cf:g}, "
+                f"{est['moe']['capacity_per_expert']} slots per expert per rank and microbatch"
+            )
+            + "; expected volumes assume balanced routing (the dropped share is unknown before training)"
+        )
     if cl.measured:
         comm_note = f"communication at the bus bandwidths measured per op in {cl.bandwidth_source.split(':', 1)[1]}"
         if cl.nodes > 1 and not any(key.startswith("inter/") for key, _ in cl.measured):
-            comm_note += (f"; inter-node links at the nominal cluster.inter_node_gbps ({cl.inter_bw / GB:g} GB/s): "
-                          "the profile has no inter-node measurement (measured on one node)")
+            comm_note += (
+                f"; inter-node links at the nominal cluster.inter_node_gbps ({cl.inter_bw / GB:g} GB/s): "
+                "the profile has no inter-node measurement (measured on one node)"
+            )
     else:
         comm_note = "communication at the cluster's link speeds"
     notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")

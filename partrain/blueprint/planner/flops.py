@@ -104,8 +104,9 @@ def model_forward_flops(f: ModelFacts, x: ModelExtras | None, tokens: float, seq
 
 
 @functools.lru_cache(maxsize=4096)
-def step_flops(f: ModelFacts, x: ModelExtras | None, global_batch: int, seq: int, recompute: str = "none",
-               recompute_every: int = 1) -> dict:
+def step_flops(
+    f: ModelFacts, x: ModelExtras | None, global_batch: int, seq: int, recompute: str = "none", recompute_every: int = 1
+) -> dict:
     """{"model": FLOPs of one step for MFU (3 passes), "hardware": with recomputation}."""
     fw = model_forward_flops(f, x, global_batch * seq, seq)
     model = 3 * (fw["layers"] + fw["head"])

@@ -59,8 +59,9 @@ def zero_model_state_bytes(psi: float, n_d: int, stage: int, k: int = 12) -> flo
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                            recompute: str = "none") -> float:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes of one transformer layer (Korthikanti et al. 2022, section 4 and their table of
     per-layer activation memory for each technique)."""
     if recompute == "full":
@@ -73,8 +74,18 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence
     return s * b * h * (10 + 24 / t + attn / t)
 
 
-def korthikanti_first_stage_bytes(s: int, b: int, h: int, a: int, layers: int, t: int = 1, p: int = 1,
-                                  sequence_parallel: bool = False, recompute: str = "none", v: int = 1) -> float:
+def korthikanti_first_stage_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    layers: int,
+    t: int = 1,
+    p: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    v: int = 1,
+) -> float:
     """Activation bytes of the first pipeline stage with 1F1B (it holds p microbatches of L/p
     layers = L layers' worth), times 1 + (p-1)/(p v) for the interleaved schedule (Korthikanti et al.)."""
     factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
@@ -109,8 +120,16 @@ def dtypes(precision: str, mixed: str = "zero") -> Dtypes:
 # ---- model states -----------------------------------------------------------------------------------
 
 
-def tensor_state_elements(tensors: Sequence[TensorSpec], tp: int, ep: int, n_dense: int, n_expert: int, zero_stage: int,
-                          shard_index: int = 0, expert_index: int = -1) -> Tuple[int, int, int, int]:
+def tensor_state_elements(
+    tensors: Sequence[TensorSpec],
+    tp: int,
+    ep: int,
+    n_dense: int,
+    n_expert: int,
+    zero_stage: int,
+    shard_index: int = 0,
+    expert_index: int = -1,
+) -> Tuple[int, int, int, int]:
     """(parameter elements, FSDP optimizer elements, ZeRO-1 group of >= 2-D tensors, ZeRO-1 group of
     the rest) that the rank at position `shard_index` of its shard group holds of `tensors`.
 
@@ -179,8 +198,14 @@ class LayerActivations:
         if recompute == "full":
             return self.layer_input / (tp if tp_sp else 1)
         keep_scores = 0.0 if recompute == "selective" else self.scores / tp
-        return (self.resid / (tp if tp_sp else 1) + self.gathered + self.sharded / tp + self.replicated + keep_scores
-                + self.weights)
+        return (
+            self.resid / (tp if tp_sp else 1)
+            + self.gathered
+            + self.sharded / tp
+            + self.replicated
+            + keep_scores
+            + self.weights
+        )
 
 
 def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=None) -> LayerActivations:
@@ -238,10 +263,23 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     # FSDP (zero 2/3) runs 16-bit training with a MixedPrecisionPolicy: its layers compute with
     # 16-bit parameters, so autocast has no weight copies to keep.
     if d.autocast_copies and spec.zero_stage < 2:
-        weights = sum(_local_numel(t, spec.tp, spec.ep) for t in layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
-                      if len(t.shape) >= 2) * c
-    return LayerActivations(resid=resid, gathered=gathered, sharded=sharded, replicated=replicated, scores=scores,
-                            weights=weights, layer_input=tokens * h * r)
+        weights = (
+            sum(
+                _local_numel(t, spec.tp, spec.ep)
+                for t in layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
+                if len(t.shape) >= 2
+            )
+            * c
+        )
+    return LayerActivations(
+        resid=resid,
+        gathered=gathered,
+        sharded=sharded,
+        replicated=replicated,
+        scores=scores,
+        weights=weights,
+        layer_input=tokens * h * r,
+    )
 
 
 SP_REPEATS_KV = False

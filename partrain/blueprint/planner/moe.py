@@ -75,7 +75,12 @@ def all_to_all_layer_bytes(spec: PlanSpec, tokens: float, act_bytes: int, recomp
     """Bytes one rank moves over the ep group for one MoE layer and one microbatch."""
     t = dispatch_tokens(spec, tokens)
     one = all_to_all_bytes(routed_pairs(spec, t) * spec.facts.hidden * act_bytes, spec.ep)
-    out = {"dispatch_forward": one, "combine_forward": one, "backward": 2 * one, "recompute": 2 * one * recompute_passes}
+    out = {
+        "dispatch_forward": one,
+        "combine_forward": one,
+        "backward": 2 * one,
+        "recompute": 2 * one * recompute_passes,
+    }
     out["total"] = sum(out.values())
     return out
 

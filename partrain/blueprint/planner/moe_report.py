@@ -18,10 +18,12 @@ from partrain.blueprint.planner.moe import (
 from partrain.blueprint.planner.params import layer_tensors
 from partrain.blueprint.planner.spec import PlanSpec
 
-ROUTING_ASSUMPTION = ("balanced routing: every expert receives tokens*top_k/experts pairs from every rank (what the "
-                      "load-balancing loss aims at), so a capacity factor >= 1 drops nothing and cf < 1 keeps experts*capacity "
-                      "pairs; the share a trained router really drops is not known in advance (receive_bound_pairs: the most "
-                      "one rank can receive)")
+ROUTING_ASSUMPTION = (
+    "balanced routing: every expert receives tokens*top_k/experts pairs from every rank (what the "
+    "load-balancing loss aims at), so a capacity factor >= 1 drops nothing and cf < 1 keeps experts*capacity "
+    "pairs; the share a trained router really drops is not known in advance (receive_bound_pairs: the most "
+    "one rank can receive)"
+)
 
 
 def moe_report(spec: PlanSpec, tokens: float, act_bytes: int, recompute_passes: float, sparse_layers: int, dt) -> dict:
@@ -45,13 +47,21 @@ def moe_report(spec: PlanSpec, tokens: float, act_bytes: int, recompute_passes: 
     layer = all_to_all_layer_bytes(spec, tokens, act_bytes, recompute_passes)
     cap = expert_capacity(spec.moe_capacity_factor, t, f.experts_per_token, f.n_experts)
     return {
-        "experts": f.n_experts, "experts_per_rank": f.n_experts // spec.ep, "top_k": f.experts_per_token,
-        "moe_layers_total": sum(1 for s in x.sparse_layers if s), "moe_layers_on_rank": sparse_layers,
-        "ep": spec.ep, "edp": expert_dp(spec), "expert_shard": n_exp,
+        "experts": f.n_experts,
+        "experts_per_rank": f.n_experts // spec.ep,
+        "top_k": f.experts_per_token,
+        "moe_layers_total": sum(1 for s in x.sparse_layers if s),
+        "moe_layers_on_rank": sparse_layers,
+        "ep": spec.ep,
+        "edp": expert_dp(spec),
+        "expert_shard": n_exp,
         "expert_params_total": per_layer_total * sum(1 for s in x.sparse_layers if s),
         "expert_params_per_rank": expert_layer_elements(spec) * sparse_layers,
-        "expert_state_bytes_per_rank": {"params": p * sparse_layers * dt.param, "grads": p * sparse_layers * dt.grad,
-                                        "optimizer": int(o) * sparse_layers * dt.optim},
+        "expert_state_bytes_per_rank": {
+            "params": p * sparse_layers * dt.param,
+            "grads": p * sparse_layers * dt.grad,
+            "optimizer": int(o) * sparse_layers * dt.optim,
+        },
         "capacity_factor": spec.moe_capacity_factor,
         "capacity_per_expert": cap,
         "tokens_per_rank_per_microbatch": t,

@@ -62,12 +62,18 @@ def _gpt2_layer(f: ModelFacts, i: int) -> List[TensorSpec]:
     p = f"transformer.h.{i}."
     L = lambda name, shape, tp_dim=None: TensorSpec(p + name, shape, "layer", i, tp_dim)  # noqa: E731
     return [
-        L("ln_1.weight", (h,)), L("ln_1.bias", (h,)),
-        L("attn.c_attn.weight", (h, 3 * h), 1), L("attn.c_attn.bias", (3 * h,), 0),
-        L("attn.c_proj.weight", (h, h), 0), L("attn.c_proj.bias", (h,)),
-        L("ln_2.weight", (h,)), L("ln_2.bias", (h,)),
-        L("mlp.c_fc.weight", (h, ffn), 1), L("mlp.c_fc.bias", (ffn,), 0),
-        L("mlp.c_proj.weight", (ffn, h), 0), L("mlp.c_proj.bias", (h,)),
+        L("ln_1.weight", (h,)),
+        L("ln_1.bias", (h,)),
+        L("attn.c_attn.weight", (h, 3 * h), 1),
+        L("attn.c_attn.bias", (3 * h,), 0),
+        L("attn.c_proj.weight", (h, h), 0),
+        L("attn.c_proj.bias", (h,)),
+        L("ln_2.weight", (h,)),
+        L("ln_2.bias", (h,)),
+        L("mlp.c_fc.weight", (h, ffn), 1),
+        L("mlp.c_fc.bias", (ffn,), 0),
+        L("mlp.c_proj.weight", (ffn, h), 0),
+        L("mlp.c_proj.bias", (h,)),
     ]
 
 
@@ -91,13 +97,19 @@ def _llama_layer(f: ModelFacts, x: ModelExtras, i: int) -> List[TensorSpec]:
     sparse = f.is_moe and (x.sparse_layers[i] if x.sparse_layers else True)
     if sparse:
         e, ffn = f.n_experts, f.ffn
-        out += [L("mlp.gate.weight", (e, h)),
-                L("mlp.experts.gate_up_proj", (e, 2 * ffn, h), None, True),
-                L("mlp.experts.down_proj", (e, h, ffn), None, True)]
+        out += [
+            L("mlp.gate.weight", (e, h)),
+            L("mlp.experts.gate_up_proj", (e, 2 * ffn, h), None, True),
+            L("mlp.experts.down_proj", (e, h, ffn), None, True),
+        ]
         if f.arch == "qwen2_moe":
             s = f.shared_expert_ffn
-            out += [L("mlp.shared_expert.gate_proj.weight", (s, h)), L("mlp.shared_expert.up_proj.weight", (s, h)),
-                    L("mlp.shared_expert.down_proj.weight", (h, s)), L("mlp.shared_expert_gate.weight", (1, h))]
+            out += [
+                L("mlp.shared_expert.gate_proj.weight", (s, h)),
+                L("mlp.shared_expert.up_proj.weight", (s, h)),
+                L("mlp.shared_expert.down_proj.weight", (h, s)),
+                L("mlp.shared_expert_gate.weight", (1, h)),
+            ]
     else:
         ffn = x.dense_ffn or f.ffn
         out.append(L("mlp.gate_proj.weight", (ffn, h), 0))
@@ -123,8 +135,10 @@ def embed_tensors(facts: ModelFacts) -> List[TensorSpec]:
     """Parameters of the first pipeline chunk besides its layers (token + learned position embeddings)."""
     h = facts.hidden
     if facts.arch == "gpt2":
-        return [TensorSpec("transformer.wte.weight", (facts.vocab, h), "embed", tp_dim=0),
-                TensorSpec("transformer.wpe.weight", (facts.max_positions, h), "embed")]
+        return [
+            TensorSpec("transformer.wte.weight", (facts.vocab, h), "embed", tp_dim=0),
+            TensorSpec("transformer.wpe.weight", (facts.max_positions, h), "embed"),
+        ]
     return [TensorSpec("model.embed_tokens.weight", (facts.vocab, h), "embed", tp_dim=0)]
 
 

@@ -29,8 +29,9 @@ from partrain.blueprint.planner.spec import PlanSpec, spec_from_validated
 def group_parts(spec_key: Tuple, kind: Tuple, shard_index: int, expert_index: int = -1) -> Tuple[int, int, int, int]:
     """tensor_state_elements of one kind of tensor group (a dense or MoE layer, embeddings, ...)."""
     facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
-    return tensor_state_elements(_kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index,
-                                 expert_index)
+    return tensor_state_elements(
+        _kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index, expert_index
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -67,8 +68,15 @@ class PipelineRank:
 
     __slots__ = ("pp_rank", "chunks", "layers", "sparse", "first", "last", "n_chunks")
 
-    def __init__(self, prefix: Sequence[int], n_chunks: int, pp_rank: int, chunks: Sequence[int], counts: Sequence[int],
-                 starts: Sequence[int]):
+    def __init__(
+        self,
+        prefix: Sequence[int],
+        n_chunks: int,
+        pp_rank: int,
+        chunks: Sequence[int],
+        counts: Sequence[int],
+        starts: Sequence[int],
+    ):
         self.pp_rank = pp_rank
         self.chunks = list(chunks)
         self.n_chunks = n_chunks
@@ -92,8 +100,9 @@ class PipelineRank:
         return out
 
 
-def rank_state_elements(spec: PlanSpec, rank: PipelineRank, shard_index: int = 0,
-                        expert_index: int = -1) -> Tuple[int, int, int, int]:
+def rank_state_elements(
+    spec: PlanSpec, rank: PipelineRank, shard_index: int = 0, expert_index: int = -1
+) -> Tuple[int, int, int, int]:
     """(params, grads, optimizer, unsharded local params) elements of one rank (at `shard_index` of
     its dense shard group and `expert_index` of its edp group; -1 = shard_index)."""
     key = spec_key(spec)
@@ -109,8 +118,9 @@ def rank_state_elements(spec: PlanSpec, rank: PipelineRank, shard_index: int = 0
         return p, p, o, unsharded
     # With ep > 1 the experts are their own ZeRO-1 parameter group, sharded over their replicas (edp).
     e2 = rank.sparse * expert_layer_elements(spec) if spec.ep > 1 and spec.zero_stage == 1 else 0
-    o = zero1_optimizer_elements(g2 - e2, g1, spec.shard, spec.zero_stage) + \
-        zero1_optimizer_elements(e2, 0, expert_shard(spec), 1)
+    o = zero1_optimizer_elements(g2 - e2, g1, spec.shard, spec.zero_stage) + zero1_optimizer_elements(
+        e2, 0, expert_shard(spec), 1
+    )
     return p, p, o, p
 
 
@@ -125,7 +135,9 @@ def _ranks_cached(facts, extras, pp, v, seq, layers_per_chunk, schedule) -> List
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
     prefix = _sparse_prefix(facts, extras)
-    return [PipelineRank(prefix, pp * v, r, chunks, counts, starts) for r, chunks in enumerate(rank_chunks(pp, v, schedule))]
+    return [
+        PipelineRank(prefix, pp * v, r, chunks, counts, starts) for r, chunks in enumerate(rank_chunks(pp, v, schedule))
+    ]
 
 
 def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
@@ -159,6 +171,7 @@ def _shard_index(lay, rank: int) -> int:
 def predicted_rank_elements(spec: PlanSpec, lay, rank: int) -> Tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) elements that global `rank` of layout `lay` holds;
     optimizer elements count each Adam moment's element once (multiply by the optimizer bytes)."""
-    p, g, o, _ = rank_state_elements(spec, pipeline_ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank),
-                                     lay.coords(rank)["edp"])
+    p, g, o, _ = rank_state_elements(
+        spec, pipeline_ranks(spec)[lay.base_coords(rank)["pp"]], _shard_index(lay, rank), lay.coords(rank)["edp"]
+    )
     return p, g, o

@@ -42,8 +42,13 @@ class RankTraffic:
     t_dp_microbatch: float = 0.0
 
     def per_step(self, m: int) -> Dict[str, float]:
-        return {"tp": self.tp * m, "sp": self.sp * m, "ep": self.ep * m, "pp": self.pp * m,
-                "dp": self.dp_step + self.dp_microbatch * m}
+        return {
+            "tp": self.tp * m,
+            "sp": self.sp * m,
+            "ep": self.ep * m,
+            "pp": self.pp * m,
+            "dp": self.dp_step + self.dp_microbatch * m,
+        }
 
 
 def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:

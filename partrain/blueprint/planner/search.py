@@ -19,8 +19,8 @@ does not fit even at ZeRO-3 with full recompute is skipped whole, and then so ar
 batches (memory grows with them); for each ZeRO stage only the lightest recompute policy that fits
 is kept (heavier ones only add compute), and a higher ZeRO stage is tried only with a lighter
 recompute than a lower stage already fitted with (it only adds traffic). `prune=False` lists every
-fitting layout (tests check that set against the validator). Candidates are estimated from plain `PlanSpec`s; only the ones
-reported are rebuilt as RunConfigs (`dataclasses.replace`) and passed through
+fitting layout (tests check that set against the validator). Candidates are estimated from plain
+`PlanSpec`s; only the ones reported are rebuilt as RunConfigs (`dataclasses.replace`) and passed through
 `partrain.blueprint.validate.validate`, then estimated again from the validated run, so every
 reported layout is one `partrain train` accepts as consistent.
 """
@@ -86,8 +86,13 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[Tup
                     yield "interleaved-1f1b", v
 
 
-def enumerate_specs(base: PlanSpec, space: SearchSpace = SearchSpace(), allow_tp_across_nodes: bool = False,
-                    stats: Optional[dict] = None, prune: bool = True) -> Iterator[Tuple[PlanSpec, dict]]:
+def enumerate_specs(
+    base: PlanSpec,
+    space: SearchSpace = SearchSpace(),
+    allow_tp_across_nodes: bool = False,
+    stats: Optional[dict] = None,
+    prune: bool = True,
+) -> Iterator[Tuple[PlanSpec, dict]]:
     """Yield (spec, light estimate) for every layout that fits (see module docstring);
     stats["evaluated"] counts the estimates made. prune=False skips the dominance pruning and
     yields every fitting layout (tests use it to check completeness)."""
@@ -117,8 +122,17 @@ def enumerate_specs(base: PlanSpec, space: SearchSpace = SearchSpace(), allow_tp
             for ep in eps:
                 for tp_sp in sps:
                     for mbs in mbss:
-                        layouts = dict(tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, tp_sp=tp_sp, mbs=mbs,
-                                       layers_per_chunk=None, recompute_every=1)
+                        layouts = dict(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            ep=ep,
+                            dp_shard=dp,
+                            tp_sp=tp_sp,
+                            mbs=mbs,
+                            layers_per_chunk=None,
+                            recompute_every=1,
+                        )
                         any_fit = False
                         for spec, est in _fitting_at(base, space, layouts, zeros, stats, prune):
                             any_fit = True
@@ -127,13 +141,15 @@ def enumerate_specs(base: PlanSpec, space: SearchSpace = SearchSpace(), allow_tp
                             break  # a larger micro batch needs more memory still
 
 
-def _fitting_at(base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict,
-                prune: bool) -> Iterator[Tuple[PlanSpec, dict]]:
+def _fitting_at(
+    base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict, prune: bool
+) -> Iterator[Tuple[PlanSpec, dict]]:
     """The fitting (schedule, ZeRO stage, recompute) choices for one set of degrees and micro batch."""
     m = base.global_batch // (layout["dp"] * layout["mbs"])
     for schedule, v in _schedules(layout["pp"], m, base.facts.n_layers, space):
-        frugal = dataclasses.replace(base, **layout, zero_stage=max(zeros), recompute=space.recompute[-1],
-                                     schedule=schedule, v=v)
+        frugal = dataclasses.replace(
+            base, **layout, zero_stage=max(zeros), recompute=space.recompute[-1], schedule=schedule, v=v
+        )
         stats["evaluated"] += 1
         if prune and not estimate_spec(frugal, detail=False)["fits"]:
             continue  # nothing lighter on memory exists for this schedule and micro batch
@@ -166,41 +182,92 @@ def base_spec(v_or_run, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpe
 
     run = v_or_run
     if run.train.global_batch_size <= 0:
-        raise ConfigError(Problem("train.global_batch_size", run.train.global_batch_size,
-                                  "the layout search keeps the global batch fixed, so it must be stated",
-                                  "set train.global_batch_size (sequences per optimizer step)"))
+        raise ConfigError(
+            Problem(
+                "train.global_batch_size",
+                run.train.global_batch_size,
+                "the layout search keeps the global batch fixed, so it must be stated",
+                "set train.global_batch_size (sequences per optimizer step)",
+            )
+        )
     facts = model_facts(run.model.arch, run.model.config, run.model.pretrained)
     cl = run.cluster
     sp = max(1, run.parallel.sp)
     world = cl.nodes * cl.devices_per_node
-    return PlanSpec(facts=facts, extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
-                    cluster=cluster_spec(cl), tp=1, pp=1, dp=max(1, world // sp), sp=sp, order=tuple(run.parallel.order),
-                    sp_mode=run.parallel.sp_mode, seq=run.train.seq_len, mbs=1, global_batch=run.train.global_batch_size,
-                    precision=run.train.precision, mixed=mixed, dp_overlap=dp_overlap,
-                    moe_capacity_factor=run.parallel.moe_capacity_factor)
+    return PlanSpec(
+        facts=facts,
+        extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
+        cluster=cluster_spec(cl),
+        tp=1,
+        pp=1,
+        dp=max(1, world // sp),
+        sp=sp,
+        order=tuple(run.parallel.order),
+        sp_mode=run.parallel.sp_mode,
+        seq=run.train.seq_len,
+        mbs=1,
+        global_batch=run.train.global_batch_size,
+        precision=run.train.precision,
+        mixed=mixed,
+        dp_overlap=dp_overlap,
+        moe_capacity_factor=run.parallel.moe_capacity_factor,
+    )
 
 
 def _run_config(run, spec: PlanSpec):
-    p = dataclasses.replace(run.parallel, tp=spec.tp, pp=spec.pp, dp=spec.dp, sp=spec.sp, ep=spec.ep, zero_stage=spec.zero_stage,
-                            dp_shard=-1, pp_schedule=spec.schedule, pp_virtual_stages=spec.v, pp_layers_per_stage=None,
-                            tp_sequence_parallel=spec.tp_sp, recompute=spec.recompute, recompute_every=1)
+    p = dataclasses.replace(
+        run.parallel,
+        tp=spec.tp,
+        pp=spec.pp,
+        dp=spec.dp,
+        sp=spec.sp,
+        ep=spec.ep,
+        zero_stage=spec.zero_stage,
+        dp_shard=-1,
+        pp_schedule=spec.schedule,
+        pp_virtual_stages=spec.v,
+        pp_layers_per_stage=None,
+        tp_sequence_parallel=spec.tp_sp,
+        recompute=spec.recompute,
+        recompute_every=1,
+    )
     t = dataclasses.replace(run.train, micro_batch_size=spec.mbs, global_batch_size=spec.global_batch, microbatches=0)
     return dataclasses.replace(run, parallel=p, train=t)
 
 
 def describe(spec: PlanSpec) -> dict:
-    return {"dp": spec.dp, "tp": spec.tp, "pp": spec.pp, "sp": spec.sp, "ep": spec.ep, "zero_stage": spec.zero_stage,
-            "recompute": spec.recompute, "micro_batch_size": spec.mbs, "microbatches": spec.microbatches,
-            "pp_schedule": spec.schedule if spec.pp > 1 else None, "pp_virtual_stages": spec.v,
-            "tp_sequence_parallel": spec.tp_sp}
+    return {
+        "dp": spec.dp,
+        "tp": spec.tp,
+        "pp": spec.pp,
+        "sp": spec.sp,
+        "ep": spec.ep,
+        "zero_stage": spec.zero_stage,
+        "recompute": spec.recompute,
+        "micro_batch_size": spec.mbs,
+        "microbatches": spec.microbatches,
+        "pp_schedule": spec.schedule if spec.pp > 1 else None,
+        "pp_virtual_stages": spec.v,
+        "tp_sequence_parallel": spec.tp_sp,
+    }
 
 
 def overrides(spec: PlanSpec) -> List[str]:
     """Command-line overrides that select this layout (for `partrain train ...`)."""
-    out = [f"parallel.dp={spec.dp}", f"parallel.tp={spec.tp}", f"parallel.pp={spec.pp}", f"parallel.sp={spec.sp}",
-           f"parallel.ep={spec.ep}", f"parallel.zero_stage={spec.zero_stage}", "parallel.dp_shard=-1",
-           f"parallel.recompute={spec.recompute}", f"parallel.tp_sequence_parallel={str(spec.tp_sp).lower()}",
-           f"train.micro_batch_size={spec.mbs}", f"train.global_batch_size={spec.global_batch}", "train.microbatches=0"]
+    out = [
+        f"parallel.dp={spec.dp}",
+        f"parallel.tp={spec.tp}",
+        f"parallel.pp={spec.pp}",
+        f"parallel.sp={spec.sp}",
+        f"parallel.ep={spec.ep}",
+        f"parallel.zero_stage={spec.zero_stage}",
+        "parallel.dp_shard=-1",
+        f"parallel.recompute={spec.recompute}",
+        f"parallel.tp_sequence_parallel={str(spec.tp_sp).lower()}",
+        f"train.micro_batch_size={spec.mbs}",
+        f"train.global_batch_size={spec.global_batch}",
+        "train.microbatches=0",
+    ]
     if spec.pp > 1:
         out += [f"parallel.pp_schedule={spec.schedule}", f"parallel.pp_virtual_stages={spec.v}"]
     return out
@@ -213,7 +280,10 @@ def why(spec: PlanSpec, est: dict, best: Optional[dict]) -> str:
     tb = est["time_breakdown_s"]
     step = est["step_time_s"]
     comm = sum(tb[k] for k in ("tp", "sp", "ep", "pp", "dp_exposed"))
-    parts = [f"fits ({mem:.1f} of {cap:.1f} GiB)" + (" without recompute" if spec.recompute == "none" else f" with {spec.recompute} recompute")]
+    parts = [
+        f"fits ({mem:.1f} of {cap:.1f} GiB)"
+        + (" without recompute" if spec.recompute == "none" else f" with {spec.recompute} recompute")
+    ]
     if spec.zero_stage:
         parts.append(f"ZeRO-{spec.zero_stage} over {spec.shard}")
     if spec.pp > 1:
@@ -228,12 +298,20 @@ def why(spec: PlanSpec, est: dict, best: Optional[dict]) -> str:
     text = "; ".join(parts)
     if best is not None and best["step_time_s"] > 0:
         reasons = _worse_parts(est, best)
-        text += f"; {step / best['step_time_s'] - 1:+.1%} vs #1" + (f" (more {', '.join(reasons[:2])})" if reasons else "")
+        text += f"; {step / best['step_time_s'] - 1:+.1%} vs #1" + (
+            f" (more {', '.join(reasons[:2])})" if reasons else ""
+        )
     return text
 
 
-def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchSpace(), runnable_only: bool = False,
-           dp_overlap: bool = True) -> List[dict]:
+def search(
+    v,
+    top_k: int = 10,
+    mixed: str = "zero",
+    space: SearchSpace = SearchSpace(),
+    runnable_only: bool = False,
+    dp_overlap: bool = True,
+) -> List[dict]:
     """The best `top_k` fitting layouts for the run's model, cluster and global batch, best first.
 
     `v` is a ValidatedRun, or a RunConfig whose own layout may be invalid (see `base_spec`).
@@ -284,8 +362,13 @@ def search(v, top_k: int = 10, mixed: str = "zero", space: SearchSpace = SearchS
 def _candidates(picked: List[dict], top_k: int, evaluated: int, fitting: int, elapsed: float) -> List[dict]:
     """The report's candidate list: near-ties (0.01% of step time) runnable first, then lighter."""
     fastest = picked[0]["estimate"]["step_time_s"]
-    picked.sort(key=lambda c: (round(c["estimate"]["step_time_s"] / fastest, 4), len(c["unsupported"]),
-                               c["estimate"]["memory_bytes"]["total"]))
+    picked.sort(
+        key=lambda c: (
+            round(c["estimate"]["step_time_s"] / fastest, 4),
+            len(c["unsupported"]),
+            c["estimate"]["memory_bytes"]["total"],
+        )
+    )
     picked = picked[:top_k]
     out: List[dict] = []
     best = picked[0]["estimate"]
@@ -294,9 +377,17 @@ def _candidates(picked: List[dict], top_k: int, evaluated: int, fitting: int, el
         text = why(spec, est, None if i == 0 else best)
         if i == 0 and len(picked) > 1:
             text += "; " + _lead(picked[0], picked[1])
-        out.append({"rank": i + 1, "layout": describe(spec), "overrides": overrides(spec), "estimate": est, "why": text,
-                    "unsupported": c["unsupported"],
-                    "search": {"evaluated": evaluated, "fitting": fitting, "seconds": elapsed}})
+        out.append(
+            {
+                "rank": i + 1,
+                "layout": describe(spec),
+                "overrides": overrides(spec),
+                "estimate": est,
+                "why": text,
+                "unsupported": c["unsupported"],
+                "search": {"evaluated": evaluated, "fitting": fitting, "seconds": elapsed},
+            }
+        )
     return out
 
 
@@ -306,7 +397,11 @@ def _lead(first: dict, second: dict) -> str:
     if ahead < 1e-4:
         if len(first["unsupported"]) < len(second["unsupported"]):
             return "ties #2 on time and this version of partrain can train more of it"
-        return "ties #2 on time with less memory" if best["memory_bytes"]["total"] < other["memory_bytes"]["total"] else "ties #2"
+        return (
+            "ties #2 on time with less memory"
+            if best["memory_bytes"]["total"] < other["memory_bytes"]["total"]
+            else "ties #2"
+        )
     reasons = _worse_parts(other, best)
     return f"{ahead:.1%} faster than #2" + (f" (less {', '.join(reasons[:2])})" if reasons else "")
 
@@ -314,8 +409,15 @@ def _lead(first: dict, second: dict) -> str:
 def _worse_parts(est: dict, ref: dict) -> List[str]:
     tb, rb = est["time_breakdown_s"], ref["time_breakdown_s"]
     diffs = []
-    for key, label in (("bubble", "bubble"), ("compute", "compute/recompute"), ("tp", "TP traffic"), ("dp_exposed", "DP traffic"),
-                       ("pp", "pipeline sends"), ("ep", "EP traffic"), ("sp", "SP traffic")):
+    for key, label in (
+        ("bubble", "bubble"),
+        ("compute", "compute/recompute"),
+        ("tp", "TP traffic"),
+        ("dp_exposed", "DP traffic"),
+        ("pp", "pipeline sends"),
+        ("ep", "EP traffic"),
+        ("sp", "SP traffic"),
+    ):
         diff = tb[key] - rb[key]
         if diff > 0.002 * ref["step_time_s"]:
             diffs.append((diff, label))

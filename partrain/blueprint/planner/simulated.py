@@ -57,9 +57,12 @@ class Simulation:
 
     def to_json(self) -> dict:
         return {
-            "world_size": self.world_size, "seconds": self.seconds, "exact": self.exact,
+            "world_size": self.world_size,
+            "seconds": self.seconds,
+            "exact": self.exact,
             "accounting": "runtime: fp32 parameters and gradients, AdamW m and v in fp32",
-            "notes": list(self.notes), "ranks": [{**asdict(r), "exact": r.exact} for r in self.ranks],
+            "notes": list(self.notes),
+            "ranks": [{**asdict(r), "exact": r.exact} for r in self.ranks],
         }
 
 
@@ -84,8 +87,18 @@ def grouped_params(params: Sequence[SimulatedParam]) -> List[dict]:
     groups: Dict[tuple, dict] = {}
     for p in params:
         key = (_LAYER_INDEX.sub(".*.", p.name, count=1), tuple(p.shape), tuple(p.local_shape), p.placements, p.dtype)
-        g = groups.setdefault(key, {"name": key[0], "shape": p.shape, "local_shape": p.local_shape,
-                                    "placements": p.placements, "dtype": p.dtype, "count": 0, "bytes": 0})
+        g = groups.setdefault(
+            key,
+            {
+                "name": key[0],
+                "shape": p.shape,
+                "local_shape": p.local_shape,
+                "placements": p.placements,
+                "dtype": p.dtype,
+                "count": 0,
+                "bytes": 0,
+            },
+        )
         g["count"] += 1
         g["bytes"] += p.bytes
     return list(groups.values())

@@ -84,7 +84,9 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
             resid_dropout=float(values.get("resid_pdrop") or 0) > 0,
             embd_dropout=float(values.get("embd_pdrop") or 0) > 0,
             attn_dropout=float(values.get("attn_pdrop") or 0) > 0,
-            attn_impl=impl, out_bias=True, mlp_bias=True,
+            attn_impl=impl,
+            out_bias=True,
+            mlp_bias=True,
         )
     sparse: Tuple[bool, ...] = ()
     dense_ffn = 0
@@ -93,7 +95,9 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
     elif arch == "qwen2_moe":
         step = int(values.get("decoder_sparse_step") or 1)
         dense_only = set(values.get("mlp_only_layers") or [])
-        sparse = tuple((i not in dense_only) and facts.n_experts > 0 and (i + 1) % step == 0 for i in range(facts.n_layers))
+        sparse = tuple(
+            (i not in dense_only) and facts.n_experts > 0 and (i + 1) % step == 0 for i in range(facts.n_layers)
+        )
         dense_ffn = int(values.get("intermediate_size") or 0)
     return ModelExtras(
         activation=str(values.get("hidden_act") or "silu"),
@@ -195,8 +199,9 @@ class PlanSpec:
     def fsdp_sync_once(self) -> bool:
         """FSDP reduce-scatters gradients once per step and holds unsharded gradients until then:
         parallel.fsdp_grad_sync=last_microbatch, or any pipeline (torch's schedules do it themselves)."""
-        return (self.zero_stage >= 2 and self.microbatches > 1
-                and (self.fsdp_grad_sync == "last_microbatch" or self.pp > 1))
+        return (
+            self.zero_stage >= 2 and self.microbatches > 1 and (self.fsdp_grad_sync == "last_microbatch" or self.pp > 1)
+        )
 
     @property
     def shard(self) -> int:
@@ -226,9 +231,17 @@ def cluster_spec(cl) -> ClusterSpec:
         by_key = dict(measured)
         intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
         source = f"profile:{cl.comm_profile}"
-    return ClusterSpec(nodes=cl.nodes, devices_per_node=cl.devices_per_node, device=cl.device,
-                       device_memory_bytes=cl.device_memory_gib * GIB, peak_flops=cl.peak_tflops * 1e12,
-                       intra_bw=intra, inter_bw=inter, measured=measured, bandwidth_source=source)
+    return ClusterSpec(
+        nodes=cl.nodes,
+        devices_per_node=cl.devices_per_node,
+        device=cl.device,
+        device_memory_bytes=cl.device_memory_gib * GIB,
+        peak_flops=cl.peak_tflops * 1e12,
+        intra_bw=intra,
+        inter_bw=inter,
+        measured=measured,
+        bandwidth_source=source,
+    )
 
 
 def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
@@ -239,12 +252,30 @@ def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> Plan
     p, t = run.parallel, run.train
     extras = model_extras(run.model.arch, run.model.config, run.model.pretrained, v.facts)
     return PlanSpec(
-        facts=v.facts, extras=extras, cluster=cluster_spec(run.cluster), tp=lay.tp, pp=lay.pp, dp=lay.dp, sp=lay.sp,
-        ep=lay.ep, dp_shard=lay.dp_shard, order=tuple(lay.order), zero_stage=p.zero_stage, recompute=p.recompute,
-        recompute_every=p.recompute_every, schedule=p.pp_schedule if lay.pp > 1 else "1f1b",
+        facts=v.facts,
+        extras=extras,
+        cluster=cluster_spec(run.cluster),
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        sp=lay.sp,
+        ep=lay.ep,
+        dp_shard=lay.dp_shard,
+        order=tuple(lay.order),
+        zero_stage=p.zero_stage,
+        recompute=p.recompute,
+        recompute_every=p.recompute_every,
+        schedule=p.pp_schedule if lay.pp > 1 else "1f1b",
         v=p.pp_virtual_stages if lay.pp > 1 else 1,
         layers_per_chunk=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
-        tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1, sp_mode=p.sp_mode, seq=t.seq_len, mbs=t.micro_batch_size,
-        global_batch=v.global_batch_size, precision=t.precision, mixed=mixed, dp_overlap=dp_overlap,
-        fsdp_grad_sync=p.fsdp_grad_sync, moe_capacity_factor=p.moe_capacity_factor,
+        tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1,
+        sp_mode=p.sp_mode,
+        seq=t.seq_len,
+        mbs=t.micro_batch_size,
+        global_batch=v.global_batch_size,
+        precision=t.precision,
+        mixed=mixed,
+        dp_overlap=dp_overlap,
+        fsdp_grad_sync=p.fsdp_grad_sync,
+        moe_capacity_factor=p.moe_capacity_factor,
     )

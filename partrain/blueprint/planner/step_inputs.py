@@ -112,13 +112,23 @@ class StepInputs:
 def step_inputs(spec: PlanSpec) -> StepInputs:
     f, dt = spec.facts, dtypes(spec.precision, spec.mixed)
     tokens = spec.mbs * spec.seq / spec.sp
-    bw = group_bandwidths(spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp)
+    bw = group_bandwidths(
+        spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
+    )
     # Megatron-SP moves the all-reduce's bytes as all-gather + reduce-scatter, half each.
     tp_bw = mixed_bandwidth(bw, "tp", {"all_gather": 1.0, "reduce_scatter": 1.0}) if spec.tp_sp else bw["tp"]
     acts = _activation_terms(spec, tokens, spec.mbs, dt)
     return StepInputs(
-        dt=dt, tokens=tokens, rate=spec.cluster.peak_flops * matmul_efficiency(spec), bw=bw, tp_bw=tp_bw,
+        dt=dt,
+        tokens=tokens,
+        rate=spec.cluster.peak_flops * matmul_efficiency(spec),
+        bw=bw,
+        tp_bw=tp_bw,
         dp_ops=dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32"),
-        acts=acts, layer_flops={s: _layer_flops_per_rank(spec, s, tokens) for s in acts}, act_bytes=dt.compute,
-        ar_size=tokens * f.hidden * dt.compute, passes_extra=1.0 / max(1, spec.recompute_every),
-        gathered_param_bytes=4 if spec.precision == "fp32" else 2)
+        acts=acts,
+        layer_flops={s: _layer_flops_per_rank(spec, s, tokens) for s in acts},
+        act_bytes=dt.compute,
+        ar_size=tokens * f.hidden * dt.compute,
+        passes_extra=1.0 / max(1, spec.recompute_every),
+        gathered_param_bytes=4 if spec.precision == "fp32" else 2,
+    )

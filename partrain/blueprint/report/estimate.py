@@ -23,21 +23,41 @@ def verdict_text(est: dict) -> str:
     total, device = est["memory_bytes"]["total"] / GIB, est["device_memory_bytes"] / GIB
     usable = est["assumptions"]["usable_memory_fraction"]
     if est["fits"]:
-        return (f"fits in memory: {total:.1f} of {device:.1f} GiB on the worst rank; predicted {est['step_time_s']:.3g} s/step, "
-                f"MFU {est['mfu']:.0%}")
+        return (
+            f"fits in memory: {total:.1f} of {device:.1f} GiB on the worst rank; predicted "
+            f"{est['step_time_s']:.3g} s/step, "
+            f"MFU {est['mfu']:.0%}"
+        )
     return f"does not fit: the worst rank needs {total:.1f} GiB, {device * usable:.1f} of {device:.1f} GiB usable"
 
 
 def render_estimate(est: dict, console) -> None:
     """Per-rank memory (GiB), FLOPs, communication (GB, 10**9 bytes), bubble, time, verdict."""
+    _render_memory(est, console)
+    console.print(_step_table(est))
+    m = est["memory_bytes"]
+    style = "green" if est["fits"] else "red"
+    verdict = "fits" if est["fits"] else "does NOT fit"
+    console.print(
+        f"[bold {style}]memory:[/bold {style}] {verdict}: {_gib(m['total'])} GiB of "
+        f"{_gib(est['device_memory_bytes'])} GiB "
+        f"({est['assumptions']['usable_memory_fraction']:.0%} usable)"
+    )
+    for note in est.get("notes", [])[1:]:
+        console.print(f"[dim]note: {note}[/dim]", highlight=False, soft_wrap=True)
+
+
+def _render_memory(est: dict, console) -> None:
     from rich.table import Table
 
     mem = Table(title="estimated memory of the worst rank (GiB = 2**30 bytes)", title_justify="left")
     for col in ("params", "grads", "optimizer", "activations", "transient", "total", "device"):
         mem.add_column(col, justify="right")
     m = est["memory_bytes"]
-    mem.add_row(*(_gib(m[k]) for k in ("params", "grads", "optimizer", "activations", "transient", "total")),
-                _gib(est["device_memory_bytes"]))
+    mem.add_row(
+        *(_gib(m[k]) for k in ("params", "grads", "optimizer", "activations", "transient", "total")),
+        _gib(est["device_memory_bytes"]),
+    )
     console.print(mem)
     stages = est.get("memory_bytes_per_stage") or []
     if len(stages) > 1:
@@ -46,39 +66,67 @@ def render_estimate(est: dict, console) -> None:
             per.add_column(col, justify="right")
         shown = stages if len(stages) <= 16 else stages[:8] + stages[-8:]
         for s in shown:
-            per.add_row(str(s["pp_rank"]), str(s["layers"]), str(s["in_flight_microbatches"]),
-                        _gib(s["params"] + s["grads"] + s["optimizer"]), _gib(s["activations"]), _gib(s["transient"]), _gib(s["total"]))
+            per.add_row(
+                str(s["pp_rank"]),
+                str(s["layers"]),
+                str(s["in_flight_microbatches"]),
+                _gib(s["params"] + s["grads"] + s["optimizer"]),
+                _gib(s["activations"]),
+                _gib(s["transient"]),
+                _gib(s["total"]),
+            )
         console.print(per)
+
+
+def _step_table(est: dict):
+    from rich.table import Table
+
     perf = Table(title="estimated step", show_header=False, title_justify="left")
     perf.add_column(style="bold")
     perf.add_column()
     perf.add_row("parameters", f"{est['params_total']:,} ({est['params_total'] / 1e9:.3g} B)")
-    perf.add_row("FLOPs per step", f"{est['flops_per_step']:.3e} model (3 passes), {est['hardware_flops_per_step']:.3e} with recompute")
+    perf.add_row(
+        "FLOPs per step",
+        f"{est['flops_per_step']:.3e} model (3 passes), {est['hardware_flops_per_step']:.3e} with recompute",
+    )
     comm = est["comm_bytes_per_step"]
-    perf.add_row("communication per rank per step", ", ".join(f"{k} {_bytes(v)}" for k, v in comm.items() if v) or "none")
+    perf.add_row(
+        "communication per rank per step", ", ".join(f"{k} {_bytes(v)}" for k, v in comm.items() if v) or "none"
+    )
     perf.add_row("links", ", ".join(f"{k}: {v}" for k, v in est["links"].items()))
     moe = est.get("moe")
     if moe:
-        cap = "dropless" if moe["capacity_factor"] is None else f"capacity {moe['capacity_per_expert']} per expert (cf {moe['capacity_factor']:g})"
-        perf.add_row("experts", f"{moe['experts_per_rank']} of {moe['experts']} per rank (ep {moe['ep']}, edp {moe['edp']}), "
-                                f"{moe['expert_params_per_rank']:,} expert parameters per rank of {moe['expert_params_total']:,}; "
-                                f"{cap}; all-to-all {_bytes(moe['all_to_all_bytes_per_microbatch'])} per microbatch")
+        cap = (
+            "dropless"
+            if moe["capacity_factor"] is None
+            else f"capacity {moe['capacity_per_expert']} per expert (cf {moe['capacity_factor']:g})"
+        )
+        perf.add_row(
+            "experts",
+            f"{moe['experts_per_rank']} of {moe['experts']} per rank (ep {moe['ep']}, edp {moe['edp']}), "
+            f"{moe['expert_params_per_rank']:,} expert parameters per rank of {moe['expert_params_total']:,}; "
+            f"{cap}; all-to-all {_bytes(moe['all_to_all_bytes_per_microbatch'])} per microbatch",
+        )
     source = est.get("bandwidth_source", "nominal")
-    perf.add_row("bandwidths", "nominal (cluster.intra_node_gbps / inter_node_gbps)" if source == "nominal" else
-                 f"measured bus bandwidths, {source}")
-    perf.add_row("pipeline bubble", f"{est['pipeline_bubble_fraction']:.1%} of the step idle ({est['pipeline_bubble_overhead']:.1%} over ideal)")
+    perf.add_row(
+        "bandwidths",
+        "nominal (cluster.intra_node_gbps / inter_node_gbps)"
+        if source == "nominal"
+        else f"measured bus bandwidths, {source}",
+    )
+    perf.add_row(
+        "pipeline bubble",
+        f"{est['pipeline_bubble_fraction']:.1%} of the step idle ({est['pipeline_bubble_overhead']:.1%} over ideal)",
+    )
     tb = est["time_breakdown_s"]
     perf.add_row("step time", f"{est['step_time_s']:.4g} s = " + ", ".join(f"{k} {v:.3g}" for k, v in tb.items() if v))
     perf.add_row("throughput", f"{est['tokens_per_s']:,.0f} tokens/s, MFU {est['mfu']:.1%}")
-    perf.add_row("assumed", f"matmul efficiency {est['assumptions']['matmul_efficiency']:.0%}, "
-                            f"{est['assumptions']['mixed_precision']} states {est['assumptions']['bytes_per_param']}")
-    console.print(perf)
-    style = "green" if est["fits"] else "red"
-    verdict = "fits" if est["fits"] else "does NOT fit"
-    console.print(f"[bold {style}]memory:[/bold {style}] {verdict}: {_gib(m['total'])} GiB of {_gib(est['device_memory_bytes'])} GiB "
-                  f"({est['assumptions']['usable_memory_fraction']:.0%} usable)")
-    for note in est.get("notes", [])[1:]:
-        console.print(f"[dim]note: {note}[/dim]", highlight=False, soft_wrap=True)
+    perf.add_row(
+        "assumed",
+        f"matmul efficiency {est['assumptions']['matmul_efficiency']:.0%}, "
+        f"{est['assumptions']['mixed_precision']} states {est['assumptions']['bytes_per_param']}",
+    )
+    return perf
 
 
 def render_candidates(candidates: List[dict], console) -> None:
@@ -88,20 +136,43 @@ def render_candidates(candidates: List[dict], console) -> None:
         console.print("[bold red]no layout fits this model on this cluster with this global batch[/bold red]")
         return
     info = candidates[0]["search"]
-    table = Table(title=f"best layouts by predicted step time ({info['fitting']} fitting of {info['evaluated']} evaluated, "
-                        f"{info['seconds']:.1f} s)", title_justify="left")
+    table = Table(
+        title=f"best layouts by predicted step time ({info['fitting']} fitting of {info['evaluated']} evaluated, "
+        f"{info['seconds']:.1f} s)",
+        title_justify="left",
+    )
     for col in ("#", "dp", "tp", "pp", "sched", "zero", "recompute", "mbs", "GiB", "step s", "tokens/s", "MFU", "why"):
         table.add_column(col, justify="right" if col not in ("sched", "recompute", "why") else "left", overflow="fold")
     for c in candidates:
         lay, est = c["layout"], c["estimate"]
-        sched = "-" if lay["pp"] == 1 else (lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else ""))
+        sched = (
+            "-"
+            if lay["pp"] == 1
+            else (lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else ""))
+        )
         tp = str(lay["tp"]) + ("+SP" if lay["tp_sequence_parallel"] else "")
         why = c["why"] + (f" [not trainable yet: {'; '.join(c['unsupported'])}]" if c["unsupported"] else "")
-        table.add_row(str(c["rank"]), str(lay["dp"]), tp, str(lay["pp"]), sched, str(lay["zero_stage"]), lay["recompute"],
-                      str(lay["micro_batch_size"]), _gib(est["memory_bytes"]["total"]), f"{est['step_time_s']:.4g}",
-                      f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.1%}", why)
+        table.add_row(
+            str(c["rank"]),
+            str(lay["dp"]),
+            tp,
+            str(lay["pp"]),
+            sched,
+            str(lay["zero_stage"]),
+            lay["recompute"],
+            str(lay["micro_batch_size"]),
+            _gib(est["memory_bytes"]["total"]),
+            f"{est['step_time_s']:.4g}",
+            f"{est['tokens_per_s']:,.0f}",
+            f"{est['mfu']:.1%}",
+            why,
+        )
     console.print(table)
-    console.print("[dim]apply #1: partrain train ... " + " ".join(candidates[0]["overrides"]) + "[/dim]", highlight=False, soft_wrap=True)
+    console.print(
+        "[dim]apply #1: partrain train ... " + " ".join(candidates[0]["overrides"]) + "[/dim]",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def render_simulation(sim: dict, console, all_ranks: bool = False) -> None:
@@ -111,24 +182,40 @@ def render_simulation(sim: dict, console, all_ranks: bool = False) -> None:
 
     from partrain.blueprint.planner.simulated import SimulatedParam, grouped_params
 
-    table = Table(title=f"simulated ranks: real wrappers on meta, fake process group, world {sim['world_size']}, "
-                        f"{sim['seconds']:.1f} s (GiB, as the runtime holds them)", title_justify="left")
+    table = Table(
+        title=f"simulated ranks: real wrappers on meta, fake process group, world {sim['world_size']}, "
+        f"{sim['seconds']:.1f} s (GiB, as the runtime holds them)",
+        title_justify="left",
+    )
     for col in ("rank", "coords", "chunks", "param elements", "params sim / planner", "states sim / planner", "exact"):
         table.add_column(col, justify="left" if col in ("coords", "chunks") else "right")
     for r in sim["ranks"]:
         s, a, c = r["simulated"], r["analytic"], r["coords"]
         coords = " ".join(f"{k}{c[k]}" for k in ("pp", "tp", "sp", "dp") if k in c)
-        table.add_row(str(r["rank"]), coords, ",".join(map(str, r["chunks"])), f"{s['param_elements']:,}",
-                      f"{_gib(s['params'])} / {_gib(a['params'])}", f"{_gib(s['total'])} / {_gib(a['total'])}",
-                      "[green]yes[/green]" if r["exact"] else f"[red]no ({s['param_elements'] - a['param_elements']:+,})[/red]")
+        table.add_row(
+            str(r["rank"]),
+            coords,
+            ",".join(map(str, r["chunks"])),
+            f"{s['param_elements']:,}",
+            f"{_gib(s['params'])} / {_gib(a['params'])}",
+            f"{_gib(s['total'])} / {_gib(a['total'])}",
+            "[green]yes[/green]" if r["exact"] else f"[red]no ({s['param_elements'] - a['param_elements']:+,})[/red]",
+        )
     console.print(table)
     for r in sim["ranks"] if all_ranks else sim["ranks"][:1]:
         shapes = Table(title=f"rank {r['rank']}: parameters (global -> local shape)", title_justify="left")
         for col in ("parameter", "x", "global shape", "local shape", "placements", "dtype", "local bytes"):
             shapes.add_column(col, justify="right" if col in ("x", "local bytes") else "left")
         for g in grouped_params([SimulatedParam(**p) for p in r["params"]]):
-            shapes.add_row(g["name"], str(g["count"]), str(tuple(g["shape"])), str(tuple(g["local_shape"])),
-                           g["placements"], g["dtype"], _bytes(g["bytes"]))
+            shapes.add_row(
+                g["name"],
+                str(g["count"]),
+                str(tuple(g["shape"])),
+                str(tuple(g["local_shape"])),
+                g["placements"],
+                g["dtype"],
+                _bytes(g["bytes"]),
+            )
         console.print(shapes)
     if len(sim["ranks"]) > 1 and not all_ranks:
         console.print("(other ranks' shapes: --all-ranks, or --json)")

@@ -66,15 +66,22 @@ def pipeline_summary(v: ValidatedRun) -> dict:
     from partrain.blueprint.schedule_sim import formula_bubble
 
     p = v.run.parallel
-    out = {"schedule": p.pp_schedule, "pp": v.layout.pp, "virtual_stages": p.pp_virtual_stages, "microbatches": v.microbatches,
-           "bubble_fraction_formula": formula_bubble(p.pp_schedule, v.layout.pp, p.pp_virtual_stages, v.microbatches)}
+    out = {
+        "schedule": p.pp_schedule,
+        "pp": v.layout.pp,
+        "virtual_stages": p.pp_virtual_stages,
+        "microbatches": v.microbatches,
+        "bubble_fraction_formula": formula_bubble(p.pp_schedule, v.layout.pp, p.pp_virtual_stages, v.microbatches),
+    }
     if v.layout.pp * p.pp_virtual_stages * v.microbatches <= SCHEDULE_PICTURE_LIMIT:
         out["bubble_fraction_simulated"] = schedule_grid_of(v).bubble_fraction
     return out
 
 
 def _verdict(v: ValidatedRun, notes: List[str]) -> str:
-    head = f"valid layout: {v.world_size} ranks = " + " x ".join(f"{a}{getattr(v.layout, a)}" for a in ("dp", "tp", "pp", "sp"))
+    head = f"valid layout: {v.world_size} ranks = " + " x ".join(
+        f"{a}{getattr(v.layout, a)}" for a in ("dp", "tp", "pp", "sp")
+    )
     if v.layout.ep > 1:
         head += f" (ep{v.layout.ep} inside dp x sp)"
     if notes:
@@ -94,16 +101,35 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     summary.add_column(style="bold")
     summary.add_column()
     m, b = report["model"], report["batch"]
-    summary.add_row("model", f"{report['model_name']} ({m['arch']}: {m['n_layers']} layers, hidden {m['hidden']}, heads {m['heads']}/{m['kv_heads']} kv, "
-                             f"ffn {m['ffn']}, vocab {m['vocab']}" + (f", {m['n_experts']} experts top-{m['experts_per_token']}" if m["n_experts"] else "") + ")")
-    summary.add_row("cluster", f"{report['cluster_name']}: {report['nodes']} node(s) x {report['devices_per_node']} devices")
+    summary.add_row(
+        "model",
+        f"{report['model_name']} ({m['arch']}: {m['n_layers']} layers, hidden {m['hidden']}, heads "
+        f"{m['heads']}/{m['kv_heads']} kv, "
+        f"ffn {m['ffn']}, vocab {m['vocab']}"
+        + (f", {m['n_experts']} experts top-{m['experts_per_token']}" if m["n_experts"] else "")
+        + ")",
+    )
+    summary.add_row(
+        "cluster", f"{report['cluster_name']}: {report['nodes']} node(s) x {report['devices_per_node']} devices"
+    )
     summary.add_row("world size", str(report["world_size"]))
-    summary.add_row("degrees", "  ".join(f"{k}={v}" for k, v in deg.items()) + f"   order (fastest first): {', '.join(report['order'])}")
+    summary.add_row(
+        "degrees",
+        "  ".join(f"{k}={v}" for k, v in deg.items()) + f"   order (fastest first): {', '.join(report['order'])}",
+    )
     summary.add_row("data parallel", f"zero_stage={report['zero_stage']}, dp_shard={report['dp_shard']}")
     if report["pp_schedule"]:
-        summary.add_row("pipeline", f"{report['pp_schedule']}, {report['pp_virtual_stages']} virtual stage(s) per rank, {b['microbatches']} microbatches")
-    summary.add_row("batch", f"global {b['global_batch_size']} = micro {b['micro_batch_size']} x {b['microbatches']} microbatches x dp {deg['dp']}; "
-                             f"seq_len {b['seq_len']}; {b['tokens_per_step']} tokens/step")
+        summary.add_row(
+            "pipeline",
+            f"{report['pp_schedule']}, {report['pp_virtual_stages']} virtual stage(s) per rank, "
+            f"{b['microbatches']} microbatches",
+        )
+    summary.add_row(
+        "batch",
+        f"global {b['global_batch_size']} = micro {b['micro_batch_size']} x {b['microbatches']} microbatches x dp "
+        f"{deg['dp']}; "
+        f"seq_len {b['seq_len']}; {b['tokens_per_step']} tokens/step",
+    )
     console.print(summary)
 
     ranks = Table(title="ranks", title_justify="left")
@@ -115,7 +141,9 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
         ranks.add_row(*map(str, (r["rank"], r["node"], r["local_rank"], c["dp"], c["tp"], c["pp"], c["sp"], c["ep"])))
     console.print(ranks)
     if len(rows) < len(report["ranks"]):
-        console.print(f"[dim]... {len(report['ranks']) - len(rows)} more ranks (--all-ranks or --json shows them)[/dim]")
+        console.print(
+            f"[dim]... {len(report['ranks']) - len(rows)} more ranks (--all-ranks or --json shows them)[/dim]"
+        )
 
     groups = Table(title="process groups", title_justify="left")
     groups.add_column("family")
@@ -123,7 +151,13 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     groups.add_column("members")
     for family, members in report["groups"].items():
         shown = members if all_ranks else members[:8]
-        text = " ".join("[" + ",".join(map(str, g if all_ranks else g[:16])) + (",..." if len(g) > 16 and not all_ranks else "") + "]" for g in shown)
+        text = " ".join(
+            "["
+            + ",".join(map(str, g if all_ranks else g[:16]))
+            + (",..." if len(g) > 16 and not all_ranks else "")
+            + "]"
+            for g in shown
+        )
         if len(shown) < len(members):
             text += f" ... ({len(members) - len(shown)} more)"
         groups.add_row(family, str(len(members)), text)

@@ -9,21 +9,50 @@ from typing import Optional, Tuple, Union
 from partrain.blueprint.schedule_sim import Cell, ScheduleGrid, cell_label, formula_bubble
 from partrain.blueprint.stage_split import ZERO_BUBBLE_SCHEDULES
 
-_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-            "#9c755f", "#bab0ac", "#1f77b4", "#8c564b"]
-_RICH_COLORS = ["blue", "dark_orange", "green", "red", "cyan", "yellow", "magenta", "pink1", "tan", "grey62",
-                "deep_sky_blue1", "orange4"]
+_PALETTE = [
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#1f77b4",
+    "#8c564b",
+]
+_RICH_COLORS = [
+    "blue",
+    "dark_orange",
+    "green",
+    "red",
+    "cyan",
+    "yellow",
+    "magenta",
+    "pink1",
+    "tan",
+    "grey62",
+    "deep_sky_blue1",
+    "orange4",
+]
 
 
 def _legend(grid: ScheduleGrid) -> str:
     f = formula_bubble(grid.schedule, grid.pp, grid.v, grid.n_microbatches)
-    parts = [f"{grid.schedule}: pp={grid.pp} v={grid.v} microbatches={grid.n_microbatches}",
-             f"simulated bubble {grid.bubble_fraction:.1%} of the step"]
+    parts = [
+        f"{grid.schedule}: pp={grid.pp} v={grid.v} microbatches={grid.n_microbatches}",
+        f"simulated bubble {grid.bubble_fraction:.1%} of the step",
+    ]
     if f is not None:
         parts.append(f"formula {f:.1%}")
     text = ", ".join(parts)
-    kinds = "F forward (1 unit), B backward (2 units)" if grid.schedule not in ZERO_BUBBLE_SCHEDULES else \
-        "F forward, I input-grad backward, W weight-grad backward (1 unit each)"
+    kinds = (
+        "F forward (1 unit), B backward (2 units)"
+        if grid.schedule not in ZERO_BUBBLE_SCHEDULES
+        else "F forward, I input-grad backward, W weight-grad backward (1 unit each)"
+    )
     text += f"\n{kinds}; digits = microbatch"
     if grid.v > 1:
         text += "; letter = rank's chunk (a = first)"
@@ -74,7 +103,9 @@ def render_text(grid: ScheduleGrid, max_slots: Optional[int] = None):
                 text.append(".".ljust(width), style="dim")
                 continue
             color = _RICH_COLORS[c.mb % len(_RICH_COLORS)]
-            style = color if c.kind == "F" else f"bold {color} reverse" if c.kind in ("B", "I") else f"{color} underline"
+            style = (
+                color if c.kind == "F" else f"bold {color} reverse" if c.kind in ("B", "I") else f"{color} underline"
+            )
             text.append((cell_label(c, grid.v) if c.start else "=").ljust(width), style=style)
         if slots < grid.makespan:
             text.append(f" ... (+{grid.makespan - slots})", style="dim")
@@ -89,18 +120,22 @@ def to_svg(grid: ScheduleGrid, path: Union[str, Path, None] = None, unit: int = 
     width = left + grid.makespan * unit + 10
     legend_lines = _legend(grid).split("\n")
     height = top + grid.pp * row_height + 16 + 16 * len(legend_lines)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="10">',
-           f'<title>{escape(grid.schedule)} pipeline schedule</title>',
-           f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="10">',
+        f"<title>{escape(grid.schedule)} pipeline schedule</title>",
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
+    ]
     for t in range(0, grid.makespan + 1, 5):
         x = left + t * unit
         out.append(f'<text x="{x}" y="{top - 10}" fill="#666">{t}</text>')
     for r, row in enumerate(grid.rows):
         y = top + r * row_height
         out.append(f'<text x="4" y="{y + row_height // 2 + 4}" font-size="12">rank {r}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{grid.makespan * unit}" height="{row_height - 4}" '
-                   f'fill="#f3f3f3" stroke="#ddd"/>')
+        out.append(
+            f'<rect x="{left}" y="{y}" width="{grid.makespan * unit}" height="{row_height - 4}" '
+            f'fill="#f3f3f3" stroke="#ddd"/>'
+        )
         t = 0
         while t < len(row):
             c = row[t]
@@ -108,17 +143,26 @@ def to_svg(grid: ScheduleGrid, path: Union[str, Path, None] = None, unit: int = 
                 t += 1
                 continue
             span = 1
-            while t + span < len(row) and row[t + span] is not None and not row[t + span].start \
-                    and row[t + span].kind == c.kind and row[t + span].mb == c.mb:
+            while (
+                t + span < len(row)
+                and row[t + span] is not None
+                and not row[t + span].start
+                and row[t + span].kind == c.kind
+                and row[t + span].mb == c.mb
+            ):
                 span += 1
             color = _PALETTE[c.mb % len(_PALETTE)]
             opacity = {"F": 0.45, "B": 1.0, "I": 1.0, "W": 0.75}.get(c.kind, 1.0)
             x = left + t * unit
-            out.append(f'<rect x="{x + 1}" y="{y + 1}" width="{span * unit - 2}" height="{row_height - 6}" '
-                       f'fill="{color}" fill-opacity="{opacity}" stroke="#333" stroke-width="0.5">'
-                       f'<title>{escape(_describe(c))}</title></rect>')
-            out.append(f'<text x="{x + span * unit / 2:.1f}" y="{y + row_height // 2 + 2}" text-anchor="middle">'
-                       f'{escape(cell_label(c, grid.v))}</text>')
+            out.append(
+                f'<rect x="{x + 1}" y="{y + 1}" width="{span * unit - 2}" height="{row_height - 6}" '
+                f'fill="{color}" fill-opacity="{opacity}" stroke="#333" stroke-width="0.5">'
+                f"<title>{escape(_describe(c))}</title></rect>"
+            )
+            out.append(
+                f'<text x="{x + span * unit / 2:.1f}" y="{y + row_height // 2 + 2}" text-anchor="middle">'
+                f"{escape(cell_label(c, grid.v))}</text>"
+            )
             t += span
     y = top + grid.pp * row_height + 14
     for line in legend_lines:

@@ -42,7 +42,6 @@ Modules: `stage` (the chunk module), `tied_weights` (tied embedding/head sync an
 `runner` (one step with torch's schedules), `timing`, `torch_orders` (torch's action orders).
 """
 
-
 from partrain.parallel.pipeline.runner import PipelineRunner
 from partrain.parallel.pipeline.stage import PipelineStageModule, build_stage_module
 from partrain.parallel.pipeline.tied_weights import clip_grad_norm_, tied_weight_sync

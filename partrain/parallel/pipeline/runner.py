@@ -30,9 +30,11 @@ def _group_of(pp: Any) -> Optional[dist.ProcessGroup]:
 def _check_data_parallel(stage_modules: Sequence[nn.Module], schedule: str, dp_group: Any) -> None:
     ddp = [isinstance(m, nn.parallel.DistributedDataParallel) for m in stage_modules]
     if any(ddp) and schedule in ZERO_BUBBLE_SCHEDULES:
-        raise ValueError(f"{schedule} splits backward into input and weight passes, which torch 2.13 does not "
-                         "synchronise under DistributedDataParallel: pass the unwrapped stage modules and "
-                         "dp_group=<data-parallel group> (or shard them with FSDP)")
+        raise ValueError(
+            f"{schedule} splits backward into input and weight passes, which torch 2.13 does not "
+            "synchronise under DistributedDataParallel: pass the unwrapped stage modules and "
+            "dp_group=<data-parallel group> (or shard them with FSDP)"
+        )
     if dp_group is not None and any(ddp):
         raise ValueError("stage modules are DDP-wrapped and dp_group is set: gradients would be averaged twice")
 
@@ -73,11 +75,24 @@ class PipelineRunner:
     the mean microbatch loss: the single-process `(loss / m).backward()` accumulation.
     """
 
-    def __init__(self, stage_modules: Sequence[nn.Module], chunk_indices: Sequence[int], n_chunks: int, pp: Any,
-                 schedule: str, n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: Union[str, torch.device], microbatch_size: Optional[int] = None, seq_len: Optional[int] = None,
-                 static_shapes: bool = True, sync_tied: bool = True, measure: bool = True,
-                 activation_dtype: torch.dtype = torch.float32, dp_group: Any = None):
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        chunk_indices: Sequence[int],
+        n_chunks: int,
+        pp: Any,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: Union[str, torch.device],
+        microbatch_size: Optional[int] = None,
+        seq_len: Optional[int] = None,
+        static_shapes: bool = True,
+        sync_tied: bool = True,
+        measure: bool = True,
+        activation_dtype: torch.dtype = torch.float32,
+        dp_group: Any = None,
+    ):
         import torch.distributed.pipelining as pipelining
 
         if len(stage_modules) != len(chunk_indices):
@@ -112,11 +127,16 @@ class PipelineRunner:
         self.stages = [self._stage(module, chunk, shapes) for module, chunk in zip(self.modules, self.chunk_indices)]
         cls = getattr(pipelining, SCHEDULE_CLASS[schedule])
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
-        self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=n_microbatches,
-                            loss_fn=self._loss, scale_grads=True)
+        self.schedule = cls(
+            self.stages if multi else self.stages[0],
+            n_microbatches=n_microbatches,
+            loss_fn=self._loss,
+            scale_grads=True,
+        )
 
-    def _check_placement(self, schedule: str, n_chunks: int, n_microbatches: int,
-                         chunk_indices: Sequence[int]) -> List[List[int]]:
+    def _check_placement(
+        self, schedule: str, n_chunks: int, n_microbatches: int, chunk_indices: Sequence[int]
+    ) -> List[List[int]]:
         """The schedule's chunk placement, after checking this rank holds its chunks."""
         v = n_chunks // self.pp_size
         if v * self.pp_size != n_chunks:
@@ -126,8 +146,10 @@ class PipelineRunner:
             raise ValueError("; ".join(problems))
         placement = chunk_placement(self.pp_size, v, self.style)
         if sorted(chunk_indices) != sorted(placement[self.pp_rank]):
-            raise ValueError(f"{schedule} expects pp rank {self.pp_rank} to own chunks {placement[self.pp_rank]}, "
-                             f"got {list(chunk_indices)}")
+            raise ValueError(
+                f"{schedule} expects pp rank {self.pp_rank} to own chunks {placement[self.pp_rank]}, "
+                f"got {list(chunk_indices)}"
+            )
         return placement
 
     def _stage(self, module: nn.Module, chunk: int, shapes: Optional[Tuple[Optional[int], Optional[int], torch.dtype]]):
@@ -162,8 +184,11 @@ class PipelineRunner:
             self.timing.calls["loss"] = self.timing.calls.get("loss", 0) + 1
 
     def _instrument(self, stage) -> None:
-        for method, slot in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
-                             ("backward_weight_one_chunk", "weight")):
+        for method, slot in (
+            ("forward_one_chunk", "forward"),
+            ("backward_one_chunk", "backward"),
+            ("backward_weight_one_chunk", "weight"),
+        ):
             original = getattr(stage, method)
 
             def timed(*args, _orig=original, _slot=slot, **kwargs):
@@ -251,8 +276,9 @@ class PipelineRunner:
 
     def _check_batch(self, t: torch.Tensor) -> None:
         if t.dim() != 2 or t.shape[0] % self.n_microbatches:
-            raise ValueError(f"expected [B, S] with B a multiple of {self.n_microbatches} microbatches, got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"expected [B, S] with B a multiple of {self.n_microbatches} microbatches, got {tuple(t.shape)}"
+            )
 
     def broadcast_loss(self, value: Optional[float]) -> float:
         """The last chunk's loss on every pp rank (collective over the pp group)."""

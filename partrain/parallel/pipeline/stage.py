@@ -36,7 +36,7 @@ class PipelineStageModule(nn.Module):
 
         base_prefix = adapter.base_prefix
         base = full.get_submodule(base_prefix)
-        layer_attr = adapter.layer_prefix[len(base_prefix) + 1:]
+        layer_attr = adapter.layer_prefix[len(base_prefix) + 1 :]
         token_path = adapter.embedding_paths[0]
         keep_embed = set(adapter.embedding_paths) if self.is_first else set()
         if self.tied and self.is_last:
@@ -48,8 +48,9 @@ class PipelineStageModule(nn.Module):
             path = f"{base_prefix}.{name}"
             if name == layer_attr:
                 layers = full.get_submodule(adapter.layer_prefix)
-                container.add_module(name, nn.ModuleDict(
-                    {str(i): copy.deepcopy(layers[i], memo) for i in self.layer_ids}))
+                container.add_module(
+                    name, nn.ModuleDict({str(i): copy.deepcopy(layers[i], memo) for i in self.layer_ids})
+                )
             elif path in adapter.embedding_paths:
                 if path in keep_embed:
                     container.add_module(name, copy.deepcopy(child, memo))
@@ -80,8 +81,9 @@ class PipelineStageModule(nn.Module):
             return None
         return self.get_submodule(self.adapter.embedding_paths[0]).weight
 
-    def example_io(self, microbatch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def example_io(
+        self, microbatch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Meta tensors shaped like one microbatch's input and output (skips torch's shape inference)."""
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
         if self.is_first:
@@ -149,8 +151,9 @@ def _mask_kind(config: Any, layer_index: int) -> str:
     return "full_attention"
 
 
-def build_stage_module(model: nn.Module, adapter: Adapter, chunk_index: int, n_chunks: int,
-                       layer_range: range) -> PipelineStageModule:
+def build_stage_module(
+    model: nn.Module, adapter: Adapter, chunk_index: int, n_chunks: int, layer_range: range
+) -> PipelineStageModule:
     """The module of one chunk, cut from the full (meta) model; the full model is left unchanged.
 
     Holds decoder layers `layer_range` (a ModuleDict keyed by their original index), the embeddings
@@ -159,8 +162,6 @@ def build_stage_module(model: nn.Module, adapter: Adapter, chunk_index: int, n_c
     so two chunks on one rank never share a module.
     """
     return PipelineStageModule(model, adapter, chunk_index, n_chunks, layer_range)
-
-
 
 
 def unwrap_ddp(module: nn.Module) -> nn.Module:

@@ -17,8 +17,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def tied_weight_sync(stage_modules: Sequence[nn.Module], pp_group: Optional[dist.ProcessGroup],
-                     first_owner: int, last_owner: int) -> bool:
+def tied_weight_sync(
+    stage_modules: Sequence[nn.Module], pp_group: Optional[dist.ProcessGroup], first_owner: int, last_owner: int
+) -> bool:
     """Make both copies of the tied embedding/head weight hold grad(first) + grad(last).
 
     Call on every pp rank after the pipeline backward (after DDP/FSDP have reduced the gradients
@@ -50,8 +51,10 @@ def tied_weight_sync(stage_modules: Sequence[nn.Module], pp_group: Optional[dist
     grad = _local(mine.grad)
     peer = last_owner if first is not None else first_owner
     send, recv = grad.contiguous().clone(), torch.empty_like(grad, memory_format=torch.contiguous_format)
-    ops = [dist.P2POp(dist.isend, send, group=pp_group, group_peer=peer),
-           dist.P2POp(dist.irecv, recv, group=pp_group, group_peer=peer)]
+    ops = [
+        dist.P2POp(dist.isend, send, group=pp_group, group_peer=peer),
+        dist.P2POp(dist.irecv, recv, group=pp_group, group_peer=peer),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     grad.copy_(send + recv if first is not None else recv + send)  # always first + last
@@ -66,8 +69,9 @@ def all_reduce_grads(modules: Sequence[nn.Module], group: Optional[dist.ProcessG
 
 
 @torch.no_grad()
-def clip_grad_norm_(stage_modules: Sequence[nn.Module], max_norm: float,
-                    pp_group: Optional[dist.ProcessGroup] = None) -> float:
+def clip_grad_norm_(
+    stage_modules: Sequence[nn.Module], max_norm: float, pp_group: Optional[dist.ProcessGroup] = None
+) -> float:
     """Global gradient norm of the whole pipelined model; clips to max_norm when > 0.
 
     Each rank takes the norm of its stages' gradients (plain, and DTensor shards of FSDP/TP combined

@@ -34,6 +34,14 @@ class StepTiming:
         return self.idle / self.wall if self.wall > 0 else 0.0
 
     def to_json(self) -> dict:
-        return {"wall_s": self.wall, "busy_s": self.busy, "idle_s": self.idle, "forward_s": self.forward,
-                "backward_s": self.backward, "weight_s": self.weight, "loss_s": self.loss,
-                "bubble_fraction": self.bubble_fraction, "calls": dict(self.calls)}
+        return {
+            "wall_s": self.wall,
+            "busy_s": self.busy,
+            "idle_s": self.idle,
+            "forward_s": self.forward,
+            "backward_s": self.backward,
+            "weight_s": self.weight,
+            "loss_s": self.loss,
+            "bubble_fraction": self.bubble_fraction,
+            "calls": dict(self.calls),
+        }

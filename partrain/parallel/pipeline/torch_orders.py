@@ -15,7 +15,7 @@ def torch_rank_orders(schedule: str, pp: int, v: int, n_microbatches: int):
 
     from partrain.blueprint.schedule_sim import Action
 
-    name = SCHEDULE_CLASS[schedule][len("Schedule"):]
+    name = SCHEDULE_CLASS[schedule][len("Schedule") :]
     if schedule == "1f1b":  # torch's IR for single-stage 1F1B is not what it executes; use ours
         from partrain.blueprint.schedule_sim import rank_orders
 
@@ -27,7 +27,7 @@ def torch_rank_orders(schedule: str, pp: int, v: int, n_microbatches: int):
         for a in row:
             if a is None:
                 continue
-            for sub in (a.sub_actions or (a,)):
+            for sub in a.sub_actions or (a,):
                 kind = sub.computation_type.value
                 if kind in ("F", "B", "I", "W"):
                     actions.append(Action(kind, sub.microbatch_index, sub.stage_index))
