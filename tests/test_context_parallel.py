@@ -42,6 +42,7 @@ LAYOUTS = {
     "llama-ulysses-sp2": (LLAMA, 512, ["parallel.sp=2", "parallel.sp_mode=ulysses"], 2),
     "llama-ring-sp2-seq2048": (LLAMA, 2048, ["parallel.sp=2", "parallel.sp_mode=ring"], 2),
     "llama-ring-sp2-tp2": (LLAMA, 512, ["parallel.sp=2", "parallel.tp=2", "parallel.sp_mode=ring"], 4),
+    "llama-ring-sp4-seq2048": (LLAMA, 2048, ["parallel.sp=4", "parallel.sp_mode=ring"], 4),
     # Also saves the step-3 checkpoint that ring sp4 resumes from (test_checkpoint_resumes_under_ring_sp4).
     "llama-ulysses-sp2-dp2-fsdp": (
         LLAMA,
@@ -136,7 +137,7 @@ def test_layout_matches_single_process(name, references, layouts):
 def test_checkpoint_resumes_under_ring_sp4(references, layouts, tmp_path, data_cache):
     """Saved at step 3 under Ulysses sp2 x dp2 with FSDP, resumed under ring sp4 (DDP): steps 4-5 and the
     eval match the one-process run (sp holds no parameter shards, so the checkpoint does not depend on
-    it). This is also the ring sp4 parity case."""
+    it)."""
     saved = layouts("llama-ulysses-sp2-dp2-fsdp").run_dir / "checkpoints" / "step-00000003"
     resumed = train(
         _base(LLAMA, 512, data_cache)
