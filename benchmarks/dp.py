@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from _harness import RunResult, partrain_command, read_partrain_run, training_spec, worker_env  # noqa: E402
 from _machine_load import ForeignLoad, settle  # noqa: E402 - sibling module (scripts run from benchmarks/)
 
 from partrain.runtime.torchrun import torchrun_command
@@ -57,17 +58,6 @@ class Config:
     baseline: Optional[str] = None  # key of the config this one is compared with
     target: Optional[float] = None  # minimum tokens/s ratio vs baseline
     short: str = ""  # name in the ratio column
-
-
-@dataclass
-class RunResult:
-    step_times: List[float]
-    wall_s: float
-    ranks: List[dict]
-    losses: List[float]
-    note: str = ""
-    foreign_cores: float = float("nan")
-    """Average CPU cores used by processes other than this benchmark's while the run lasted."""
 
 
 def model_overrides(args) -> List[str]:
@@ -146,54 +136,23 @@ def make_spec(args, cache: Path) -> dict:
     kwargs = dict(run.model.config or {})
     attn = kwargs.pop("attn_implementation", ATTN_IMPLEMENTATION)
     kwargs.pop("experts_implementation", None)
-    o = run.optim
     return {
         "arch": run.model.arch,
         "config": kwargs,
         "attn_implementation": attn,
         "meta_path": str(packed.meta_path),
-        "seq_len": run.train.seq_len,
-        "global_batch_size": v.global_batch_size,
-        "micro_batch_size": run.train.micro_batch_size,
-        "steps": args.steps,
-        "seed": run.train.seed,
-        "lr": o.lr,
-        "min_lr_ratio": o.min_lr_ratio,
-        "warmup_steps": o.warmup_steps,
-        "weight_decay": o.weight_decay,
-        "beta1": o.beta1,
-        "beta2": o.beta2,
-        "eps": o.eps,
-        "grad_clip": o.grad_clip,
-        "tokens_per_step": v.tokens_per_step,
+        **training_spec(v),
     }
 
 
-def _env() -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("RANK", None)  # partrain would otherwise act as a worker of an outer launcher
-    return env
-
-
 def run_partrain(cfg: Config, args, cache: Path, run_dir: Path) -> RunResult:
-    cmd = [
-        sys.executable,
-        "-m",
-        "partrain.cli",
-        "train",
-        *common_overrides(args, cache),
-        *cfg.overrides,
-        f"train.run_dir={run_dir}",
-    ]
+    cmd = partrain_command([*common_overrides(args, cache), *cfg.overrides, f"train.run_dir={run_dir}"])
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=worker_env())
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step_time_s" in r]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return RunResult([r["step_time_s"] for r in steps], wall, summary["ranks"], [r["loss"] for r in steps])
+    return read_partrain_run(run_dir, wall)
 
 
 def run_baseline(cfg: Config, args, spec_path: Path, run_dir: Path) -> RunResult:
@@ -204,7 +163,7 @@ def run_baseline(cfg: Config, args, spec_path: Path, run_dir: Path) -> RunResult
     else:
         cmd = torchrun_command(cfg.procs, [BASELINE_SCRIPT, spec_path, out, cfg.kind])
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=run_dir)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=worker_env(), cwd=run_dir)
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

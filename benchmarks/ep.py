@@ -26,7 +26,7 @@ data fetch to after optimizer.step, no barrier (partrain: metrics.jsonl `step_ti
 --warmup steps of every run are dropped; the figure is the median over the timed steps of all runs,
 tokens/s = global batch x seq_len / median step time. Memory per rank: model state (params + grads +
 AdamW state of the local shards, after step 1) and peak RSS of each worker; the table shows the
-larger rank. Also printed, not a target: CPU ms per timed step per worker (tp.py's `run_watched`,
+larger rank. Also printed, not a target: CPU ms per timed step per worker (`_harness.run_watched`,
 from /proc): on a shared 2-core machine wall-clock step times of identical runs differ up to 2x with
 other processes' load, the workers' own CPU time far less. Exit code 0 when partrain ep=2 zero3
 reaches >= 1.00x HF tokens/s and <= 1.00x its model state, 3 when a target is missed, 1 when a run failed.
@@ -50,12 +50,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from _harness import (  # noqa: E402 - sibling module
+    RunResult,
+    partrain_command,
+    read_partrain_run,
+    run_watched,
+    training_spec,
+    worker_env,
+)
 from _machine_load import ForeignLoad, settle  # noqa: E402 - sibling module (scripts run from benchmarks/)
-from tp import run_watched  # noqa: E402 - tp.py's runner: workers' CPU time per step from /proc (2 processes there too)
 
 from partrain.runtime.torchrun import torchrun_command
 
@@ -72,18 +78,6 @@ SIDES = {  # key: (label, partrain overrides or None for HF)
 }
 COMPARE = {"pt-ep2-z3": "hf", "pt-ep2": "pt-ep1"}
 """Side -> the side it is compared with (ratios, targets only against HF)."""
-
-
-@dataclass
-class RunResult:
-    step_times: List[float]
-    wall_s: float
-    ranks: List[dict]
-    losses: List[float]
-    foreign_cores: float = float("nan")
-    cpu_ms: float = float("nan")
-    """CPU milliseconds per timed step per worker (tp.run_watched; not taken in the counted run)."""
-    extra: dict = field(default_factory=dict)
 
 
 def base_overrides(args, cache: Path) -> List[str]:
@@ -137,27 +131,13 @@ def make_spec(args, root: Path) -> dict:
         for key, (_, ov) in SIDES.items()
         if ov is not None
     }
-    o = run.optim
     return {
         "init_dir": str(init_dir),
         "attn_implementation": config._attn_implementation,
         "meta_path": str(packed.meta_path),
-        "seq_len": run.train.seq_len,
+        **training_spec(v),
         "ep": PROCS,
-        "global_batch_size": v.global_batch_size,
-        "micro_batch_size": run.train.micro_batch_size,
         "microbatches": v.microbatches,
-        "steps": args.steps,
-        "seed": run.train.seed,
-        "lr": o.lr,
-        "min_lr_ratio": o.min_lr_ratio,
-        "warmup_steps": o.warmup_steps,
-        "weight_decay": o.weight_decay,
-        "beta1": o.beta1,
-        "beta2": o.beta2,
-        "eps": o.eps,
-        "grad_clip": o.grad_clip,
-        "tokens_per_step": v.tokens_per_step,
         "n_params": n_params,
         "n_expert_params": n_expert,
         "vocab_size": config.vocab_size,
@@ -169,26 +149,13 @@ def make_spec(args, root: Path) -> dict:
     }
 
 
-def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        TOKENIZERS_PARALLELISM="false",
-        TRANSFORMERS_VERBOSITY="error",
-        HF_HUB_OFFLINE="1",
-    )
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-        env.pop(key, None)  # partrain would otherwise act as a worker of an outer launcher
-    env.update(extra or {})
-    return env
-
-
 def _run(cmd: List[str], run_dir: Path, args, env: Optional[Dict[str, str]] = None) -> float:
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(run_dir / "stdout.txt", "w") as out, open(run_dir / "stderr.txt", "w") as err:
-        proc = subprocess.run(cmd, stdout=out, stderr=err, text=True, env=_env(env), cwd=run_dir, timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, stdout=out, stderr=err, text=True, env=worker_env(env), cwd=run_dir, timeout=args.timeout
+        )
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)}\nexit {proc.returncode}\n{(run_dir / 'stdout.txt').read_text()[-3000:]}\n"
@@ -200,27 +167,12 @@ def _run(cmd: List[str], run_dir: Path, args, env: Optional[Dict[str, str]] = No
 def run_partrain(
     args, key: str, spec: dict, cache: Path, run_dir: Path, env: Optional[Dict[str, str]] = None
 ) -> RunResult:
-    cmd = [
-        sys.executable,
-        "-m",
-        "partrain.cli",
-        "train",
-        *base_overrides(args, cache),
-        *SIDES[key][1],
-        f"model.pretrained={spec['init_dir']}",
-        f"train.run_dir={run_dir}",
-    ]
-    cpu_ms = float("nan")
+    overrides = [*base_overrides(args, cache), *SIDES[key][1], f"model.pretrained={spec['init_dir']}"]
+    cmd = partrain_command([*overrides, f"train.run_dir={run_dir}"])
     if env:  # the counted run: plain subprocess with the counter on PYTHONPATH
-        wall = _run(cmd, run_dir, args, env)
-    else:
-        wall, cpu_ms = run_watched(cmd, run_dir, run_dir / "metrics.jsonl", "partrain.worker", args)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step_time_s" in r]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return RunResult(
-        [r["step_time_s"] for r in steps], wall, summary["ranks"], [r["loss"] for r in steps], cpu_ms=cpu_ms
-    )
+        return read_partrain_run(run_dir, _run(cmd, run_dir, args, env))
+    wall, cpu_ms = run_watched(cmd, run_dir, run_dir / "metrics.jsonl", "partrain.worker", args)
+    return read_partrain_run(run_dir, wall, cpu_ms)
 
 
 def run_hf(args, spec_path: Path, run_dir: Path) -> RunResult:
