@@ -18,6 +18,7 @@ STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
 GPT = ["recipe=gpt-dp", "parallel.zero_stage=0"]
 LLAMA = ["recipe=llama-fsdp-tp", "parallel.tp_sequence_parallel=false"]
+QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]
 
 LAYOUTS = {
     "gpt2-tp2": (GPT + ["parallel.dp=1", "parallel.tp=2", "cluster.devices_per_node=2"], 2),
@@ -39,6 +40,11 @@ LAYOUTS = {
     ),
     "llama-fsdp2-tp2": (LLAMA + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"], 2),
     "mixtral-tp2": (["recipe=mixtral-ep", "parallel.ep=1", "parallel.dp=1", "parallel.tp=2"], 2),
+    # Qwen3-MoE: per-head q_norm / k_norm stay whole after the column-parallel q/k (gradients summed over tp).
+    "qwen3-moe-tp2-sp": (
+        QWEN3 + ["parallel.ep=1", "parallel.dp=1", "parallel.tp=2", "parallel.tp_sequence_parallel=true"],
+        2,
+    ),
 }
 
 
@@ -51,9 +57,10 @@ def data_cache(tmp_path_factory):
 def references(tmp_path_factory, data_cache):
     cache = {}
 
-    def get(recipe: str):
+    def get(recipe):
+        """`recipe`: one override, or a tuple of them (a recipe with another model)."""
         if recipe not in cache:
-            base = [recipe] + COMMON + [f"data.cache_dir={data_cache}"]
+            base = list(recipe if isinstance(recipe, tuple) else [recipe]) + COMMON + [f"data.cache_dir={data_cache}"]
             cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
         return cache[recipe]
 
@@ -100,7 +107,7 @@ def _ideal_param_numel(model_cfg_overrides: dict, arch: str, tp: int, dp_shard: 
 def test_layout_matches_single_process(name, references, tmp_path, data_cache):
     overrides, tp = LAYOUTS[name]
     got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    ref = references(overrides[0])
+    ref = references(tuple(QWEN3) if name.startswith("qwen3") else overrides[0])
     print(name, check_parity(ref, got, rtol=1e-5))
 
     # Per-rank parameter bytes: replicated part + sharded part / tp (and / dp under FSDP).
