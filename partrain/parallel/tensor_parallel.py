@@ -161,7 +161,8 @@ def _style(name: str, key: str, sequence_parallel: bool, model_type: str):
         # head_dim]: its weight stays whole on every rank, and each rank's gradient covers only its
         # own heads, so the gradients must be summed over TP. SequenceParallel does exactly that
         # with the heads dimension as the "sequence" one (input marked Shard(2), weight Replicate:
-        # the weight's gradient comes out Partial and is all-reduced), then hands back local heads.
+        # the weight's gradient comes out Partial(sum), summed over TP where it is used - optimizer
+        # step, gradient norm - as for Megatron-SP's norms), then hands back local heads.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ConfigError(
         Problem(
