@@ -44,7 +44,7 @@ class Adapter:
     """Layout of one HF family. Every path is a dotted submodule path (see module docstring)."""
 
     family: str
-    """Short family name used in reports (gpt2, llama, mixtral, qwen2_moe)."""
+    """Short family name used in reports (gpt2, llama, mixtral, qwen2_moe, qwen3_moe)."""
     archs: Tuple[str, ...]
     """HF `model_type`s this adapter describes."""
     base_prefix: str

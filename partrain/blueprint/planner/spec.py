@@ -63,7 +63,7 @@ class ModelExtras:
     sparse_layers: Tuple[bool, ...] = ()
     """For each decoder layer, whether it holds experts (empty for dense models)."""
     norm_topk_prob: bool = True
-    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-MoE by default no)."""
+    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-/Qwen3-MoE by default no)."""
 
 
 def model_extras(arch: str, config: Dict[str, Any], pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
