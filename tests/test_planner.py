@@ -527,6 +527,15 @@ SHARD_CASES = [
         "train.global_batch_size=8",
         "train.micro_batch_size=2",
     ],
+    # Qwen3-MoE: q_norm / k_norm replicated over tp, experts split over ep
+    [
+        "model=qwen3-moe-tiny",
+        "cluster.devices_per_node=4",
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.ep=2",
+        "train.global_batch_size=8",
+    ],
     # hidden 132 over 8 ranks: uneven FSDP shards (torch.chunk leaves the last rank short)
     [
         "model=gpt2-tiny",
