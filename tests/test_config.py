@@ -135,6 +135,7 @@ VARIANTS = [  # derivations the shipped models do not exercise
     ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_hidden_layers": 3}),  # no GQA: kv = heads
     ("gpt2", {"n_embd": 64, "n_head": 4, "n_inner": 100, "n_layer": 2}),
     ("qwen2_moe", {"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3], "num_experts": 4}),
+    ("qwen3_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3], "head_dim": 48}),
     ("mistral", {"head_dim": 48, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1}),
 ]
 MODEL_CASES = [
@@ -152,10 +153,11 @@ def test_model_facts_agree_with_the_hf_config_object(arch, kwargs):
     ffn = {
         "gpt2": hf.n_inner if arch == "gpt2" and hf.n_inner else 4 * hidden,
         "qwen2_moe": getattr(hf, "moe_intermediate_size", None),
+        "qwen3_moe": getattr(hf, "moe_intermediate_size", None),
     }.get(arch) or hf.intermediate_size
     experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
     moe_layers = 0
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         moe_layers = sum(
             1
             for i in range(hf.num_hidden_layers)

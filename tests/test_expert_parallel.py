@@ -22,6 +22,7 @@ COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
 # they change the gradient norm by about 1%, so a wrongly scaled router-loss gradient cannot hide.
 MIXTRAL = ["recipe=mixtral-ep", "parallel.moe_aux_loss_coef=0.1", "parallel.moe_z_loss_coef=0.01"]
 QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert; HF's aux weight
+QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]  # 4 experts top-2, q/k norms, no shared expert
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
@@ -44,6 +45,7 @@ LAYOUTS = {
     "mixtral-ep2-fsdp-zero3": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=3"]),  # edp=2: FSDP over edp
     "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
+    "qwen3-moe-ep2": (QWEN3, []),
 }
 
 
@@ -263,8 +265,6 @@ def test_mesh_ep_and_edp_groups_are_the_layouts(tmp_path):
 
 
 def _tiny_moe(family: str, layers: int):
-    import dataclasses
-
     from transformers import (
         MixtralConfig,
         MixtralForCausalLM,
@@ -274,7 +274,7 @@ def _tiny_moe(family: str, layers: int):
         Qwen3MoeForCausalLM,
     )
 
-    from partrain.models.adapters import MIXTRAL, QWEN2_MOE
+    from partrain.models.adapters import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 
     kw = {
         "vocab_size": 64,
@@ -291,10 +291,7 @@ def _tiny_moe(family: str, layers: int):
         return Qwen2MoeForCausalLM(
             Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
         ), QWEN2_MOE
-    # Qwen3-MoE (no partrain model config yet): Qwen2-MoE's paths without the shared expert; the
-    # experts are found through transformers' base_model_ep_plan.
-    qwen3 = dataclasses.replace(QWEN2_MOE, family="qwen3_moe", archs=("qwen3_moe",), shared_expert_attr=None)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), qwen3
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), QWEN3_MOE
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])

@@ -63,6 +63,9 @@ TINY = {
         num_experts_per_tok=2,
         mlp_only_layers=[1],
     ),  # layer 1 has a dense MLP
+    "qwen3_moe": dict(
+        _LLAMA_LIKE, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=32, mlp_only_layers=[1]
+    ),  # q/k norms; head_dim 32 != hidden / heads; layer 1 dense
 }
 ARCHS = list(TINY)
 
@@ -205,7 +208,7 @@ def test_init_std_matches_initializer_range():
     assert gpt2.transformer.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe"])
 def test_rotary_buffers_match_hf(arch):
     model_cfg = tiny(arch, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     assert_same_tensors(built(model_cfg).named_buffers(), hf_reference(model_cfg).named_buffers())
@@ -281,12 +284,12 @@ def test_adapter_paths_resolve(arch):
     assert adapter.final_norm(model) is not None and adapter.lm_head(model) is not None
     assert (adapter.rotary(model) is None) == (arch == "gpt2")
     assert adapter.attention(layers[0]) is not None and adapter.mlp(layers[0]) is not None
-    assert adapter.is_moe == (arch in ("mixtral", "qwen2_moe"))
+    assert adapter.is_moe == (arch in ("mixtral", "qwen2_moe", "qwen3_moe"))
     if adapter.is_moe:
         experts = adapter.experts(layers[0])
         assert {n for n, _ in experts.named_parameters()} == set(adapter.expert_param_names)
         assert experts.gate_up_proj.shape[0] == 4 and adapter.router(layers[0]) is not None
-        assert (adapter.experts(layers[1]) is None) == (arch == "qwen2_moe")
+        assert (adapter.experts(layers[1]) is None) == (arch in ("qwen2_moe", "qwen3_moe"))
     else:
         assert adapter.experts(layers[0]) is None
     plan = adapter.hf_plan(model, "tp")

@@ -92,12 +92,21 @@ def test_param_tensors_match_the_meta_built_hf_model(path):
     assert param_count(facts, extras) == sum(p.numel() for p in model.parameters())
 
 
-def test_qwen2_moe_dense_layers_are_counted_from_the_hf_config():
+QWEN_MOE_VARIANTS = {
+    "qwen2-moe-tiny": {},
+    # Qwen3-MoE: head_dim apart from hidden / heads (q_norm / k_norm follow it), biases on q/k/v and o.
+    "qwen3-moe-tiny": {"head_dim": 32, "attention_bias": True},
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_MOE_VARIANTS))
+def test_qwen_moe_dense_layers_are_counted_from_the_hf_config(name):
     from partrain.models.build import build_meta_model
 
-    cfg = _model_cfg(str(ROOT / "conf" / "model" / "qwen2-moe-tiny.yaml"))
+    cfg = _model_cfg(str(ROOT / "conf" / "model" / f"{name}.yaml"))
+    extra = QWEN_MOE_VARIANTS[name]
     cfg = dataclasses.replace(
-        cfg, config={**cfg.config, "num_hidden_layers": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1}
+        cfg, config={**cfg.config, "num_hidden_layers": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1, **extra}
     )
     facts = model_facts(cfg.arch, cfg.config)
     extras = model_extras(cfg.arch, cfg.config, None, facts)
@@ -518,6 +527,15 @@ SHARD_CASES = [
         "train.global_batch_size=8",
         "train.micro_batch_size=2",
     ],
+    # Qwen3-MoE: q_norm / k_norm replicated over tp, experts split over ep
+    [
+        "model=qwen3-moe-tiny",
+        "cluster.devices_per_node=4",
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.ep=2",
+        "train.global_batch_size=8",
+    ],
     # hidden 132 over 8 ranks: uneven FSDP shards (torch.chunk leaves the last rank short)
     [
         "model=gpt2-tiny",
@@ -559,7 +577,7 @@ def test_model_state_bytes_per_rank_fp32(zero):
 
 ACTIVATION_CASES = [
     (m, p, r)
-    for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
+    for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny")
     for p in ("fp32", "bf16")
     for r in ("none", "full")
 ]

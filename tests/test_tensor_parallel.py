@@ -18,6 +18,7 @@ STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
 GPT = ["recipe=gpt-dp", "parallel.zero_stage=0"]
 LLAMA = ["recipe=llama-fsdp-tp", "parallel.tp_sequence_parallel=false"]
+QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]
 
 LAYOUTS = {
     "gpt2-tp2": (GPT + ["parallel.dp=1", "parallel.tp=2", "cluster.devices_per_node=2"], 2),
@@ -39,6 +40,11 @@ LAYOUTS = {
     ),
     "llama-fsdp2-tp2": (LLAMA + ["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3"], 2),
     "mixtral-tp2": (["recipe=mixtral-ep", "parallel.ep=1", "parallel.dp=1", "parallel.tp=2"], 2),
+    # Qwen3-MoE: per-head q_norm / k_norm stay whole after the column-parallel q/k (gradients summed over tp).
+    "qwen3-moe-tp2-sp": (
+        QWEN3 + ["parallel.ep=1", "parallel.dp=1", "parallel.tp=2", "parallel.tp_sequence_parallel=true"],
+        2,
+    ),
 }
 
 
@@ -51,9 +57,10 @@ def data_cache(tmp_path_factory):
 def references(tmp_path_factory, data_cache):
     cache = {}
 
-    def get(recipe: str):
+    def get(recipe):
+        """`recipe`: one override, or a tuple of them (a recipe with another model)."""
         if recipe not in cache:
-            base = [recipe] + COMMON + [f"data.cache_dir={data_cache}"]
+            base = list(recipe if isinstance(recipe, tuple) else [recipe]) + COMMON + [f"data.cache_dir={data_cache}"]
             cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
         return cache[recipe]
 
@@ -100,7 +107,7 @@ def _ideal_param_numel(model_cfg_overrides: dict, arch: str, tp: int, dp_shard: 
 def test_layout_matches_single_process(name, references, tmp_path, data_cache):
     overrides, tp = LAYOUTS[name]
     got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    ref = references(overrides[0])
+    ref = references(tuple(QWEN3) if name.startswith("qwen3") else overrides[0])
     print(name, check_parity(ref, got, rtol=1e-5))
 
     # Per-rank parameter bytes: replicated part + sharded part / tp (and / dp under FSDP).
@@ -148,6 +155,7 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
             eos_token_id=0,
         ),
     }
+    cfgs["qwen3_moe"] = dict(cfgs["llama"], moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     model_cfg = ModelConfig(arch=arch, config=cfgs[arch])
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 17), generator=gen)
@@ -168,7 +176,8 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
         p = model.get_parameter(n)
         assert isinstance(p, DTensor), n
         expected = distribute_tensor(reference.get_parameter(n).grad, mesh, p.placements, src_data_rank=None).to_local()
-        out[n] = float((p.grad.to_local() - expected).abs().max() / expected.abs().max())
+        grad = p.grad.redistribute(p.device_mesh, p.placements).to_local()  # a replicated norm's is Partial(sum)
+        out[n] = float((grad - expected).abs().max() / expected.abs().max())
     return out
 
 
@@ -177,6 +186,8 @@ def _grad_slices(rank: int, world: int, arch: str, names: list) -> dict:
     [
         ("gpt2", ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.wte.weight"]),
         ("llama", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]),
+        # the replicated per-head norms: each rank's gradient is the whole one (summed over tp)
+        ("qwen3_moe", ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"]),
     ],
 )
 def test_sharded_gradient_equals_slice_of_reference(arch, names, tmp_path):

@@ -19,7 +19,10 @@ from typing import Any, Dict, Mapping, Optional
 from partrain.errors import ConfigError, Problem
 
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
-SUPPORTED_ARCHS = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+SUPPORTED_ARCHS = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+UNDECLARED_FIELDS: Dict[str, Dict[str, Any]] = {"qwen3_moe": {"head_dim": None}}
+"""Keys the HF modeling code reads (getattr with a default) that the config class does not declare:
+Qwen3-MoE's attention takes head_dim from the config when set (Qwen3-30B-A3B: 128, not hidden / heads)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def merged_kwargs(
     if arch not in SUPPORTED_ARCHS or arch not in snapshot:
         raise ConfigError(_problem_unknown_arch(arch))
     entry = snapshot[arch]
-    fields, aliases = entry["defaults"], entry["attribute_map"]
+    fields, aliases = {**UNDECLARED_FIELDS.get(arch, {}), **entry["defaults"]}, entry["attribute_map"]
     values = dict(fields)
     layers = []
     if pretrained:
@@ -122,7 +125,9 @@ def merged_kwargs(
     layers.append((dict(config), "model.config"))
     for source, key_prefix in layers:
         for key, value in source.items():
-            name = aliases.get(key, key)
+            # An alias whose target is no field (Qwen3-MoE maps num_experts to num_local_experts but
+            # declares num_experts) names the field itself.
+            name = aliases.get(key, key) if aliases.get(key, key) in fields else key
             if name not in fields:
                 if key_prefix is None:
                     continue
@@ -209,7 +214,8 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
             experts_per_token=_int(values, "num_experts_per_tok", arch),
             moe_layers=n_layers,
         )
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # Qwen3-MoE: Qwen2-MoE's routed experts and sparse-layer rule, without the shared expert.
         step = _opt_int(values, "decoder_sparse_step", arch) or 1
         dense_only = values.get("mlp_only_layers") or []
         if not isinstance(dense_only, list) or not all(
@@ -226,7 +232,9 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
             ffn=_int(values, "moe_intermediate_size", arch),
             n_experts=_int(values, "num_experts", arch),
             experts_per_token=_int(values, "num_experts_per_tok", arch),
-            shared_expert_ffn=_opt_int(values, "shared_expert_intermediate_size", arch) or 0,
+            shared_expert_ffn=(_opt_int(values, "shared_expert_intermediate_size", arch) or 0)
+            if arch == "qwen2_moe"
+            else 0,
             moe_layers=moe_layers,
         )
     return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch))

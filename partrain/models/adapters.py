@@ -44,7 +44,7 @@ class Adapter:
     """Layout of one HF family. Every path is a dotted submodule path (see module docstring)."""
 
     family: str
-    """Short family name used in reports (gpt2, llama, mixtral, qwen2_moe)."""
+    """Short family name used in reports (gpt2, llama, mixtral, qwen2_moe, qwen3_moe)."""
     archs: Tuple[str, ...]
     """HF `model_type`s this adapter describes."""
     base_prefix: str
@@ -194,7 +194,20 @@ QWEN2_MOE = Adapter(
     legacy_experts=LegacyExperts("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
 )
 
-ADAPTERS: Dict[str, Adapter] = {arch: a for a in (GPT2, LLAMA, MIXTRAL, QWEN2_MOE) for arch in a.archs}
+# Qwen3-MoE: Qwen2-MoE without the shared expert; q_norm / k_norm inside attention (per head, so
+# tensor parallelism keeps them replicated and sums their gradients: see parallel/tensor_parallel.py).
+QWEN3_MOE = Adapter(
+    family="qwen3_moe",
+    archs=("qwen3_moe",),
+    **_LLAMA_LIKE,
+    is_moe=True,
+    experts_attr="mlp.experts",
+    expert_param_names=("gate_up_proj", "down_proj"),
+    router_attr="mlp.gate",
+    legacy_experts=LegacyExperts("mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
+)
+
+ADAPTERS: Dict[str, Adapter] = {arch: a for a in (GPT2, LLAMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE) for arch in a.archs}
 """model_type -> adapter, for every supported architecture."""
 
 

@@ -8,7 +8,8 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
   `base_model_tp_plan` (colwise q/k/v, gate/up; rowwise o, down) is translated into torch's
   parallel styles, so an HF architecture that ships a plan needs no new code here. Routed experts
   are replicated over the TP group (their MoE plan entries are skipped; expert parallelism shards
-  them instead).
+  them instead). Qwen3-MoE's per-head q_norm / k_norm ("replicated_with_grad_allreduce") stay
+  whole on every rank and their gradients are summed over TP.
 - GPT-2 (HF has no plan): attention is one fused Conv1D `c_attn` (weight stored [in, out]) holding
   Q, K and V side by side. A plain column split would hand rank 0 all of Q and half of K; instead
   its columns use `_StridedShard(1, split_factor=3)`, so each rank holds the columns of its own
@@ -50,6 +51,8 @@ LAYER_WILDCARD = ".*."
 MOE_STYLES = ("packed_colwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts")
 BLOCK_OUTPUTS = ("o_proj", "down_proj")
 """Row-parallel projections that end an attention or MLP block (their output is the residual)."""
+HEAD_NORMS = ("q_norm", "k_norm")
+"""Per-head norms inside attention (Qwen3-MoE), after the column-parallel q/k projections."""
 
 
 # -- Megatron's f and g for hand-written (Conv1D) layers --------------------------------------------
@@ -153,6 +156,14 @@ def _style(name: str, key: str, sequence_parallel: bool, model_type: str):
         if sequence_parallel and leaf in BLOCK_OUTPUTS:
             return RowwiseParallel(output_layouts=Shard(1))
         return RowwiseParallel()
+    if name == "replicated_with_grad_allreduce" and leaf in HEAD_NORMS:
+        # A per-head norm after a column-parallel q/k projection sees [batch, seq, local heads,
+        # head_dim]: its weight stays whole on every rank, and each rank's gradient covers only its
+        # own heads, so the gradients must be summed over TP. SequenceParallel does exactly that
+        # with the heads dimension as the "sequence" one (input marked Shard(2), weight Replicate:
+        # the weight's gradient comes out Partial(sum), summed over TP where it is used - optimizer
+        # step, gradient norm - as for Megatron-SP's norms), then hands back local heads.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ConfigError(
         Problem(
             "parallel.tp",

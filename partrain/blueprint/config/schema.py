@@ -26,7 +26,8 @@ BACKENDS = ("gloo", "nccl")
 @dataclass
 class ModelConfig:
     arch: str = "gpt2"
-    """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, mistral, mixtral, qwen2_moe."""
+    """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, mistral, mixtral, qwen2_moe,
+    qwen3_moe."""
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
     pretrained: Optional[str] = None

@@ -237,6 +237,9 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * 2 * h * c
         k_saved = sp_attn["kv_width"] if sp_attn else (q if eager else kv)  # eager repeats the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
+        if f.arch == "qwen3_moe":
+            # q_norm / k_norm (per head): the fp32 input, the normalised input in compute dtype, rsqrt.
+            sharded += tokens * ((q + kv) * (4 + c) + (f.heads + f.kv_heads) * 4)
         if sp_attn:
             sharded += tokens * q * c * sp_attn["extra_outputs"]
     scores = 0.0
@@ -252,7 +255,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             router = e * 4 + k * 8 + (4 + k * 4 if x.norm_topk_prob else 0)  # fp32 softmax, top-k ids, renormalisation
             # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
             # the routing-weighted output in fp32; the weight; two int64 indices.
-            per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch == "qwen2_moe" else 4) + 16
+            per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch in ("qwen2_moe", "qwen3_moe") else 4) + 16
             # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
             replicated = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
             if f.arch == "qwen2_moe" and f.shared_expert_ffn:

@@ -1,8 +1,8 @@
 """Every parameter tensor of the HF models partrain trains, from the model facts alone.
 
 `param_tensors(facts)` lists (name, shape) exactly as `model.named_parameters()` of the HF
-`*ForCausalLM` does (names, shapes; tied weights once), for gpt2, llama, qwen2, mistral, mixtral and
-qwen2_moe; a test checks it against meta-built models. `tensor_specs` adds where each tensor lives
+`*ForCausalLM` does (names, shapes; tied weights once), for gpt2, llama, qwen2, mistral, mixtral,
+qwen2_moe and qwen3_moe; a test checks it against meta-built models. `tensor_specs` adds where each tensor lives
 (embeddings, a decoder layer, final norm, head) and how partrain shards it:
 
 - tensor parallel (partrain/parallel/tensor_parallel.py): Llama family: q/k/v/gate/up weights and
@@ -10,7 +10,8 @@ qwen2_moe; a test checks it against meta-built models. `tensor_specs` adds where
   biases replicated), token embedding and lm_head vocabulary-parallel (dim 0). GPT-2 (Conv1D
   weights stored [in, out]): c_attn weight dim 1 + bias, attn.c_proj weight dim 0, mlp.c_fc weight
   dim 1 + bias, mlp.c_proj weight dim 0, wte dim 0 (tied with lm_head); c_proj biases, norms and
-  wpe replicated. Routed experts, routers and Qwen2-MoE shared experts stay replicated over TP.
+  wpe replicated. Routed experts, routers and Qwen2-MoE shared experts stay replicated over TP, and so
+  do Qwen3-MoE's per-head q_norm / k_norm (their gradients summed over TP).
 - expert parallel: stacked expert tensors ([E, ...]) are split on dim 0 over ep.
 """
 
@@ -94,14 +95,17 @@ def _llama_layer(f: ModelFacts, x: ModelExtras, i: int) -> List[TensorSpec]:
     out.append(L("self_attn.o_proj.weight", (h, q), 1))
     if x.out_bias:
         out.append(L("self_attn.o_proj.bias", (h,)))
+    if f.arch == "qwen3_moe":  # per-head RMSNorm of q and k: replicated over TP (HF: replicated_with_grad_allreduce)
+        out += [L("self_attn.q_norm.weight", (f.head_dim,)), L("self_attn.k_norm.weight", (f.head_dim,))]
     sparse = f.is_moe and (x.sparse_layers[i] if x.sparse_layers else True)
     if sparse:
         e, ffn = f.n_experts, f.ffn
-        out += [
-            L("mlp.gate.weight", (e, h)),
+        router = [L("mlp.gate.weight", (e, h))]
+        experts = [
             L("mlp.experts.gate_up_proj", (e, 2 * ffn, h), None, True),
             L("mlp.experts.down_proj", (e, h, ffn), None, True),
         ]
+        out += experts + router if f.arch == "qwen3_moe" else router + experts  # HF's registration order
         if f.arch == "qwen2_moe":
             s = f.shared_expert_ffn
             out += [

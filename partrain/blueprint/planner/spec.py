@@ -4,7 +4,7 @@
 validator) and validates only the ones it reports. Pure Python: nothing here imports torch.
 
 What `ModelFacts` does not say but the planner needs (activation function, dropout, attention
-kernel, biases, which layers of a Qwen2-MoE hold experts) is read from the same merged HF config
+kernel, biases, which layers of a Qwen2-/Qwen3-MoE hold experts) is read from the same merged HF config
 kwargs the facts come from (`ModelExtras`).
 """
 
@@ -63,7 +63,7 @@ class ModelExtras:
     sparse_layers: Tuple[bool, ...] = ()
     """For each decoder layer, whether it holds experts (empty for dense models)."""
     norm_topk_prob: bool = True
-    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-MoE by default no)."""
+    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-/Qwen3-MoE by default no)."""
 
 
 def model_extras(arch: str, config: Dict[str, Any], pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
@@ -92,7 +92,7 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
     dense_ffn = 0
     if arch == "mixtral":
         sparse = (True,) * facts.n_layers
-    elif arch == "qwen2_moe":
+    elif arch in ("qwen2_moe", "qwen3_moe"):
         step = int(values.get("decoder_sparse_step") or 1)
         dense_only = set(values.get("mlp_only_layers") or [])
         sparse = tuple(
@@ -103,11 +103,11 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
         activation=str(values.get("hidden_act") or "silu"),
         attn_dropout=float(values.get("attention_dropout") or 0) > 0,
         attn_impl=impl,
-        out_bias=bool(values.get("attention_bias")) if arch == "llama" else False,
+        out_bias=bool(values.get("attention_bias")) if arch in ("llama", "qwen3_moe") else False,
         mlp_bias=bool(values.get("mlp_bias")) if arch == "llama" else False,
         dense_ffn=dense_ffn,
         sparse_layers=sparse,
-        norm_topk_prob=bool(values.get("norm_topk_prob", True)) if arch == "qwen2_moe" else True,
+        norm_topk_prob=bool(values.get("norm_topk_prob", True)) if arch in ("qwen2_moe", "qwen3_moe") else True,
     )
 
 
@@ -116,7 +116,7 @@ def default_extras(facts: ModelFacts) -> ModelExtras:
     if facts.arch == "gpt2":
         return ModelExtras(activation="gelu_new", out_bias=True, mlp_bias=True)
     sparse = (True,) * facts.n_layers if facts.is_moe else ()
-    return ModelExtras(sparse_layers=sparse, norm_topk_prob=facts.arch != "qwen2_moe")
+    return ModelExtras(sparse_layers=sparse, norm_topk_prob=facts.arch not in ("qwen2_moe", "qwen3_moe"))
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,10 @@ def _mask_kind(config: Any, layer_index: int) -> str:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return layer_types[layer_index]
-    if getattr(config, "model_type", "") in ("mistral", "mixtral") and getattr(config, "sliding_window", None):
+    # Qwen3-MoE: HF keeps sliding_window only under use_sliding_window, and then masks every layer.
+    if getattr(config, "model_type", "") in ("mistral", "mixtral", "qwen3_moe") and getattr(
+        config, "sliding_window", None
+    ):
         return "sliding_attention"
     return "full_attention"
 
