@@ -46,6 +46,9 @@ LAYOUTS = {
     "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
     "qwen3-moe-ep2": (QWEN3, []),
+    # Context parallel: the router losses gather their statistics over the sp ranks' shards, so they
+    # are the whole sequence's (each sp rank holds half of every sequence; ep carved out of sp).
+    "mixtral-ep2-sp2-ulysses": (MIXTRAL, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
 }
 
 

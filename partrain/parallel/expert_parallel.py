@@ -75,6 +75,10 @@ class MoERuntime:
     dropped_total: Optional[torch.Tensor] = None
     moe_layer_index: Dict[int, int] = field(default_factory=dict)
     """Decoder-layer index -> position among the model's MoE layers."""
+    sp_group: Optional[object] = None
+    """Context parallelism (sp > 1): the sp ProcessGroup, over which the router losses gather their
+    per-expert statistics so they are those of the whole sequence, as with sp = 1."""
+    sp_size: int = 1
 
     def local_expert_bytes(self) -> int:
         """Bytes of the expert parameters this rank holds (its local shards)."""
@@ -336,14 +340,31 @@ class RoutedExperts(nn.Module):
             logits = logits.full_tensor()
         logits = logits.float()
         probs = torch.softmax(logits, dim=-1)
-        aux = s.num_experts * torch.sum(counts.to(probs.dtype) / tokens * probs.mean(0))
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        prob_sum = probs.sum(0)
+        z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
+        counts, prob_all, z_all, total = self._whole_sequence(counts.to(probs.dtype), prob_sum, z_sum, tokens)
+        # Differentiable through this rank's tokens only, times sp: averaged over the sp ranks (as
+        # every gradient is), the gradient is that of the whole sequence's loss.
+        size = self.runtime.sp_size
+        aux = s.num_experts * torch.sum(counts / total * prob_sum / total) * size
+        z = z_sum / total * size
         if counting:
-            self._stats[-3] += float(aux.detach())
-            self._stats[-2] += float(z.detach())
+            self._stats[-3] += float(s.num_experts * torch.sum(counts / total * prob_all / total))
+            self._stats[-2] += float(z_all / total)
         if not (s.aux_coef or s.z_coef):
             return None
         return (s.aux_coef * aux + s.z_coef * z) / s.num_moe_layers
+
+    def _whole_sequence(self, counts: torch.Tensor, prob_sum: torch.Tensor, z_sum: torch.Tensor, tokens: int):
+        """(routed counts, router-probability sums, z sum, tokens) of the whole sequence: this rank's
+        own with sp = 1, summed over the sp ranks' shards otherwise (statistics only, no gradient)."""
+        if self.runtime.sp_group is None:
+            return counts, prob_sum.detach(), z_sum.detach(), float(tokens)
+        E = counts.shape[0]
+        n = torch.tensor([float(tokens)], dtype=counts.dtype, device=counts.device)
+        stats = torch.cat([counts, prob_sum.detach(), z_sum.detach().view(1), n])
+        dist.all_reduce(stats, group=self.runtime.sp_group)
+        return stats[:E], stats[E : 2 * E], stats[2 * E], stats[2 * E + 1]
 
 
 def _keep_router_logits(experts: RoutedExperts):

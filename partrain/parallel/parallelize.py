@@ -60,6 +60,8 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     model = build_meta_model(v.run.model)
     adapter = get_adapter(model)
     moe = expert_parallel.new_runtime(model, adapter, v.run.parallel)
+    if moe is not None and mesh.size("sp") > 1:
+        moe.sp_group, moe.sp_size = mesh["sp"].get_group(), mesh.size("sp")
     if mesh.size("pp") == 1:
         _shard(model, v, mesh, adapter, moe)
         return RankModules(model, adapter, [model], moe=moe)
