@@ -5,7 +5,7 @@ pipeline schedule. The trainer talks to either through the same small interface.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, List, Optional, Protocol
+from typing import Any, Callable, ContextManager, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ class Engine(Protocol):
     """What the trainer needs from one optimizer step's forward and backward, however it runs."""
 
     optimizer: torch.optim.Optimizer
+    moe: Optional[Any]
+    """MoE models: the routed-experts runtime (`expert_parallel.MoERuntime`: router losses, load
+    metrics); None otherwise."""
 
     @property
     def model_parts(self) -> List[nn.Module]:

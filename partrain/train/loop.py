@@ -195,7 +195,7 @@ class Trainer:
             }
             if result.loss_scale is not None:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
-            if getattr(self.engine, "moe", None) is not None:
+            if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             self.metrics.write(record)
             self.on_step_end(result.step)
