@@ -109,7 +109,12 @@ def _print_layout(
     if schedule_svg is not None and drawable:
         from partrain.blueprint.report.schedule import to_svg
 
-        to_svg(schedule_grid_of(validated), schedule_svg)
+        try:
+            to_svg(schedule_grid_of(validated), schedule_svg)
+        except OSError as exc:
+            from partrain.blueprint.problems import os_error_problem
+
+            _fail(ConfigError(os_error_problem("--schedule-svg", schedule_svg, exc, "write the picture")), as_json)
         report["pipeline"]["svg"] = str(schedule_svg)
     if as_json:
         print(json.dumps(report, default=str))
@@ -375,11 +380,19 @@ def checkpoint_export_cmd(
 ) -> None:
     """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
     from partrain.checkpoint import export_hf
+    from partrain.preflight import folder_problems
 
     try:
+        if folder_problems("--hf", hf):
+            raise ConfigError(folder_problems("--hf", hf))
         out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
     except ConfigError as err:
         _fail(err, as_json)
+    except OSError as exc:  # the disk filling up while writing: one line, no traceback
+        from partrain.blueprint.problems import os_error_words
+
+        Console(stderr=True, highlight=False).print(f"export failed: {os_error_words(exc)}", markup=False)
+        raise typer.Exit(1)
     if as_json:
         print(json.dumps({"exported": str(out)}))
     else:

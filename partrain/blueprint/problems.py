@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import List
 
 from partrain.errors import Problem
@@ -18,3 +19,28 @@ class ProblemCollector:
         if not ok:
             self.add(key, value, rule, fix)
         return ok
+
+
+_OS_ERROR_WORDS = {
+    errno.EACCES: ("permission denied", "choose a path you can write to, or fix its permissions"),
+    errno.EPERM: ("operation not permitted", "choose a path you can write to, or fix its permissions"),
+    errno.EROFS: ("read-only file system", "choose a path on a writable file system"),
+    errno.ENOSPC: ("no space left on device", "free some space there, or choose a path on another disk"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space there, or choose a path on another disk"),
+    errno.ENOTDIR: ("a part of the path is a file, not a folder", "choose a path whose parents are folders"),
+    errno.EISDIR: ("is a folder, a file is expected", "name a file, not a folder"),
+    errno.ENOENT: ("no such file or folder", "create the folder first, or choose an existing one"),
+}
+
+
+def os_error_words(exc: OSError) -> str:
+    """The failure in plain words, with the path when the error names one (no errno numbers)."""
+    words = _OS_ERROR_WORDS.get(exc.errno, (exc.strerror or str(exc), ""))[0]
+    return f"{words}: {exc.filename}" if exc.filename else words
+
+
+def os_error_problem(key: str, value, exc: OSError, doing: str, fix: str = "") -> Problem:
+    """A Problem for an OSError met while `doing` something with the path `value` (EACCES, EROFS and
+    ENOSPC are named as such)."""
+    default_fix = _OS_ERROR_WORDS.get(exc.errno, ("", f"set {key} to a writable path"))[1]
+    return Problem(key, str(value), f"cannot {doing}: {os_error_words(exc)}", fix or default_fix)
