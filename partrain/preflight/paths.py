@@ -33,8 +33,7 @@ def _probe_write(key: str, value: PathLike, folder: Path) -> List[Problem]:
     try:
         fd, name = tempfile.mkstemp(dir=folder, prefix=".partrain-write-test-", suffix=".tmp")
     except OSError as exc:
-        if exc.filename is None:
-            exc.filename = str(folder)
+        exc.filename = None  # the temporary name means nothing to the user; the folder is named
         return [os_error_problem(key, value, exc, f"write in {folder}")]
     os.close(fd)
     os.unlink(name)
@@ -48,6 +47,11 @@ def folder_problems(key: str, value: PathLike) -> List[Problem]:
         return [
             Problem(key, str(value), "is a file; a folder is expected here", "choose a folder path, or move the file")
         ]
+    return _creatable(key, value, path)
+
+
+def _creatable(key: str, value: PathLike, path: Path) -> List[Problem]:
+    """Problems that stop the folder `path` (for `value`) from being created, or written in."""
     base = nearest_existing(path)
     if not base.is_dir():
         return [
@@ -71,4 +75,4 @@ def file_problems(key: str, value: PathLike) -> List[Problem]:
             os.close(os.open(path, os.O_WRONLY))
         except OSError as exc:
             return [os_error_problem(key, value, exc, "write the file")]
-    return folder_problems(key, path.parent)
+    return _creatable(key, value, path.parent)

@@ -138,11 +138,12 @@ def weight_problems(model_cfg: ModelConfig) -> List[Problem]:
                     )
                 ]
             if found[1] != shape:
+                stored_as = f" (stored as {found[0]})" if found[0] != fqn else ""
                 return [
                     Problem(
                         _KEY,
                         model_cfg.pretrained,
-                        f"{found[0]} has shape {found[1]} there, the model expects {shape} for {fqn}",
+                        f"{fqn} has shape {found[1]} in the weight files{stored_as}, the model expects {shape}",
                         "do not override size keys in model.config when loading a pretrained folder",
                     )
                 ]
