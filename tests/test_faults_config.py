@@ -289,6 +289,31 @@ def test_pretrained_shapes_must_match_the_model(pretrained):
     )
 
 
+def test_sharded_and_per_expert_weights(tmp_path):
+    """An index of shards with one shard lost; experts stored one Linear per expert with another width."""
+    import yaml
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from partrain.blueprint.config.paths import conf_dir
+    from partrain.preflight import weight_problems
+
+    def saved(name: str, **changes):
+        spec = yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text())
+        folder = tmp_path / name
+        model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["arch"]](**{**spec["config"], **changes}))
+        model.save_pretrained(folder, max_shard_size="100KB")
+        return validate(compose([f"model={name}", f"model.pretrained={folder}"])).run.model, folder
+
+    llama, folder = saved("llama-tiny")
+    assert weight_problems(llama) == []
+    lost = sorted(folder.glob("model-*.safetensors"))[1]
+    lost.unlink()
+    assert [p.rule for p in weight_problems(llama)] == [f"{lost} is missing"]
+    moe, _ = saved("qwen3-moe-tiny", moe_intermediate_size=128)
+    (problem,) = weight_problems(moe)
+    assert "experts.gate_up_proj has shape (4, 256, 64) in the weight files" in problem.rule
+
+
 # ---- resume -------------------------------------------------------------------------------------
 
 
