@@ -401,3 +401,15 @@ def test_parquet_fix_names_pyarrow(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         list(read_documents(tmp_path / "x.parquet", "text"))
     assert err.value.problems[0].fix == "pip install pyarrow"
+
+
+def test_user_started_torchrun_rank0_checks_before_preparing(tmp_path):
+    """Under torchrun or srun started by the user, rank 0 runs the same checks before the run folder."""
+    from partrain.launch import launch
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    v = validate(compose([*TINY, f"train.run_dir={blocker / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]))
+    with pytest.raises(ConfigError) as err:
+        launch(v, console=None, environ={"RANK": "0", "WORLD_SIZE": "1"})
+    assert [p.key for p in err.value.problems] == ["train.run_dir"]
