@@ -317,16 +317,20 @@ def test_sharded_and_per_expert_weights(tmp_path):
 # ---- resume -------------------------------------------------------------------------------------
 
 
-def test_resume_problems_exit_2_before_anything_starts(partrain, checkpoint):
+def test_resume_problems_exit_2_before_anything_starts(partrain, checkpoint, tmp_path):
     root, step = checkpoint
     partial = root / "step-00000004.partial"
     shutil.copytree(step, partial)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(step, damaged / step.name)
+    (damaged / step.name / "partrain.json").write_text("{")
     try:
         cases = [
             ([f"checkpoint.resume={partial}"], ["unfinished save", f"checkpoint.resume={step}"]),
             ([f"checkpoint.resume={root}"], ["a folder of checkpoints (1 complete)"]),
             ([f"checkpoint.resume={step}", "model.config.n_layer=3"], ["model.config.n_layer=3", "n_layer=4"]),
             (["checkpoint.resume=auto", f"checkpoint.dir={root}", "model.config.n_layer=2"], ["n_layer=4"]),
+            (["checkpoint.resume=auto", f"checkpoint.dir={damaged}"], ["partrain.json", "cannot be parsed"]),
         ]
         for overrides, words in cases:
             refused(partrain("train", *TINY, "train.run_dir=run", *overrides), *words)

@@ -14,7 +14,7 @@ folder was made. Every problem found is collected into one ConfigError:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
@@ -50,7 +50,7 @@ def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
     """checkpoint.resume: a complete checkpoint (not a .partial, not a folder of them) of this model.
 
     resume=auto looks at the newest checkpoint whose partrain.json reads, as the load's fallback
-    does (a damaged one is skipped there, so it is not an error here)."""
+    does (a damaged one is skipped there, so it is not an error here unless all are damaged)."""
     from partrain.checkpoint import CorruptCheckpoint, complete_checkpoints, find_resume, run_meta
     from partrain.checkpoint.folders import RECORD_FILE
     from partrain.checkpoint.record import check_model, read_record
@@ -63,20 +63,20 @@ def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
             candidates = [p for _, p in reversed(complete_checkpoints(root))] if root is not None else []
         else:
             candidates = [find_resume(root or Path("."), spec)]
-        expect: Optional[Dict[str, Any]] = None
+        damaged: List[Problem] = []
         for path in candidates:
             try:
                 record = read_record(path)
-            except CorruptCheckpoint:
-                if spec == "auto":
-                    continue  # the load falls back past it, with a warning
-                raise
-            expect = expect or run_meta(v)
-            check_model(record, expect, path / RECORD_FILE)
-            break
+            except CorruptCheckpoint as err:
+                if spec != "auto":
+                    raise
+                damaged += err.problems  # the load falls back past it, with a warning
+                continue
+            check_model(record, run_meta(v), path / RECORD_FILE)
+            return []
+        return damaged  # every checkpoint damaged: the load would stop too (nothing to resume is not silent)
     except ConfigError as err:
         return list(err.problems)
-    return []
 
 
 def data_problems(v: ValidatedRun) -> List[Problem]:
