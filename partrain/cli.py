@@ -383,15 +383,17 @@ def checkpoint_export_cmd(
     from partrain.preflight import folder_problems
 
     try:
-        if folder_problems("--hf", hf):
-            raise ConfigError(folder_problems("--hf", hf))
+        if problems := folder_problems("--hf", hf):
+            raise ConfigError(problems)
         out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
     except ConfigError as err:
         _fail(err, as_json)
-    except OSError as exc:  # the disk filling up while writing: one line, no traceback
-        from partrain.blueprint.problems import os_error_words
+    except Exception as exc:  # the disk filling up while writing (safetensors wraps it): one line, no traceback
+        from partrain.blueprint.problems import storage_error_words
 
-        Console(stderr=True, highlight=False).print(f"export failed: {os_error_words(exc)}", markup=False)
+        if storage_error_words(exc) is None:
+            raise
+        Console(stderr=True, highlight=False).print(f"export to {hf} failed: {storage_error_words(exc)}", markup=False)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps({"exported": str(out)}))

@@ -356,6 +356,21 @@ def test_export_to_a_bad_path_exits_2(read_only, partrain, checkpoint):
     refused(partrain("checkpoint", "export", str(step), "--hf", str(folder / "out")), words)
 
 
+def test_export_onto_a_full_disk_is_one_line(full_disk, partrain, checkpoint, monkeypatch):
+    _, step = checkpoint
+    full, mounted = full_disk
+    if not mounted:  # safetensors reports a full disk as text only: inject that where no tmpfs can be made
+        import partrain.checkpoint as ckpt
+
+        def no_space(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(ckpt, "export_hf", no_space)
+    ran = partrain("checkpoint", "export", str(step), "--hf", str(full / "out"))
+    assert ran.code == 1 and "Traceback" not in ran.out, ran.out
+    assert f"export to {full / 'out'} failed: no space left on device" in " ".join(ran.out.split())
+
+
 # ---- other commands' paths ----------------------------------------------------------------------
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
-from typing import List
+import os
+import re
+from typing import List, Optional
 
 from partrain.errors import Problem
 
@@ -44,3 +46,22 @@ def os_error_problem(key: str, value, exc: OSError, doing: str, fix: str = "") -
     ENOSPC are named as such)."""
     default_fix = _OS_ERROR_WORDS.get(exc.errno, ("", f"set {key} to a writable path"))[1]
     return Problem(key, str(value), f"cannot {doing}: {os_error_words(exc)}", fix or default_fix)
+
+
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)")
+
+
+def storage_error_words(exc: BaseException) -> Optional[str]:
+    """os_error_words for an OSError, also when a library wrapped it in its own exception (torch's
+    CheckpointException, safetensors' SafetensorError keep only the text): None if none is found."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return os_error_words(exc)
+        match = _ERRNO_IN_TEXT.search(str(exc))
+        if match:
+            code = int(match.group(1) or match.group(2))
+            return _OS_ERROR_WORDS.get(code, (os.strerror(code).lower(), ""))[0]
+        exc = exc.__cause__ or exc.__context__
+    return None
