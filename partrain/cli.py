@@ -379,6 +379,7 @@ def checkpoint_export_cmd(
     as_json: bool = JSON,
 ) -> None:
     """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
+    from partrain.blueprint.problems import storage_error_words
     from partrain.checkpoint import export_hf
     from partrain.preflight import folder_problems
 
@@ -389,8 +390,6 @@ def checkpoint_export_cmd(
     except ConfigError as err:
         _fail(err, as_json)
     except Exception as exc:  # the disk filling up while writing (safetensors wraps it): one line, no traceback
-        from partrain.blueprint.problems import storage_error_words
-
         if storage_error_words(exc) is None:
             raise
         Console(stderr=True, highlight=False).print(f"export to {hf} failed: {storage_error_words(exc)}", markup=False)

@@ -145,6 +145,7 @@ def test_bad_paths_and_short_eval_split_are_listed_together_before_anything_star
             *TINY,
             "train.run_dir=afile",
             "checkpoint.dir=afile/checkpoints",
+            "checkpoint.every_steps=1",
             "data.max_bytes=2000",
             "train.eval_batches=1",
             f"data.cache_dir={tmp_path / 'cache'}",
@@ -156,6 +157,17 @@ def test_bad_paths_and_short_eval_split_are_listed_together_before_anything_star
     )
     assert flat.count("error:") == 3
     assert sorted(os.listdir(".")) == ["afile"]
+
+
+def test_read_only_checkpoint_dir_is_fine_when_the_run_does_not_save(read_only, partrain):
+    """Resuming from an archive nobody may write to: only a run that saves needs checkpoint.dir writable."""
+    from partrain.preflight import check_before_launch
+
+    folder, _ = read_only
+    check_before_launch(validate(compose([*TINY, f"checkpoint.dir={folder}", "checkpoint.every_steps=0"])))
+    Path("afile").write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.dir='afile': is a file"):
+        check_before_launch(validate(compose([*TINY, "checkpoint.dir=afile", "checkpoint.every_steps=0"])))
 
 
 def test_train_split_too_short_exits_2_without_a_run_folder(partrain, tmp_path):
@@ -207,6 +219,7 @@ def test_read_only_paths_are_named(read_only, partrain):
             *TINY,
             f"train.run_dir={folder / 'run'}",
             f"checkpoint.dir={folder / 'ckpt'}",
+            "checkpoint.every_steps=1",
             f"data.cache_dir={folder / 'cache'}",
         ),
         f"train.run_dir='{folder / 'run'}': cannot write in {folder}: {words}",

@@ -4,7 +4,8 @@
 config error found here is exit 2 with nothing started, instead of a worker failure after the run
 folder was made. Every problem found is collected into one ConfigError:
 
-- train.run_dir and checkpoint.dir: folders (not files) that this process can write in;
+- train.run_dir and checkpoint.dir: folders (not files) that this process can write in (checkpoint.dir
+  only when the run saves: resuming from a read-only archive is allowed);
 - checkpoint.resume: the checkpoint is complete and of the same model (no tensor is read: the
   load itself verifies the files);
 - model.pretrained: the safetensors headers parse and every parameter is there with its shape;
@@ -34,8 +35,12 @@ def check_before_launch(v: ValidatedRun) -> None:
     problems: List[Problem] = []
     run_dir = Path(run.train.run_dir).expanduser() if run.train.run_dir else None
     problems += folder_problems("train.run_dir", run_dir if run_dir is not None else DEFAULT_RUNS)
-    if run.checkpoint.dir:
+    if run.checkpoint.dir and run.checkpoint.every_steps > 0:
         problems += folder_problems("checkpoint.dir", run.checkpoint.dir)
+    elif run.checkpoint.dir and Path(run.checkpoint.dir).expanduser().is_file():  # resuming from a read-only
+        problems.append(  # archive without saving is fine, but a file would silently hold no checkpoint
+            Problem("checkpoint.dir", run.checkpoint.dir, "is a file; a folder is expected here", "name a folder")
+        )
     ckpt_root = Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else None
     if ckpt_root is None and run_dir is not None:
         ckpt_root = run_dir / "checkpoints"
