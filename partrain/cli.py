@@ -109,7 +109,12 @@ def _print_layout(
     if schedule_svg is not None and drawable:
         from partrain.blueprint.report.schedule import to_svg
 
-        to_svg(schedule_grid_of(validated), schedule_svg)
+        try:
+            to_svg(schedule_grid_of(validated), schedule_svg)
+        except OSError as exc:
+            from partrain.blueprint.problems import os_error_problem
+
+            _fail(ConfigError(os_error_problem("--schedule-svg", schedule_svg, exc, "write the picture")), as_json)
         report["pipeline"]["svg"] = str(schedule_svg)
     if as_json:
         print(json.dumps(report, default=str))
@@ -374,12 +379,21 @@ def checkpoint_export_cmd(
     as_json: bool = JSON,
 ) -> None:
     """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
+    from partrain.blueprint.problems import storage_error_words
     from partrain.checkpoint import export_hf
+    from partrain.preflight import folder_problems
 
     try:
+        if problems := folder_problems("--hf", hf):
+            raise ConfigError(problems)
         out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
     except ConfigError as err:
         _fail(err, as_json)
+    except Exception as exc:  # the disk filling up while writing (safetensors wraps it): one line, no traceback
+        if storage_error_words(exc) is None:
+            raise
+        Console(stderr=True, highlight=False).print(f"export to {hf} failed: {storage_error_words(exc)}", markup=False)
+        raise typer.Exit(1)
     if as_json:
         print(json.dumps({"exported": str(out)}))
     else:

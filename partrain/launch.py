@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
+from partrain.preflight import check_before_launch
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.torchrun import torchrun_command
 from partrain.train.metrics import parse_event
@@ -35,19 +36,11 @@ def _unique(path: Path) -> Path:
 
 
 def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
-    """Tokenize the data (cached), then write the run folder: resolved config.yaml and data.json."""
+    """Write the run folder: resolved config.yaml and data.json. The data is tokenized and checked
+    by `partrain.preflight.check_before_launch` first; here it is found in the cache."""
     from partrain.data import prepare_tokens
 
     packed = prepare_tokens(v.run.data, Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None)
-    if packed.vocab_size > v.facts.vocab:
-        raise ConfigError(
-            Problem(
-                "model.config.vocab_size",
-                v.facts.vocab,
-                f"smaller than the tokenizer's vocabulary ({packed.vocab_size})",
-                f"set model.config.vocab_size={packed.vocab_size} or more",
-            )
-        )
     run_dir.mkdir(parents=True, exist_ok=True)
     v.run.train.run_dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(v.run))
@@ -71,6 +64,7 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     env = from_environ(environ)
     if env is not None:
         return _run_as_worker(v, env, environ)
+    check_before_launch(v)
     if v.run.cluster.nodes > 1:
         raise_config(
             Problem(
@@ -121,6 +115,7 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "job"
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v, job_id=job)
     if env.is_main:
+        check_before_launch(v)
         prepare_run_dir(v, run_dir)
     else:
         deadline = time.monotonic() + v.run.train.timeout_s

@@ -178,6 +178,10 @@ def _option_problems(size_text: str, iters: int, warmup: int, out: Optional[Path
         problems.append(
             Problem("--out", str(out), "is a folder; the profile is one JSON file", f"e.g. --out {out / 'comm.json'}")
         )
+    elif out is not None:
+        from partrain.preflight import file_problems
+
+        problems += file_problems("--out", out)
     return parsed, problems
 
 
@@ -238,13 +242,13 @@ def bench_settings(run, sizes: Optional[str], iters: int, warmup: int, out: Opti
 
     cl = run.cluster
     size_text = sizes if sizes is not None else DEFAULT_SIZES.get(cl.device, DEFAULT_SIZES["cpu"])
+    if out is None:
+        # Under a launcher every rank computes one; only rank 0 writes (and reports) its own.
+        out = default_out(cl.name)
     parsed, problems = _option_problems(size_text, iters, warmup, out)
     problems += _cluster_problems(cl, dist_env, checked_so_far=not problems)
     if problems:
         raise ConfigError(problems)
-    if out is None:
-        # Under a launcher every rank computes one; only rank 0 writes (and reports) its own.
-        out = default_out(cl.name)
     return BenchSettings(
         name=cl.name,
         nodes=cl.nodes,

@@ -8,9 +8,11 @@ The rules are those of brief section 5; model facts come from the HF config clas
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Set
 
 from partrain.blueprint.config.schema import (
     AXES,
@@ -150,6 +152,32 @@ def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
         )
 
 
+_NOT_FINITE = "must be a finite number (inf and nan are not values)"
+
+
+def _check_finite(c: ProblemCollector, node, prefix: str = "") -> Set[str]:
+    """Every float of the config (model.config's included) is finite; returns the keys that are not.
+
+    Range checks such as `lr > 0` let inf through (and some let nan through), and a non-finite
+    learning rate, beta or clip value makes the first step's weights nan."""
+    bad: Set[str] = set()
+    items = (
+        [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+        if dataclasses.is_dataclass(node)
+        else list(node.items())
+        if isinstance(node, dict)
+        else []
+    )
+    for name, value in items:
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            c.add(key, value, _NOT_FINITE, f"give {key} a finite value (see `partrain show --explain`)")
+            bad.add(key)
+        elif dataclasses.is_dataclass(value) or isinstance(value, dict):
+            bad |= _check_finite(c, value, key)
+    return bad
+
+
 def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
     """cluster.comm_profile must be a readable profile of this partrain's format, measured with the
     cluster's backend on its device type: a gloo/CPU profile would make a GPU plan wrong by orders
@@ -245,7 +273,10 @@ def _batch(c: ProblemCollector, run: RunConfig, dp: int) -> Optional[tuple]:
 def validate(run: RunConfig) -> ValidatedRun:
     c = ProblemCollector()
     _check_choices(c, run)
+    not_finite = _check_finite(c, run)
     _check_ranges(c, run)
+    # One problem per non-finite key: the range checks would report inf/nan a second time.
+    c.problems = [p for p in c.problems if p.key not in not_finite or p.rule == _NOT_FINITE]
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

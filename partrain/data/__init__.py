@@ -10,7 +10,7 @@ Typical use::
 """
 
 from partrain.data.corpus import BUILTIN, Corpus
-from partrain.data.loader import Batch, EvalBatches, TokenBatches, open_tokens
+from partrain.data.loader import Batch, EvalBatches, TokenBatches, batch_problems, open_tokens
 from partrain.data.packing import (
     PackedData,
     cache_root_for,
@@ -37,6 +37,7 @@ __all__ = [
     "PackedData",
     "TokenBatches",
     "Tokenizer",
+    "batch_problems",
     "cache_root_for",
     "default_cache_root",
     "load_tokenizer",

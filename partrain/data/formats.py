@@ -102,7 +102,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
         raise source_error(
             path,
             "reading a .parquet file needs the pyarrow package, which is not installed",
-            "pip install pyarrow (or pip install 'partrain[data]')",
+            "pip install pyarrow",
         ) from exc
     try:
         parquet = pq.ParquetFile(path)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -258,6 +258,19 @@ class EvalBatches:
         """Eval batches 0..count-1 for one rank."""
         for i in range(count):
             yield self.eval_batch(i, dp_rank, dp_size)
+
+
+def batch_problems(packed: Any, seq_len: int, global_batch_size: int, with_eval: bool) -> List[Problem]:
+    """What `TokenBatches.from_packed` (and `EvalBatches.from_packed` when `with_eval`) would refuse
+    for lack of tokens, found from the token counts alone: the launcher's check before any process starts."""
+    splits = [(packed.train_path, packed.n_train_tokens, "or raise data.max_bytes")]
+    if with_eval:
+        splits.append((packed.eval_path, packed.n_eval_tokens, "or raise data.eval_fraction or data.max_bytes"))
+    return [
+        _too_short(Path(path), n_tokens, seq_len, global_batch_size, more)
+        for path, n_tokens, more in splits
+        if max(0, (n_tokens - 1) // seq_len) < global_batch_size
+    ]
 
 
 def _too_short(path: Path, n_tokens: int, seq_len: int, batch: int, more: str) -> Problem:

@@ -36,6 +36,7 @@ from typing import Iterable, Iterator, List, Optional, Union
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
+from partrain.blueprint.problems import os_error_problem
 from partrain.data.atomic import commit, fsync_dir, temp_path, write_json
 from partrain.data.corpus import Corpus
 from partrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_name
@@ -131,19 +132,24 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
             # rebuild rather than fail, the inputs are all still here.
             log.warning("rebuilding damaged data cache %s: %s", folder, exc)
     tokenizer = load_tokenizer(cfg.tokenizer)
+    # Folders this build creates: removed again if it fails, so a refused run leaves no empty cache.
+    fresh = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         return _build(corpus, tokenizer, cfg.eval_fraction, folder, key)
     except OSError as exc:
         # Reading the source already reports its own errors (as ConfigErrors); an OSError here
         # is the cache side: no permission, no space.
         raise ConfigError(
-            Problem(
-                key="data.cache_dir",
-                value=str(folder.parent),
-                rule=f"cannot write the token cache: {exc}",
-                fix="set data.cache_dir to a writable folder with enough free space",
+            os_error_problem(
+                "data.cache_dir",
+                folder.parent,
+                exc,
+                "write the token cache",
+                "set data.cache_dir to a writable folder with enough free space",
             )
         ) from exc
+    finally:
+        _remove_empty(fresh)
 
 
 def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
@@ -261,6 +267,15 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: P
         folder,
     )
     return open_packed(folder / META_NAME)
+
+
+def _remove_empty(folders: List[Path]) -> None:
+    """Remove those of `folders` (deepest first) that are empty; stop at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # holds the finished entry (or another build's files), or is gone: keep the rest
 
 
 def _remove_stale_temps(folder: Path) -> None:

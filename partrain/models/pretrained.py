@@ -61,6 +61,11 @@ class SafetensorsCheckpoint:
                 return self.read(key)
         return self._legacy_experts(fqn, shape)
 
+    def stored_key(self, fqn: str) -> Optional[str]:
+        """The key under which the folder stores model tensor `fqn` whole, or None (absent, or
+        stored per expert)."""
+        return next((key for key in self._candidate_keys(fqn) if key in self.key_to_file), None)
+
     def _candidate_keys(self, fqn: str) -> List[str]:
         keys = [fqn]
         for in_model, in_file in self.adapter.checkpoint_renames:

@@ -134,7 +134,16 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
             raise ConfigError(Problem(group, ov.value(), f"must name one {group} config", options))
         if ov.key_or_group == RECIPE_GROUP:
             recipe_name = ov.value()
-        elif ov.key_or_group.split(".")[0] not in GROUPS and not ov.key_or_group.startswith("hydra"):
+        elif ov.key_or_group.split(".")[0] == "hydra":
+            raise ConfigError(
+                Problem(
+                    ov.key_or_group,
+                    _raw_value(ov.input_line),
+                    "partrain does not use Hydra's own settings (hydra.*): it would be silently ignored",
+                    "drop it",
+                )
+            )
+        elif ov.key_or_group.split(".")[0] not in GROUPS:
             close = difflib.get_close_matches(ov.key_or_group.split(".")[0], GROUPS + (RECIPE_GROUP,), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
@@ -146,6 +155,7 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
                 )
             )
 
+    _refuse_repeated_choices(parsed)
     store = ConfigStore.instance()
     if recipe_name:
         body, path = _load_recipe(recipe_name, recipe_dirs)
@@ -170,6 +180,27 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
         if recipe_name:
             store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
     return _typed(cfg, recipe_name)
+
+
+def _refuse_repeated_choices(parsed) -> None:
+    """A recipe or config group chosen twice with different values (`recipe=a recipe=b`) is refused:
+    one of the two choices would be dropped silently. Plain keys given twice keep Hydra's rule, the
+    later value wins (partrain.testing.parity appends its reference overrides that way)."""
+    chosen: dict = {}
+    for ov in parsed:
+        key = ov.key_or_group.lstrip("+")
+        if key not in GROUPS + (RECIPE_GROUP,):
+            continue
+        first = chosen.setdefault(key, ov.value())
+        if first != ov.value():
+            raise ConfigError(
+                Problem(
+                    key,
+                    ov.value(),
+                    f"chosen twice on the command line ({key}={first} and {key}={ov.value()}); only one can apply",
+                    f"keep one {key}=... override",
+                )
+            )
 
 
 def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
