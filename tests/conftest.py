@@ -73,6 +73,21 @@ def run_partrain(tmp_path):
     return run
 
 
+def refuse_process_starts(monkeypatch):
+    """Make every way of starting a process raise; returns (the list the attempts are recorded in,
+    the refusing function)."""
+    spawned: List[str] = []
+
+    def blocked(*args, **kwargs):
+        spawned.append(repr(args[1:3]))
+        raise RuntimeError("partrain tests: starting a process is not allowed here")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", blocked)
+    for name in ("fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
+        monkeypatch.setattr(os, name, blocked)
+    return spawned, blocked
+
+
 @pytest.fixture
 def cli(tmp_path, monkeypatch):
     """Invoke the CLI in-process (typer's CliRunner): same code path, no interpreter start-up.
@@ -84,15 +99,7 @@ def cli(tmp_path, monkeypatch):
 
     from partrain.cli import app
 
-    spawned: List[str] = []
-
-    def blocked(*args, **kwargs):
-        spawned.append(repr(args[1:3]))
-        raise RuntimeError("partrain tests: starting a process is not allowed here")
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", blocked)
-    for name in ("fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
-        monkeypatch.setattr(os, name, blocked)
+    spawned, blocked = refuse_process_starts(monkeypatch)
     monkeypatch.setitem(sys.modules, "partrain.launch", types.SimpleNamespace(launch=blocked))
     monkeypatch.delenv("PARTRAIN_RECIPES", raising=False)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from conftest import refuse_process_starts
 
 from partrain.blueprint.config.compose import compose
 from partrain.blueprint.validate import validate
@@ -42,15 +43,7 @@ def partrain(tmp_path, monkeypatch):
 
     from partrain.cli import app
 
-    spawned: List[str] = []
-
-    def blocked(*args, **kwargs):
-        spawned.append(repr(args[1:3]))
-        raise RuntimeError("test: starting a process is not allowed here")
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", blocked)
-    for name in ("fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
-        monkeypatch.setattr(os, name, blocked)
+    spawned, _ = refuse_process_starts(monkeypatch)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "PARTRAIN_RECIPES"):
         monkeypatch.delenv(var, raising=False)
     cwd = tmp_path / "cwd"
