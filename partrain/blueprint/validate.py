@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Set
+from typing import Optional
 
 from partrain.blueprint.config.schema import (
     AXES,
@@ -155,12 +155,13 @@ def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
 _NOT_FINITE = "must be a finite number (inf and nan are not values)"
 
 
-def _check_finite(c: ProblemCollector, node, prefix: str = "") -> Set[str]:
-    """Every float of the config (model.config's included) is finite; returns the keys that are not.
+def _check_finite(c: ProblemCollector, node, prefix: str = "") -> None:
+    """Every float of the config (model.config's included) is finite. Runs after the key-specific
+    rules and skips keys they already refused, so each key gets one problem, the specific one
+    (with its example value) where there is one.
 
     Range checks such as `lr > 0` let inf through (and some let nan through), and a non-finite
     learning rate, beta or clip value makes the first step's weights nan."""
-    bad: Set[str] = set()
     items = (
         [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
         if dataclasses.is_dataclass(node)
@@ -171,11 +172,11 @@ def _check_finite(c: ProblemCollector, node, prefix: str = "") -> Set[str]:
     for name, value in items:
         key = f"{prefix}.{name}" if prefix else str(name)
         if isinstance(value, float) and not math.isfinite(value):
+            if any(p.key == key for p in c.problems):
+                continue
             c.add(key, value, _NOT_FINITE, f"give {key} a finite value (see `partrain show --explain`)")
-            bad.add(key)
         elif dataclasses.is_dataclass(value) or isinstance(value, dict):
-            bad |= _check_finite(c, value, key)
-    return bad
+            _check_finite(c, value, key)
 
 
 def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
@@ -273,10 +274,7 @@ def _batch(c: ProblemCollector, run: RunConfig, dp: int) -> Optional[tuple]:
 def validate(run: RunConfig) -> ValidatedRun:
     c = ProblemCollector()
     _check_choices(c, run)
-    not_finite = _check_finite(c, run)
     _check_ranges(c, run)
-    # One problem per non-finite key: the range checks would report inf/nan a second time.
-    c.problems = [p for p in c.problems if p.key not in not_finite or p.rule == _NOT_FINITE]
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)
@@ -314,6 +312,7 @@ def validate(run: RunConfig) -> ValidatedRun:
                 f"puts tensor-parallel group {spread[0] if spread else ''} across nodes",
                 "keep tp first in parallel.order, or set cluster.allow_tp_across_nodes=true",
             )
+    _check_finite(c, run)
     if c.problems:
         raise ConfigError(c.problems)
     assert degrees is not None and facts is not None and batch is not None
