@@ -46,8 +46,9 @@ def _gather_seq(x: torch.Tensor, group, async_op: bool = False):
     shard = x.transpose(0, SEQ_DIM).contiguous()  # [s/t, b, h]: gather along dim 0 is contiguous
     out = shard.new_empty((shard.shape[0] * t, *shard.shape[1:]))
     work = dist.all_gather_single(out, shard, group=group, async_op=async_op)
-    full = out.transpose(0, SEQ_DIM)
-    return (full, work) if async_op else full
+    if async_op:  # the caller transposes back after wait() (the buffer is not filled yet)
+        return out, work
+    return out.transpose(0, SEQ_DIM).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
@@ -56,8 +57,9 @@ def _reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
     whole = x.transpose(0, SEQ_DIM).contiguous()
     out = whole.new_empty((whole.shape[0] // t, *whole.shape[1:]))
     work = dist.reduce_scatter_single(out, whole, group=group, async_op=async_op)
-    local = out.transpose(0, SEQ_DIM)
-    return (local, work) if async_op else local
+    if async_op:
+        return out, work
+    return out.transpose(0, SEQ_DIM).contiguous()
 
 
 class ScatterToSequence(torch.autograd.Function):
@@ -103,7 +105,11 @@ class _GatherColumns(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, conv, has_bias, *params):
-        ctx.group, ctx.conv, ctx.has_bias = group, conv, has_bias
+        ctx.group, ctx.conv, ctx.has_bias, ctx.dtype = group, conv, has_bias, x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast once before the gather (autocast would cast the gathered input per projection):
+            # half the traffic, and the 16-bit shard is what is kept.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         full = _gather_seq(x, group)
         outs, it = [], iter(params)
         for hb in has_bias:
@@ -131,9 +137,10 @@ class _GatherColumns(torch.autograd.Function):
             grad_in = part if grad_in is None else grad_in + part
         grad_in = grad_in.view(*grads[0].shape[:-1], grad_in.shape[-1])
         gather.wait()
+        full = full.transpose(0, SEQ_DIM)
         grad_x, scatter = _reduce_scatter_seq(grad_in, ctx.group, async_op=True)
         # Weight gradients while the input gradient is reduce-scattered.
-        flat_full = full.reshape(-1, full.shape[-1])
+        flat_full = full.reshape(-1, full.shape[-1])  # a copy in [b, s] order, like the gradients
         out: List[Optional[torch.Tensor]] = []
         for g, w, hb in zip(flat_grads, weights, ctx.has_bias):
             x_in = flat_full.to(g.dtype)
@@ -142,7 +149,8 @@ class _GatherColumns(torch.autograd.Function):
             if hb:
                 out.append(g.sum(0).to(w.dtype))
         scatter.wait()
-        return (grad_x.to(x.dtype), None, None, None, *out)
+        grad_x = grad_x.transpose(0, SEQ_DIM).contiguous()
+        return (grad_x.to(ctx.dtype), None, None, None, *out)
 
 
 class SequenceColumn(nn.Module):
@@ -158,7 +166,9 @@ class SequenceColumn(nn.Module):
             self.in_features, self.out_features = proj.in_features, proj.out_features
         dim = 1 if conv else 0  # output features: Conv1D W [in, out], Linear W [out, in]
         strided = fused_parts > 1
-        self.weight = _sharded(proj.weight, mesh, _StridedShard(dim, split_factor=fused_parts) if strided else Shard(dim))
+        self.weight = _sharded(
+            proj.weight, mesh, _StridedShard(dim, split_factor=fused_parts) if strided else Shard(dim)
+        )
         bias = getattr(proj, "bias", None)
         if bias is not None:
             self.bias = _sharded(bias, mesh, _StridedShard(0, split_factor=fused_parts) if strided else Shard(0))

@@ -105,3 +105,41 @@ def saved_activation_bytes(fn: Callable[[], Any], params: Sequence[torch.Tensor]
     with SavedActivations(params) as saved:
         result = fn()
     return result, saved.peak
+
+
+class ModuleSavedActivations:
+    """What one module (a decoder layer) saves for backward during its forward, counted like
+    `SavedActivations` (each storage once, `params` skipped), whatever runs around it:
+
+        with ModuleSavedActivations(layer, params) as counted:
+            loss = forward_loss(model, x, y)
+        counted.total
+
+    Hooks open a `SavedActivations` when the module's forward starts and close it when it returns,
+    so a block's pre-hooks (Megatron-SP's gather) count and the rest of the model does not."""
+
+    def __init__(self, module: torch.nn.Module, params: Iterable[torch.Tensor] = ()):
+        self.module, self.params = module, list(params)
+        self.total = 0
+        self._open: Optional[SavedActivations] = None
+        self._handles: List[Any] = []
+
+    def _start(self, *_):
+        self._open = SavedActivations(self.params).__enter__()
+
+    def _stop(self, *_):
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self.total += self._open.total
+            self._open = None
+
+    def __enter__(self) -> "ModuleSavedActivations":
+        self._handles = [
+            self.module.register_forward_pre_hook(self._start, prepend=True),
+            self.module.register_forward_hook(self._stop, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()

