@@ -22,6 +22,12 @@ takes the sequence shard, runs `_GatherColumns` and hands each `SequenceColumn` 
 block itself receives a zero-byte stand-in of the full [b, s, h] shape (HF reads only its shape).
 Row-parallel projections end the block with a reduce-scatter to sequence shards (torch's
 RowwiseParallel(output_layouts=Shard(1)), or `SequenceRowConv1D` for GPT-2).
+
+Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) runs on the
+shards with the process's generator, which every rank seeds alike (`train.seed`): with dropout > 0
+each shard draws the mask pattern of the first s/t tokens, not the unsplit run's masks (a known
+limitation: Megatron forks a per-rank RNG there). Parity is therefore checked with dropout 0 (the
+tiny models' configs). Attention dropout runs on the head shards as under plain TP.
 """
 
 from __future__ import annotations

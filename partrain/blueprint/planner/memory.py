@@ -24,6 +24,14 @@ What partrain really holds:
   paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
   34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
   paper neglects.
+- Megatron-SP (`tp_sp`): norms and the residual stream per sequence shard (/tp), and the inputs
+  of each block's column-parallel projections kept once as a compute-dtype sequence shard
+  (`seq_inputs`, /tp: partrain.parallel.megatron_sp re-gathers them in backward); a MoE block still
+  saves its gathered input. So a dense layer keeps its tp=1 bytes / tp (tests: GPT-3 175B at tp8,
+  and hooks on the tiny models at tp2).
+- Selective recompute: Korthikanti's attention core is recomputed (partrain.parallel.recompute),
+  so the core's own saves (`scores`: eager scores and probabilities, or SDPA's log-sum-exp) are
+  dropped; q, k, v stay (the core's inputs).
 - Sequence/context parallelism (sp > 1): every per-token term above for the rank's seq/sp tokens,
   rotary tables and position ids of the local positions, and what the ring / Ulysses attention
   keeps instead of SDPA (`sp_attention_saved`: K/V width as the wiring passes them, Ulysses' second
