@@ -27,6 +27,8 @@ LLAMA_TP2 = [
     "cluster.devices_per_node=2",
 ]
 SELECTIVE = ["parallel.recompute=selective"]
+DROPOUT = ["model.config.resid_pdrop=0.1", "model.config.embd_pdrop=0.1"]
+"""Dropout in GPT-2's sequence-parallel regions (embedding, residual): SequenceDropout keeps the unsplit masks."""
 
 # Llama tp2 + SP without recompute is tests/test_tensor_parallel.py's "llama-tp2-sp" (same runtime).
 LAYOUTS = {
@@ -36,6 +38,7 @@ LAYOUTS = {
     # recompute_every=2, so layers 0 and 2 recompute their attention core and layers 1 and 3 keep it.
     "gpt2-3d-sp-selective-every2": GPT3D + SELECTIVE + ["parallel.recompute_every=2"],
     "llama-tp2-sp-selective": LLAMA_TP2 + SELECTIVE,
+    "gpt2-tp2-sp-dropout": GPT_TP2 + DROPOUT,
 }
 
 
@@ -49,11 +52,12 @@ def references(tmp_path_factory, data_cache):
     """One single-process reference per recipe, shared by its layouts."""
     cache = {}
 
-    def get(recipe: str):
-        if recipe not in cache:
-            base = [recipe] + COMMON + [f"data.cache_dir={data_cache}"]
-            cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
-        return cache[recipe]
+    def get(recipe: str, model_overrides: tuple = ()):
+        key = (recipe, *model_overrides)
+        if key not in cache:
+            base = [recipe, *model_overrides] + COMMON + [f"data.cache_dir={data_cache}"]
+            cache[key] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
+        return cache[key]
 
     return get
 
@@ -63,7 +67,10 @@ def references(tmp_path_factory, data_cache):
 def test_megatron_sp_matches_single_process(name, references, tmp_path, data_cache):
     overrides = LAYOUTS[name]
     got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    print(name, check_parity(references(overrides[0]), got, rtol=1e-5))
+    model_overrides = tuple(o for o in overrides if o.startswith("model."))
+    print(name, check_parity(references(overrides[0], model_overrides), got, rtol=1e-5))
+    if model_overrides:  # the dropout really changed the run
+        assert references(overrides[0], model_overrides).losses != references(overrides[0]).losses
 
 
 # ---- saved bytes per layer: hooks vs planner ------------------------------------------------------

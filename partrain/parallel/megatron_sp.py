@@ -23,11 +23,11 @@ block itself receives a zero-byte stand-in of the full [b, s, h] shape (HF reads
 Row-parallel projections end the block with a reduce-scatter to sequence shards (torch's
 RowwiseParallel(output_layouts=Shard(1)), or `SequenceRowConv1D` for GPT-2).
 
-Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) runs on the
-shards with the process's generator, which every rank seeds alike (`train.seed`): with dropout > 0
-each shard draws the mask pattern of the first s/t tokens, not the unsplit run's masks (a known
-limitation: Megatron forks a per-rank RNG there). Parity is therefore checked with dropout 0 (the
-tiny models' configs). Attention dropout runs on the head shards as under plain TP.
+Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) is
+`SequenceDropout`: each rank draws the whole tensor's mask with the generator every rank seeds alike
+(`train.seed`) and keeps its chunk, so the masks are those of the unsplit run (parity-tested with
+resid/embd dropout 0.1). Attention dropout runs inside the core on head shards, as under plain TP,
+and does not reproduce the unsplit masks (nor does plain TP's).
 """
 
 from __future__ import annotations
@@ -256,6 +256,36 @@ class SequenceRowConv1D(nn.Module):
         local = ReduceScatterToSequence.apply(partial, self.group)
         out = DTensor.from_local(local, self.mesh, [Shard(SEQ_DIM)], run_check=False) + self.bias
         return out.to_local()
+
+
+class SequenceDropout(nn.Module):
+    """Dropout on a sequence shard with the masks of the unsplit run: every rank draws the mask of the
+    whole [b, s, ...] tensor (same kernel, same generator state on every tp rank) and keeps its chunk.
+    Costs a transient full-size mask; keeps runs with dropout > 0 comparable to one process."""
+
+    def __init__(self, p: float, group) -> None:
+        super().__init__()
+        self.p, self.group = p, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        shape = list(x.shape)
+        n = shape[SEQ_DIM]
+        shape[SEQ_DIM] = n * t
+        scaled_mask = torch.nn.functional.dropout(x.new_ones(shape), self.p, training=True)
+        return x * scaled_mask.narrow(SEQ_DIM, r * n, n)
+
+
+def sequence_dropouts(module: nn.Module, paths: Sequence[str], mesh: DeviceMesh) -> None:
+    """Replace the nn.Dropout modules at `paths` (those present) by SequenceDropout."""
+    for path in paths:
+        owner_path, _, attr = path.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        drop = getattr(owner, attr, None)
+        if isinstance(drop, nn.Dropout):
+            setattr(owner, attr, SequenceDropout(drop.p, mesh.get_group()))
 
 
 def scatter_positions(embedding: nn.Module, mesh: DeviceMesh) -> None:

@@ -164,6 +164,7 @@ def _gpt2_layer_sp(layer: nn.Module, mesh: DeviceMesh) -> None:
     megatron_sp.install_block(layer.mlp, ["c_fc"], mesh, conv=True, fused={})
     _replace(layer, "mlp.c_proj", megatron_sp.SequenceRowConv1D(layer.mlp.c_proj, mesh))
     parallelize_module(layer, mesh, {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+    megatron_sp.sequence_dropouts(layer, ["attn.resid_dropout", "mlp.dropout"], mesh)
 
 
 # -- HF plans -> torch parallel styles ----------------------------------------------------------------
@@ -352,6 +353,7 @@ def _parallelize_ends(
         for path in adapter.embedding_paths[1:]:  # learned positions (GPT-2 wpe): this rank's chunk
             if _has(model, path):
                 megatron_sp.scatter_positions(model.get_submodule(path), mesh)
+                megatron_sp.sequence_dropouts(model, [adapter.base_prefix + ".drop"], mesh)  # after wte + wpe
     if _has(model, adapter.lm_head_path):
         plan[adapter.lm_head_path] = ColwiseParallel(
             input_layouts=Shard(1) if sequence_parallel else Replicate(),
