@@ -19,7 +19,11 @@ import torch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    local = t.to_local() if hasattr(t, "to_local") else t
+    # A functional collective's result (AsyncCollectiveTensor, e.g. the reduce-scattered output of a
+    # vocabulary-parallel embedding under Megatron-SP) has no storage of its own: count the tensor it wraps.
+    elem = getattr(local, "elem", None)
+    return elem if isinstance(elem, torch.Tensor) else local
 
 
 class _Held:
