@@ -196,11 +196,6 @@ def test_bad_config_refused_by_the_installed_command(run_partrain, user_recipes,
 
 UNSUPPORTED = [  # consistent layouts this version cannot train yet (partrain.blueprint.trainable)
     ("zero1-tp", [GPT, "parallel.zero_stage=1", "parallel.pp=1", "parallel.dp=4"], "parallel.zero_stage"),
-    (
-        "tp-sp-learned-positions",
-        [GPT, "parallel.tp_sequence_parallel=true", "parallel.pp=1", "parallel.dp=4"],
-        "parallel.tp_sequence_parallel",
-    ),
 ]
 
 

@@ -21,7 +21,7 @@ IMPLEMENTED = {
     "checkpoint": True,
     "fp16": True,
     "zero1-tp": False,
-    "tp-sp-learned-positions": False,
+    "tp-sp-learned-positions": True,
     "sp-sliding-window": False,
     "sp-ring-dropout": False,
 }

@@ -18,9 +18,13 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
 - Vocabulary-parallel token embedding and output head; with loss parallel the logits stay sharded
   over the vocabulary and cross-entropy runs on the shards (never the full vocabulary on a rank).
   Tied embeddings (GPT-2) share one sharded parameter.
-- Sequence parallelism (`parallel.tp_sequence_parallel`, Llama family): norms and the residual
-  stream run on sequence shards; the all-reduce of each row-parallel layer becomes a
-  reduce-scatter, and each column-parallel layer starts with an all-gather.
+- Sequence parallelism (`parallel.tp_sequence_parallel`, every family): norms, dropouts and the
+  residual stream run on sequence shards; the all-reduce of each row-parallel layer becomes a
+  reduce-scatter, and each block's column-parallel projections start with one all-gather and save
+  only the sequence shard (re-gathered in backward: `partrain.parallel.megatron_sp`). GPT-2's
+  learned positions are looked up whole and each rank keeps its chunk before the add.
+  `sharded_saves=False` keeps torch's styles instead (Llama family; they save the gathered input),
+  for comparison in benchmarks/sp_memory.py.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.errors import ConfigError, Problem
 from partrain.models.adapters import Adapter
+from partrain.parallel import megatron_sp
 
 LAYER_WILDCARD = ".*."
 MOE_STYLES = ("packed_colwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts")
@@ -147,6 +152,21 @@ def _gpt2_layer(layer: nn.Module, mesh: DeviceMesh) -> None:
     _replace(layer, "mlp.c_proj", RowParallelConv1D(layer.mlp.c_proj, mesh))
 
 
+def _gpt2_layer_sp(layer: nn.Module, mesh: DeviceMesh) -> None:
+    """GPT-2 block under Megatron-SP: norms on sequence shards, gathered-once column projections
+    saving the shard, row projections reduce-scattering back to shards."""
+    tp = mesh.size()
+    attn = layer.attn
+    megatron_sp.install_block(attn, ["c_attn"], mesh, conv=True, fused={"c_attn": 3})
+    _replace(layer, "attn.c_proj", megatron_sp.SequenceRowConv1D(attn.c_proj, mesh))
+    attn.split_size = attn.split_size // tp
+    attn.num_heads = attn.num_heads // tp
+    megatron_sp.install_block(layer.mlp, ["c_fc"], mesh, conv=True, fused={})
+    _replace(layer, "mlp.c_proj", megatron_sp.SequenceRowConv1D(layer.mlp.c_proj, mesh))
+    parallelize_module(layer, mesh, {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+    megatron_sp.sequence_dropouts(layer, ["attn.resid_dropout", "mlp.dropout"], mesh)
+
+
 # -- HF plans -> torch parallel styles ----------------------------------------------------------------
 def _style(name: str, key: str, sequence_parallel: bool, model_type: str):
     leaf = key.rsplit(".", 1)[-1]
@@ -190,28 +210,53 @@ def layer_plan_from_hf(
     return plan
 
 
-def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter) -> Dict[str, object]:
+def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter, sharded_saves: bool) -> Dict[str, object]:
     plan: Dict[str, object] = {}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         if hasattr(layer, norm):
             plan[norm] = SequenceParallel()
+    if sharded_saves:  # attention and dense MLP gather inside megatron_sp.install_block
+        if adapter.experts(layer) is not None:
+            plan[adapter.mlp_attr] = _moe_sequence_parallel(layer, adapter)
+        return plan
     # HF passes hidden_states to attention by keyword and to the MLP positionally.
     plan[adapter.attention_attr] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)},
         desired_input_kwarg_layouts={"hidden_states": Replicate()},
         use_local_output=True,
     )
-    mlp_in = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
     if adapter.experts(layer) is not None:
-        # Replicated experts return a full local tensor: hand the residual stream back as sequence shards.
-        # Local output: the residual stream between blocks is plain local shards (as after down_proj).
-        plan[adapter.mlp_attr] = [
-            mlp_in,
-            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
-        ]
+        plan[adapter.mlp_attr] = _moe_sequence_parallel(layer, adapter)
     else:
-        plan[adapter.mlp_attr] = mlp_in
+        plan[adapter.mlp_attr] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
+
+
+def _moe_sequence_parallel(layer: nn.Module, adapter: Adapter) -> list:
+    """Replicated experts see the whole sequence (gathered) and return a full local tensor: hand the
+    residual stream back as local sequence shards (as after down_proj)."""
+    return [
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+    ]
+
+
+def _install_sharded_saves(layer: nn.Module, adapter: Adapter, plan: Dict[str, object], mesh: DeviceMesh) -> None:
+    """Take the column-parallel projections that read a block's input straight away (q, k, v; dense
+    gate, up) out of `plan` and run them through megatron_sp (one gather, the shard saved)."""
+    blocks = [adapter.attention_attr] + ([adapter.mlp_attr] if adapter.experts(layer) is None else [])
+    for block in blocks:
+        prefix = block + "."
+        cols = [
+            k[len(prefix) :]
+            for k, style in plan.items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :] and isinstance(style, ColwiseParallel)
+        ]
+        for c in cols:
+            del plan[prefix + c]
+        megatron_sp.install_block(layer.get_submodule(block), cols, mesh, conv=False, fused={})
 
 
 def _replicated_block_inputs(layer: nn.Module, adapter: Adapter) -> Dict[str, object]:
@@ -251,21 +296,14 @@ def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:
         weight.register_hook(lambda g: g.redistribute(mesh, placements) if g.placements != placements else g)
 
 
-def _parallelize_layers(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _parallelize_layers(
+    model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, sharded_saves: bool
+) -> None:
     layers = adapter.layers(model)
     entries = layers.values() if isinstance(layers, nn.ModuleDict) else layers
     if adapter.conv1d_weights:
-        if sequence_parallel:
-            raise ConfigError(
-                Problem(
-                    "parallel.tp_sequence_parallel",
-                    True,
-                    "not supported for GPT-2 (learned position embeddings are added outside the embedding)",
-                    "set parallel.tp_sequence_parallel=false",
-                )
-            )
         for layer in entries:
-            _gpt2_layer(layer, mesh)
+            (_gpt2_layer_sp if sequence_parallel else _gpt2_layer)(layer, mesh)
         return
     hf_plan = adapter.hf_plan(model, "tp")
     if not hf_plan:
@@ -281,8 +319,10 @@ def _parallelize_layers(model: nn.Module, adapter: Adapter, mesh: DeviceMesh, se
     for layer in entries:
         plan = {k: v for k, v in base.items() if _has(layer, k)}
         if sequence_parallel:
+            if sharded_saves:
+                _install_sharded_saves(layer, adapter, plan, mesh)
             # Module-input preparation first, then the projections inside.
-            plan = {**_sequence_parallel_layer_plan(layer, adapter), **plan}
+            plan = {**_sequence_parallel_layer_plan(layer, adapter, sharded_saves), **plan}
         else:
             plan = {**_replicated_block_inputs(layer, adapter), **plan}
         for key, style in plan.items():
@@ -309,6 +349,11 @@ def _parallelize_ends(
         )
     if sequence_parallel and _has(model, adapter.final_norm_path):
         plan[adapter.final_norm_path] = SequenceParallel()
+    if sequence_parallel:
+        for path in adapter.embedding_paths[1:]:  # learned positions (GPT-2 wpe): this rank's chunk
+            if _has(model, path):
+                megatron_sp.scatter_positions(model.get_submodule(path), mesh)
+                megatron_sp.sequence_dropouts(model, [adapter.base_prefix + ".drop"], mesh)  # after wte + wpe
     if _has(model, adapter.lm_head_path):
         plan[adapter.lm_head_path] = ColwiseParallel(
             input_layouts=Shard(1) if sequence_parallel else Replicate(),
@@ -323,12 +368,18 @@ def _parallelize_ends(
 
 
 def apply_tp(
-    model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool = True
+    model: nn.Module,
+    adapter: Adapter,
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    use_loss_parallel: bool = True,
+    sharded_saves: bool = True,
 ) -> None:
-    """Slice `model` (on the meta device) over the TP mesh in place."""
+    """Slice `model` (on the meta device) over the TP mesh in place. `sharded_saves=False` (Llama
+    family, SP only) uses torch's styles, which save the gathered inputs (benchmark comparison)."""
     if mesh.size() == 1:
         return
-    _parallelize_layers(model, adapter, mesh, sequence_parallel)
+    _parallelize_layers(model, adapter, mesh, sequence_parallel, sharded_saves or bool(adapter.conv1d_weights))
     _parallelize_ends(model, adapter, mesh, sequence_parallel, use_loss_parallel)
 
 

@@ -19,7 +19,11 @@ import torch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    local = t.to_local() if hasattr(t, "to_local") else t
+    # A functional collective's result (AsyncCollectiveTensor, e.g. the reduce-scattered output of a
+    # vocabulary-parallel embedding under Megatron-SP) has no storage of its own: count the tensor it wraps.
+    elem = getattr(local, "elem", None)
+    return elem if isinstance(elem, torch.Tensor) else local
 
 
 class _Held:
@@ -105,3 +109,41 @@ def saved_activation_bytes(fn: Callable[[], Any], params: Sequence[torch.Tensor]
     with SavedActivations(params) as saved:
         result = fn()
     return result, saved.peak
+
+
+class ModuleSavedActivations:
+    """What one module (a decoder layer) saves for backward during its forward, counted like
+    `SavedActivations` (each storage once, `params` skipped), whatever runs around it:
+
+        with ModuleSavedActivations(layer, params) as counted:
+            loss = forward_loss(model, x, y)
+        counted.total
+
+    Hooks open a `SavedActivations` when the module's forward starts and close it when it returns,
+    so a block's pre-hooks (Megatron-SP's gather) count and the rest of the model does not."""
+
+    def __init__(self, module: torch.nn.Module, params: Iterable[torch.Tensor] = ()):
+        self.module, self.params = module, list(params)
+        self.total = 0
+        self._open: Optional[SavedActivations] = None
+        self._handles: List[Any] = []
+
+    def _start(self, *_):
+        self._open = SavedActivations(self.params).__enter__()
+
+    def _stop(self, *_):
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self.total += self._open.total
+            self._open = None
+
+    def __enter__(self) -> "ModuleSavedActivations":
+        self._handles = [
+            self.module.register_forward_pre_hook(self._start, prepend=True),
+            self.module.register_forward_hook(self._stop, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()

@@ -24,6 +24,14 @@ What partrain really holds:
   paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
   34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
   paper neglects.
+- Megatron-SP (`tp_sp`): norms and the residual stream per sequence shard (/tp), and the inputs
+  of each block's column-parallel projections kept once as a compute-dtype sequence shard
+  (`seq_inputs`, /tp: partrain.parallel.megatron_sp re-gathers them in backward); a MoE block still
+  saves its gathered input. So a dense layer keeps its tp=1 bytes / tp (tests: GPT-3 175B at tp8,
+  and hooks on the tiny models at tp2).
+- Selective recompute: Korthikanti's attention core is recomputed (partrain.parallel.recompute),
+  so the core's own saves (`scores`: eager scores and probabilities, or SDPA's log-sum-exp) are
+  dropped; q, k, v stay (the core's inputs).
 - Sequence/context parallelism (sp > 1): every per-token term above for the rank's seq/sp tokens,
   rotary tables and position ids of the local positions, and what the ring / Ulysses attention
   keeps instead of SDPA (`sp_attention_saved`: K/V width as the wiring passes them, Ulysses' second
@@ -183,6 +191,9 @@ class LayerActivations:
     """Residual stream / norm internals: divided by tp only with Megatron sequence parallelism."""
     gathered: float
     """Inputs of column-parallel projections: the whole (all-gathered) tensor on every TP rank."""
+    seq_inputs: float
+    """Inputs of column-parallel projections under Megatron-SP (`parallel.megatron_sp`): each rank
+    keeps its sequence shard (re-gathered in backward), divided by tp."""
     sharded: float
     """Per-head and MLP-intermediate tensors: divided by tp."""
     replicated: float
@@ -201,6 +212,7 @@ class LayerActivations:
         return (
             self.resid / (tp if tp_sp else 1)
             + self.gathered
+            + self.seq_inputs / (tp if tp_sp else 1)
             + self.sharded / tp
             + self.replicated
             + keep_scores
@@ -219,9 +231,12 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     sp_attn = sp_attention_saved(spec)
     eager = x.attn_impl == "eager" and not sp_attn  # sp > 1 replaces the attention function
     mask = 1 if x.resid_dropout else 0
+    seq_inputs = 0.0
     if f.arch == "gpt2":
         resid = tokens * (2 * h * r + 4 * 4 + 2 * h * mask)  # ln inputs + mean/rstd; residual dropout masks
         gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
+        if spec.tp_sp:  # Megatron-SP keeps each block's input as a 16-bit (compute dtype) sequence shard
+            seq_inputs, gathered = gathered, 0.0
         act = 5 if x.activation == "gelu_new" else 2
         sharded = tokens * (3 * h + h + act * f.ffn) * c  # qkv, attention output, MLP intermediates
         if sp_attn:
@@ -235,6 +250,11 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * (3 + mlp_casts) * h * c
         else:
             gathered = tokens * 2 * h * c
+        if spec.tp_sp:
+            # Megatron-SP: attention (and dense MLP) inputs kept once per block as a compute-dtype
+            # sequence shard; a MoE block still sees (and saves) the gathered sequence.
+            seq_inputs = tokens * (1 if sparse else 2) * h * c
+            gathered = tokens * (mlp_casts if d.autocast_copies else 1) * h * c if sparse else 0.0
         k_saved = sp_attn["kv_width"] if sp_attn else (q if eager else kv)  # eager repeats the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
         if f.arch == "qwen3_moe":
@@ -277,6 +297,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     return LayerActivations(
         resid=resid,
         gathered=gathered,
+        seq_inputs=seq_inputs,
         sharded=sharded,
         replicated=replicated,
         scores=scores,

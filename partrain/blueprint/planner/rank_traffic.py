@@ -57,6 +57,11 @@ def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
     full = spec.recompute == "full"
     per_layer = 4 + (2 * s.passes_extra if full else 0)
     per_moe = 2 + (1 * s.passes_extra if full else 0)
+    if spec.tp_sp:
+        # Megatron-SP's sharded saves: each block re-gathers its input in backward (an all-gather is
+        # half an all-reduce's bytes): attention and MLP blocks, the attention block of a MoE layer.
+        per_layer += 1.0
+        per_moe += 0.5
     n_ar = (r.layers - r.sparse) * per_layer + r.sparse * per_moe + (1 if r.first else 0) + (1 if r.last else 0)
     out.tp = n_ar * all_reduce_bytes(s.ar_size, spec.tp)
     out.t_tp = out.tp / s.tp_bw if out.tp else 0.0
@@ -82,7 +87,7 @@ def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_fl
     t_core = attention_core_flops / max(1, r.layers) / s.rate
     qt = s.tokens * f.heads * f.head_dim / spec.tp
     kvt = s.tokens * sp_kv_width(spec)
-    # Full and selective recompute (partrain re-runs the whole attention block) repeat the forward.
+    # Full and selective recompute (the attention core, which runs the sp collectives) repeat the forward.
     forwards = 1.0 + (1.0 / max(1, spec.recompute_every) if spec.recompute != "none" else 0.0)
     if spec.sp_mode == "ulysses":
         per_pass = all_to_all_bytes((2 * qt + 2 * kvt) * s.act_bytes, sp)
