@@ -85,5 +85,5 @@ def mismatch(folder: Path, rel: str, size: int, expected: Optional[str]) -> Opti
         return None
     read, got = file_digest(path)
     if read != size or got != expected:
-        return f"checksum mismatch: {path} was changed after it was saved (its SHA-256 is not the recorded one)"
+        return f"checksum mismatch: {path} was changed after it was saved"
     return None

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 from partrain.blueprint.config.schema import ModelConfig
 from partrain.checkpoint import folders
 from partrain.checkpoint.dist_util import quiet_single_process, warn_user
-from partrain.checkpoint.failures import first_line, is_failure
+from partrain.checkpoint.failures import causes, first_line, is_failure
 from partrain.checkpoint.record import check_files, corrupt, has_checksums, no_checksums_warning, read_record
 from partrain.checkpoint.state import MODEL
 from partrain.errors import ConfigError, Problem
@@ -148,6 +148,7 @@ def load_model_weights(path: Path):
     from partrain.checkpoint.safe_io import (
         SafeFileSystemReader,
         SafeLoadPlanner,
+        UnreadableFile,
         read_metadata,
     )
 
@@ -190,6 +191,11 @@ def load_model_weights(path: Path):
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if not is_failure(exc):
             raise
+        unreadable = next((e for e in causes(exc) if isinstance(e, UnreadableFile)), None)
+        if unreadable is not None:
+            raise corrupt(
+                path / unreadable.relative_path, f"cannot be read: {unreadable.reason}", key=PATH_KEY
+            ) from exc
         raise corrupt(path, f"cannot be loaded: {first_line(exc)}", key=PATH_KEY) from exc
     for key, source in alias.items():
         if key in state and state[key].data_ptr() != model.get_parameter(source).data_ptr():

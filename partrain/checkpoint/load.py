@@ -32,7 +32,7 @@ from torch import nn
 from partrain.checkpoint import folders
 from partrain.checkpoint.checksums import share
 from partrain.checkpoint.dist_util import all_gather, distributed, quiet_single_process, rank_world, warn_user
-from partrain.checkpoint.failures import first_line, is_failure
+from partrain.checkpoint.failures import causes, first_line, is_failure
 from partrain.checkpoint.record import (
     RESUME_KEY,
     CorruptCheckpoint,
@@ -47,6 +47,7 @@ from partrain.checkpoint.rng import restore_rng, rng_path
 from partrain.checkpoint.safe_io import (
     SafeFileSystemReader,
     SafeLoadPlanner,
+    UnreadableFile,
     read_metadata,
 )
 from partrain.checkpoint.state import MODEL, OPTIM, apply_loaded, rank_state
@@ -105,6 +106,9 @@ def _blame_data(path: Path, key: str) -> Callable[[BaseException], ConfigError]:
     """A dcp.load failure as a CorruptCheckpoint naming the data file DCP's text names, if any."""
 
     def blame(exc: BaseException) -> ConfigError:
+        unreadable = next((e for e in causes(exc) if isinstance(e, UnreadableFile)), None)
+        if unreadable is not None:
+            return corrupt(path / unreadable.relative_path, f"cannot be read: {unreadable.reason}", key=key)
         text = str(exc)
         named = _DATA_FILE.search(text)
         where = path / named.group(0) if named else path
@@ -169,7 +173,8 @@ def _warn_incomplete(root: Path) -> None:
 
 
 def _one_line(err: ConfigError) -> str:
-    return "; ".join(p.rule for p in err.problems)
+    """The problems' rules, each naming its file."""
+    return "; ".join(p.rule if str(p.value) in p.rule else f"{p.value} {p.rule}" for p in err.problems)
 
 
 def load_with_fallback(
