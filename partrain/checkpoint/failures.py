@@ -68,11 +68,38 @@ def os_error(exc: BaseException) -> Optional[OSError]:
     return next((e for e in causes(exc) if isinstance(e, OSError) and e.errno), None)
 
 
+LOW_SPACE_BYTES = 1 << 20
+"""Free space below which a write failure that lost its errno is taken for a full disk."""
+
+
+def diagnose(folder: Path) -> Optional[int]:
+    """The errno a failed write most likely met, when the error itself lost it: torch's zip writer
+    reports a full disk as "[enforce fail at inline_container.cc] unexpected pos N vs M". Looks at
+    the file system of folder (or its nearest existing parent): read-only, not writable, or
+    (almost) no free space. None when none of these holds."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        fs = os.statvfs(probe)
+    except OSError:
+        return None
+    if fs.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if not os.access(probe, os.W_OK):
+        return errno.EACCES
+    if fs.f_bavail * fs.f_frsize < LOW_SPACE_BYTES:
+        return errno.ENOSPC
+    return None
+
+
 def save_failure(exc: BaseException, folder: Path) -> str:
-    """One line for a failed save of `folder`: the errno's meaning and a fix, or the first line of the cause."""
+    """One line for a failed save of `folder`: the errno's meaning and a fix, or the first line of
+    the cause. Call it before the unfinished folder is removed (that frees the space it looks at)."""
     err = os_error(exc)
-    if err is not None and err.errno in _NAMED_ERRNO:
-        what, fix = _NAMED_ERRNO[err.errno]
+    code = err.errno if err is not None else diagnose(folder)
+    if code in _NAMED_ERRNO:
+        what, fix = _NAMED_ERRNO[code]
         return f"{what} writing {folder}: {fix}"
     if err is not None:
         return f"cannot write {folder}: {os.strerror(err.errno)} ({err.filename or 'no file name'})"

@@ -22,8 +22,9 @@ gloo process group (so its collectives never interleave with training's) and ret
 commits in a background thread once DCP reports every rank's data written (DCP's own final
 gather is the barrier) and hashes every file itself there: it is off the training path, and
 a gather of per-rank hashes from those threads would be one more collective racing DCP's on the
-save group. `wait_pending_save()` blocks until that is done and re-raises a failure; the next
-save calls it first, and the trainer must call it before tearing the process group down.
+save group. `wait_pending_save()` (collective) blocks until that is done on every rank and raises
+a failure of any rank on all; the next save calls it first, and the trainer must call it before
+tearing the process group down.
 """
 
 from __future__ import annotations
@@ -69,15 +70,20 @@ _async_group: Any = None
 
 
 def wait_pending_save() -> Optional[Path]:
-    """Block until the running async save (if any) is committed; re-raise its failure. Returns its path."""
+    """Block until the running async save (if any) is committed; raise its failure. Returns its path.
+
+    Collective when a save is pending (every rank calls it at the same points: the next save and
+    the trainer's end): the ranks gather each one's outcome, so no rank goes on before rank 0's
+    commit (partrain.json, rename) is done and every rank raises if it failed on any."""
     global _pending
     pending, _pending = _pending, None
     if pending is None:
         return None
     if pending.thread is not None:
         pending.thread.join()
-    if pending.errors:
-        raise pending.errors[0]
+    failed = [f for f in all_gather(str(pending.errors[0]) if pending.errors else None) if f]
+    if failed:
+        raise SaveFailed(failed[0])
     return pending.final
 
 
