@@ -361,6 +361,7 @@ def checkpoint_info_cmd(
             if key == "model" and isinstance(value, dict):
                 value = f"{value.get('arch')} {value.get('name', '')}".strip()
             table.add_row(key, str(value))
+    table.add_row("checksums", "SHA-256 of every file" if info.get("checksums") else "none (sizes only)")
     _console().print(table)
 
 

@@ -200,9 +200,13 @@ def test_verify_finds_truncation_a_lost_file_and_a_bad_index(two_saves, cli):
     assert f"checksum mismatch: {index} was changed after it was saved" in lines
     assert any(line.startswith(f"{index} cannot be read") for line in lines)
 
-    strip_checksums(root / "step-00000001")  # older checkpoints: sizes only, said so, still ok
-    ran = cli("checkpoint", "verify", str(root / "step-00000001"))
+    older = root / "step-00000001"
+    strip_checksums(older)  # older checkpoints: sizes only, said so, still ok
+    ran = cli("checkpoint", "verify", str(older))
     assert ran.code == 0 and "sizes only" in ran.stdout
+    damage_zip_header(older / "rng" / "rank-0.pt")  # ... and every file must at least parse
+    ran = cli("checkpoint", "verify", str(older))
+    assert ran.code == 1 and ran.stdout.startswith(f"{older / 'rng' / 'rank-0.pt'} cannot be read: "), ran.stdout
 
 
 # ---- torch's own read failures -----------------------------------------------------------------------

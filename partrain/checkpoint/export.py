@@ -63,7 +63,8 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
 
     Keys: path, step, time, world_size, layout, model (arch, name, config), size_bytes (all files),
     n_tensors (all saved tensors, model and optimizer), n_model_tensors, n_parameters (elements of
-    the model's parameters, a tied head counted once), partrain_version, extra.
+    the model's parameters, a tied head counted once), partrain_version, extra, format_version,
+    checksums (whether partrain.json records SHA-256s; `partrain checkpoint verify` checks them).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -102,6 +103,8 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
         "n_parameters": n_params,
         "partrain_version": record.get("partrain_version"),
         "extra": record.get("extra", {}),
+        "format_version": record.get("format_version"),
+        "checksums": has_checksums(record),
     }
 
 

@@ -2,8 +2,9 @@
 
 One process, no process group, reads every file once. For each checkpoint: partrain.json parses
 and is ours; every file it lists is present with its recorded size and SHA-256 (format_version 1
-checkpoints have sizes only: said so, not a failure); DCP's `.metadata` unpickles with the
-allow-list and every byte range it indexes lies inside a listed file. A folder of checkpoints
+checkpoints have sizes only: said so, not a failure, and instead every stored chunk must load with
+torch.load(weights_only=True)); DCP's `.metadata` unpickles with the allow-list and every byte
+range it indexes lies inside a listed file. A folder of checkpoints
 (RUN_DIR/checkpoints) is checked one checkpoint at a time, including `step-NNNNNNNN` folders that
 lack partrain.json or .metadata (damaged: resume=auto skips them); unfinished `.partial` saves are
 not checkpoints and are left out.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from partrain.checkpoint import folders
 from partrain.checkpoint.export import PATH_KEY
@@ -53,14 +54,15 @@ class Verdict:
         }
 
 
-def _index_problems(path: Path, record: Dict[str, Any]) -> List[str]:
-    """DCP's index parses, and every chunk it points at lies inside a file partrain.json lists."""
+def _index_problems(path: Path, record: Dict[str, Any]) -> Tuple[Any, List[str]]:
+    """(DCP's index or None, problems): it parses, and every chunk it points at lies inside a file
+    partrain.json lists."""
     from partrain.checkpoint.safe_io import read_metadata
 
     try:
         metadata = read_metadata(path)
     except Exception as exc:  # noqa: BLE001 - any failure to read the index means the same to the user
-        return [f"{path / folders.METADATA_FILE} cannot be read: {first_line(exc)}"]
+        return None, [f"{path / folders.METADATA_FILE} cannot be read: {first_line(exc)}"]
     problems = []
     for index, info in (metadata.storage_data or {}).items():
         rel = getattr(info, "relative_path", None)
@@ -74,6 +76,34 @@ def _index_problems(path: Path, record: Dict[str, Any]) -> List[str]:
             problems.append(f"{path / rel} is shorter ({size} bytes) than the index says ({end} bytes for {index.fqn})")
         if len(problems) >= 5:
             break
+    return metadata, problems
+
+
+def _parse_problems(path: Path, record: Dict[str, Any], metadata: Any) -> List[str]:
+    """Without checksums (format_version 1) the next best thing: every stored chunk and RNG file
+    loads with torch.load(weights_only=True). Catches damaged headers, not changed numbers."""
+    import io
+
+    import torch
+
+    from partrain.checkpoint.safe_io import load_tensors
+
+    problems = []
+    chunks: Dict[str, List[Any]] = {}
+    for info in (metadata.storage_data or {}).values() if metadata is not None else []:
+        chunks.setdefault(getattr(info, "relative_path", ""), []).append(info)
+    for rel in record["files"]:
+        file = path / rel
+        try:
+            if rel in chunks:
+                with open(file, "rb") as f:
+                    for info in chunks[rel]:
+                        f.seek(info.offset)
+                        torch.load(io.BytesIO(f.read(info.length)), weights_only=True, map_location="cpu")
+            elif rel.endswith(".pt"):
+                load_tensors(file)
+        except Exception as exc:  # noqa: BLE001 - any failure to parse is damage
+            problems.append(f"{file} cannot be read: {first_line(exc)}")
     return problems
 
 
@@ -91,7 +121,10 @@ def verify_checkpoint(path: Path) -> Verdict:
     verdict.checksums = has_checksums(record)
     verdict.problems += [why for _, why in file_problems(path, record)]
     if (path / folders.METADATA_FILE).is_file() or folders.METADATA_FILE not in record["files"]:
-        verdict.problems += _index_problems(path, record)
+        metadata, found = _index_problems(path, record)
+        verdict.problems += found
+        if not verdict.checksums and not verdict.problems:
+            verdict.problems += _parse_problems(path, record, metadata)
     return verdict
 
 
