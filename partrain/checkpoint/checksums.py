@@ -4,12 +4,13 @@ Hashing streams each file in 1 MiB chunks (one read, constant memory). On a save
 the files it wrote itself (`owned_files`: its DCP shards `__<rank>_<n>.distcp`, its
 `rng/rank-<rank>.pt`, and for rank 0 DCP's `.metadata`), so no rank re-reads the whole checkpoint
 on the training path; rank 0 gathers them into partrain.json. On a load the files are spread over
-the ranks round-robin (`share`). Pure Python (hashlib), no torch.
+the ranks by size (`share`). Pure Python (hashlib), no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -59,9 +60,17 @@ def owned_files(files: Iterable[str], rank: int) -> List[str]:
     return mine
 
 
-def share(files: Iterable[str], rank: int, world: int) -> List[str]:
-    """This rank's part of a load-time verification: every world-th file, by sorted name."""
-    return [rel for i, rel in enumerate(sorted(files)) if i % world == rank]
+def share(sizes: Dict[str, int], rank: int, world: int) -> List[str]:
+    """This rank's part of a load-time verification: the files dealt largest first, each to the
+    rank with the fewest bytes so far (the same deal on every rank, from partrain.json alone)."""
+    ranks = [(0, r) for r in range(world)]  # (bytes so far, rank): a heap, so big worlds stay cheap
+    mine = []
+    for rel in sorted(sizes, key=lambda name: (-int(sizes[name]), name)):
+        load, who = heapq.heappop(ranks)
+        heapq.heappush(ranks, (load + int(sizes[rel]), who))
+        if who == rank:
+            mine.append(rel)
+    return sorted(mine)
 
 
 def digests(folder: Path, files: Iterable[str]) -> Dict[str, Tuple[int, str]]:

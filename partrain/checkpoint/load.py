@@ -3,8 +3,8 @@ this rank's pieces.
 
 Checks come before any tensor is touched: partrain.json parses and is ours; the model is the one
 the run builds (arch and every size-determining config value); every file it lists exists with its
-recorded size and SHA-256 (each rank hashes every world-th file, so the cost is one read of the
-checkpoint spread over the ranks); DCP's `.metadata` unpickles with the allow-list. Then `dcp.load`
+recorded size and SHA-256 (the files are dealt out to the ranks by size, so the cost is one read
+of the checkpoint spread over the ranks); DCP's `.metadata` unpickles with the allow-list. Then `dcp.load`
 reads each rank's pieces straight into its parameters and optimizer state, and each rank restores
 its RNG state.
 
