@@ -314,6 +314,17 @@ def test_a_failing_disk_is_named_and_leaves_no_checkpoint(two_saves, monkeypatch
     assert all(v.ok for v in verify_path(root))
 
 
+def test_a_full_disk_under_async_save_is_named_when_waited_for(two_saves, monkeypatch):
+    from partrain.checkpoint import wait_pending_save
+
+    root, model, opt, meta = two_saves
+    _failing_streams(monkeypatch, errno.ENOSPC, after_bytes=20_000)
+    save_checkpoint(root, 3, [model], opt, {"step": 3}, meta, keep_last=1, async_save=True)
+    with pytest.raises(SaveFailed, match=r"^no space left on device writing .*step-00000003\.partial: free space"):
+        wait_pending_save()
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+
+
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir()
     if shutil.which("mount") is None:
