@@ -395,28 +395,15 @@ def checkpoint_verify_cmd(
     path: Path = typer.Argument(..., help="A checkpoint folder, or a folder of them (RUN_DIR/checkpoints)."),
     as_json: bool = JSON,
 ) -> None:
-    """Check every file of a checkpoint against its recorded size and SHA-256, and DCP's index.
-
-    Prints one line per problem (or `ok: N files, X MiB verified`); exit 0 intact, 1 damaged, 2 not a checkpoint.
-    """
-    from partrain.checkpoint import verify_path
+    """Check each file's size and SHA-256 and DCP's index: one line per problem; exit 0 intact, 1 damaged."""
+    from partrain.checkpoint.verify import report_json, report_lines, verify_path
 
     try:
         verdicts = verify_path(path)
     except ConfigError as err:
         _fail(err, as_json)
-    intact = all(v.ok for v in verdicts)
-    if as_json:
-        print(json.dumps({"path": str(path), "ok": intact, "checkpoints": [v.to_json() for v in verdicts]}))
-    else:
-        for v in verdicts:
-            for problem in v.problems:  # each names its file
-                print(problem)
-            if v.ok:
-                where = f"{v.path}: " if len(verdicts) > 1 else ""
-                how = "verified" if v.checksums else "(sizes only: format_version 1 has no checksums)"
-                print(f"ok: {where}{v.files} files, {v.bytes / 2**20:.1f} MiB {how}")
-    raise typer.Exit(0 if intact else 1)
+    print(json.dumps(report_json(path, verdicts)) if as_json else "\n".join(report_lines(verdicts)))
+    raise typer.Exit(0 if all(v.ok for v in verdicts) else 1)
 
 
 app.add_typer(checkpoint_app, name="checkpoint")

@@ -148,3 +148,21 @@ def verify_path(path: Path) -> List[Verdict]:
         )
         raise ConfigError(Problem(PATH_KEY, str(path), rule, fix))
     return [verify_checkpoint(p) for p in inside]
+
+
+def report_lines(verdicts: List[Verdict]) -> List[str]:
+    """What `partrain checkpoint verify` prints: each problem (naming its file), and for an intact
+    checkpoint `ok: [PATH: ]N files, X MiB verified` (or `(sizes only: ...)` without checksums)."""
+    lines = []
+    for v in verdicts:
+        lines += v.problems
+        if v.ok:
+            where = f"{v.path}: " if len(verdicts) > 1 else ""
+            how = "verified" if v.checksums else "(sizes only: format_version 1 has no checksums)"
+            lines.append(f"ok: {where}{v.files} files, {v.bytes / 2**20:.1f} MiB {how}")
+    return lines
+
+
+def report_json(path: Path, verdicts: List[Verdict]) -> Dict[str, Any]:
+    """`--json`: {path, ok, checkpoints: [Verdict.to_json(), ...]}."""
+    return {"path": str(path), "ok": all(v.ok for v in verdicts), "checkpoints": [v.to_json() for v in verdicts]}
