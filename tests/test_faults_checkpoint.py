@@ -236,7 +236,7 @@ def test_damaged_zip_header_is_a_one_line_failure_and_auto_falls_back(two_saves,
     assert named == [str(ckpt / "__0_0.distcp"), str(root / "step-00000001" / "rng" / "rank-0.pt")]
 
 
-def test_incomplete_step_folder_is_skipped_with_a_warning(two_saves, caplog):
+def test_incomplete_step_folder_is_skipped_with_a_warning_and_never_a_fresh_start(two_saves, caplog):
     root, model, opt, meta = two_saves
     (root / "step-00000002" / "partrain.json").unlink()
     with caplog.at_level(logging.WARNING, logger="partrain"):
@@ -246,6 +246,12 @@ def test_incomplete_step_folder_is_skipped_with_a_warning(two_saves, caplog):
         "skipping" in r.getMessage() and "step-00000002" in r.getMessage() and "partrain.json" in r.getMessage()
         for r in caplog.records
     )
+    # Nothing usable left: an error naming both, never a fresh start that would lose the run.
+    (root / "step-00000001" / ".metadata").unlink()
+    with pytest.raises(ConfigError) as err:
+        load_with_fallback(root, [model], opt, meta)
+    assert [p.value for p in err.value.problems] == [str(root / "step-00000001"), str(root / "step-00000002")]
+    assert "lacks .metadata" in err.value.problems[0].rule
 
 
 def test_info_and_export_errors_name_the_argument(two_saves, cli, tmp_path):

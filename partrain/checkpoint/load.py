@@ -165,11 +165,17 @@ def load_checkpoint(
     return record
 
 
-def _warn_incomplete(root: Path) -> None:
-    """resume=auto passes over step-NNNNNNNN folders that lack partrain.json or .metadata: say so."""
+def _incomplete(root: Path) -> List[Problem]:
+    """resume=auto passes over step-NNNNNNNN folders that lack partrain.json or .metadata (only
+    damage makes one: saves are renamed to that name when complete): warn about each, and return
+    them as problems in case nothing usable is left."""
+    problems = []
     for path in folders.incomplete_checkpoints(root):
         lacks = [name for name in (folders.RECORD_FILE, folders.METADATA_FILE) if not (path / name).is_file()]
-        warn_user(f"skipping {path}: it lacks {' and '.join(lacks)}, so it is not a complete checkpoint")
+        why = f"lacks {' and '.join(lacks)}, so it is not a complete checkpoint"
+        warn_user(f"skipping {path}: it {why}")
+        problems.append(corrupt(path, why).problems[0])
+    return problems
 
 
 def _one_line(err: ConfigError) -> str:
@@ -183,11 +189,12 @@ def load_with_fallback(
     """checkpoint.resume=auto: load the newest complete checkpoint under root; if it cannot be read
     (missing, truncated or changed files, any read failure), warn in one line and try the one before,
     and so on. Returns (path, extra), or (None, {}) when there is nothing to resume. A checkpoint of
-    another model is an error, not a fallback; so is having only damaged checkpoints (starting
-    afresh silently would lose the run): a ConfigError listing each one's cause."""
-    _warn_incomplete(root)
+    another model is an error, not a fallback; so is having only damaged checkpoints, step folders
+    without partrain.json included (starting afresh silently would lose the run): a ConfigError
+    listing each one's cause."""
+    skipped = _incomplete(root)
     candidates = [p for _, p in reversed(folders.complete_checkpoints(root))]
-    if not candidates:
+    if not candidates and not skipped:
         return None, {}
     failures: List[CorruptCheckpoint] = []
     for i, path in enumerate(candidates):
@@ -205,5 +212,5 @@ def load_with_fallback(
         if failures:
             warn_user(f"resumed from {path} after {len(failures)} unusable newer checkpoint(s)")
         return path, record.get("extra", {})
-    problems = [p for exc in failures for p in exc.problems]
+    problems = [p for exc in failures for p in exc.problems] + skipped
     raise ConfigError(problems)
