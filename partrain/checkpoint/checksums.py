@@ -87,12 +87,15 @@ def mismatch(folder: Path, rel: str, size: int, expected: Optional[str]) -> Opti
     path = Path(folder) / rel
     if not path.is_file():
         return f"{path} is missing from the checkpoint"
-    actual = path.stat().st_size
-    if actual != size:
-        return f"{path} is truncated or changed: {actual} bytes, {size} when it was saved"
-    if expected is None:
-        return None
-    read, got = file_digest(path)
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is truncated or changed: {actual} bytes, {size} when it was saved"
+        if expected is None:
+            return None
+        read, got = file_digest(path)
+    except OSError as exc:  # unreadable (permissions, I/O error): damage for whoever needs the file
+        return f"{path} cannot be read: {exc.strerror or exc}"
     if read != size or got != expected:
         return f"checksum mismatch: {path} was changed after it was saved"
     return None
