@@ -331,6 +331,50 @@ def test_a_full_disk_under_async_save_is_named_when_waited_for(two_saves, monkey
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
 
 
+def _one_rank_fails(rank: int, world: int, root: str) -> dict:
+    """2 processes: rank 1's disk fills during a save; then rank 1 alone cannot read its RNG file."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    mc, model, opt = _model(seed=1)
+    meta = {"model": model_record(mc)}
+    save_checkpoint(Path(root), 1, [model], opt, {}, meta, keep_last=0)
+    out = {}
+    original = FileSystem.create_stream
+    if rank == 1:
+        _failing_streams(pytest.MonkeyPatch(), errno.ENOSPC, after_bytes=1000)
+    try:
+        save_checkpoint(Path(root), 2, [model], opt, {}, meta, keep_last=0)
+    except SaveFailed as err:
+        out["save"] = str(err)
+    FileSystem.create_stream = original
+    out["left"] = sorted(p.name for p in Path(root).iterdir())
+    if rank == 0:
+        strip_checksums(Path(root) / "step-00000001")  # so that only rank 1's own read can find it
+        damage_zip_header(Path(root) / "step-00000001" / "rng" / "rank-1.pt")
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(Path(root) / "step-00000001", [model], opt, meta)
+    except CorruptCheckpoint as err:
+        out["load"] = [p.value for p in err.problems]
+    return out
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_stops_every_rank_alike(tmp_path):
+    """No rank may raise alone while the others wait in a collective (or load on): all raise the same."""
+    from partrain.testing.multiproc import run_spawned
+
+    root = tmp_path / "ckpt"
+    spawn = tmp_path / "spawn"
+    spawn.mkdir()
+    results = run_spawned(_one_rank_fails, 2, spawn, str(root), timeout_s=120)
+    partial = root / "step-00000002.partial"
+    named = f"no space left on device writing {partial}: free space or set checkpoint.dir elsewhere"
+    assert [r["save"] for r in results] == [named, named]
+    assert [r["left"] for r in results] == [["step-00000001"]] * 2
+    assert [r["load"] for r in results] == [[str(root / "step-00000001" / "rng" / "rank-1.pt")]] * 2
+
+
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir()
     if shutil.which("mount") is None:

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from partrain.checkpoint import folders
 from partrain.checkpoint.checksums import checkpoint_files, digests, owned_files
-from partrain.checkpoint.dist_util import all_gather, from_rank0, quiet_single_process
+from partrain.checkpoint.dist_util import all_gather, barrier, from_rank0, quiet_single_process
 from partrain.checkpoint.dist_util import distributed as _distributed
 from partrain.checkpoint.dist_util import rank_world as _rank_world
 from partrain.checkpoint.failures import SaveFailed, is_failure, save_failure
@@ -106,6 +106,7 @@ def _settle(failures: Sequence[Optional[str]], partial: Path, rank: int) -> None
     if failed:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
+        barrier()  # every rank sees the folder gone once SaveFailed is raised
         raise SaveFailed(failed[0])
 
 
