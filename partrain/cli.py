@@ -366,6 +366,7 @@ def checkpoint_info_cmd(
             if key == "model" and isinstance(value, dict):
                 value = f"{value.get('arch')} {value.get('name', '')}".strip()
             table.add_row(key, str(value))
+    table.add_row("checksums", "SHA-256 of every file" if info.get("checksums") else "none (sizes only)")
     _console().print(table)
 
 
@@ -398,6 +399,22 @@ def checkpoint_export_cmd(
         print(json.dumps({"exported": str(out)}))
     else:
         _console().print(f"exported to [cyan]{out}[/cyan] (AutoModelForCausalLM.from_pretrained loads it offline)")
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify_cmd(
+    path: Path = typer.Argument(..., help="A checkpoint folder, or a folder of them (RUN_DIR/checkpoints)."),
+    as_json: bool = JSON,
+) -> None:
+    """Check each file's size and SHA-256 and DCP's index: one line per problem; exit 0 intact, 1 damaged."""
+    from partrain.checkpoint.verify import report_json, report_lines, verify_path
+
+    try:
+        verdicts = verify_path(path)
+    except ConfigError as err:
+        _fail(err, as_json)
+    print(json.dumps(report_json(path, verdicts)) if as_json else "\n".join(report_lines(verdicts)))
+    raise typer.Exit(0 if all(v.ok for v in verdicts) else 1)
 
 
 app.add_typer(checkpoint_app, name="checkpoint")

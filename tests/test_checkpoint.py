@@ -9,6 +9,7 @@ Hugging Face format. Everything is compared bit for bit (torch.equal), logits wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pickle
@@ -470,6 +471,7 @@ def test_metadata_that_would_run_code_is_refused(two_saves, tmp_path):
     record_path = root / "step-00000002" / "partrain.json"
     record = json.loads(record_path.read_text())
     record["files"][".metadata"] = len(payload)
+    record["sha256"][".metadata"] = hashlib.sha256(payload).hexdigest()  # a forger rewrites the record too
     record_path.write_text(json.dumps(record))
     with pytest.raises(CorruptCheckpoint, match="refusing to load"):
         load_checkpoint(root / "step-00000002", [model], opt, meta)

@@ -10,13 +10,20 @@ Trainer-facing API (every function that touches tensors is collective when a pro
     save_checkpoint(root, step, parts, optimizer, extra, meta, keep_last, async_save)
     wait_pending_save()                                          # before exit when async_save is on
     checkpoint_info(path); export_hf(path, out_dir, tokenizer_folder)   # one process, no process group
+    verify_path(path) -> [Verdict]                               # `partrain checkpoint verify`, one process
+
+Every file's size and SHA-256 is recorded in partrain.json at save time (each rank hashes what it
+wrote) and checked before a load or export reads it; any failure to read a checkpoint is a
+CorruptCheckpoint (resume=auto falls back past it); a failed save raises SaveFailed naming the cause.
 
 Modules: folders (names, completeness, lookup, pruning), record (partrain.json), state (FQN-keyed
 state of model parts and optimizers), zero1 (ShardedOptimizer adapter), rng (per-rank generators),
-safe_io (no unpickling of untrusted data), dist_util, save, load, export.
+safe_io (no unpickling of untrusted data), checksums (SHA-256 of files), failures (one-line causes),
+dist_util, save, load, export, verify.
 """
 
 from partrain.checkpoint.export import checkpoint_info, export_hf, load_model_weights
+from partrain.checkpoint.failures import SaveFailed
 from partrain.checkpoint.folders import (
     complete_checkpoints,
     find_resume,
@@ -27,6 +34,7 @@ from partrain.checkpoint.folders import (
 from partrain.checkpoint.load import load_checkpoint, load_with_fallback
 from partrain.checkpoint.record import CorruptCheckpoint, model_record, run_meta
 from partrain.checkpoint.save import save_checkpoint, wait_pending_save
+from partrain.checkpoint.verify import Verdict, verify_checkpoint, verify_path
 
 __all__ = [
     "checkpoint_info",
@@ -44,4 +52,8 @@ __all__ = [
     "run_meta",
     "save_checkpoint",
     "wait_pending_save",
+    "SaveFailed",
+    "Verdict",
+    "verify_checkpoint",
+    "verify_path",
 ]

@@ -8,14 +8,16 @@ layout wrote the checkpoint): `partrain checkpoint info PATH` and
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from partrain.blueprint.config.schema import ModelConfig
 from partrain.checkpoint import folders
-from partrain.checkpoint.dist_util import quiet_single_process
-from partrain.checkpoint.record import check_files, read_record
+from partrain.checkpoint.dist_util import quiet_single_process, warn_user
+from partrain.checkpoint.failures import causes, first_line, is_failure
+from partrain.checkpoint.record import check_files, corrupt, has_checksums, no_checksums_warning, read_record
 from partrain.checkpoint.state import MODEL
 from partrain.errors import ConfigError, Problem
 
@@ -37,7 +39,11 @@ TOKENIZER_FILES = (
 """Files of an HF tokenizer folder that export copies (weights and config.json are not among them)."""
 
 
-def _require_checkpoint(path: Path, key: str = "checkpoint.path") -> None:
+PATH_KEY = "PATH"
+"""How errors of `partrain checkpoint info/export/verify` name the checkpoint argument."""
+
+
+def _require_checkpoint(path: Path, key: str = PATH_KEY) -> None:
     if not folders.is_complete(path):
         what = (
             "an unfinished save" if path.name.endswith(folders.PARTIAL_SUFFIX) else "not a complete partrain checkpoint"
@@ -57,7 +63,8 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
 
     Keys: path, step, time, world_size, layout, model (arch, name, config), size_bytes (all files),
     n_tensors (all saved tensors, model and optimizer), n_model_tensors, n_parameters (elements of
-    the model's parameters, a tied head counted once), partrain_version, extra.
+    the model's parameters, a tied head counted once), partrain_version, extra, format_version,
+    checksums (whether partrain.json records SHA-256s; `partrain checkpoint verify` checks them).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -65,8 +72,11 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
 
     path = Path(path)
     _require_checkpoint(path)
-    record = read_record(path)
-    metadata = read_metadata(path)
+    record = read_record(path, key=PATH_KEY)
+    try:
+        metadata = read_metadata(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the index means the same to the user
+        raise corrupt(path / folders.METADATA_FILE, f"cannot be read: {first_line(exc)}", key=PATH_KEY) from exc
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     model = {k: v for k, v in tensors.items() if k.startswith(MODEL + ".")}
     tied = bool((record["model"].get("hf_config") or {}).get("tie_word_embeddings"))
@@ -93,6 +103,8 @@ def checkpoint_info(path: Path) -> Dict[str, Any]:
         "n_parameters": n_params,
         "partrain_version": record.get("partrain_version"),
         "extra": record.get("extra", {}),
+        "format_version": record.get("format_version"),
+        "checksums": has_checksums(record),
     }
 
 
@@ -139,19 +151,26 @@ def load_model_weights(path: Path):
     from partrain.checkpoint.safe_io import (
         SafeFileSystemReader,
         SafeLoadPlanner,
+        UnreadableFile,
         read_metadata,
     )
 
     path = Path(path)
     _require_checkpoint(path)
-    record = read_record(path)
-    check_files(path, record)
+    record = read_record(path, key=PATH_KEY)
+    if not has_checksums(record):
+        warn_user(no_checksums_warning(path))
+    check_files(path, record, key=PATH_KEY)  # sizes and SHA-256: never export changed weights
+    try:
+        saved_keys = read_metadata(path).state_dict_metadata
+    except Exception as exc:  # noqa: BLE001
+        raise corrupt(path / folders.METADATA_FILE, f"cannot be read: {first_line(exc)}", key=PATH_KEY) from exc
     model = _hf_model_from_record(record["model"])
     alias = _tied_groups(model)
     model.to_empty(device=torch.device("cpu"))
     model.tie_weights()  # to_empty gives every slot its own tensor: share the tied ones again
     state = model.state_dict()
-    saved = {k[len(MODEL) + 1 :] for k in read_metadata(path).state_dict_metadata if k.startswith(MODEL + ".")}
+    saved = {k[len(MODEL) + 1 :] for k in saved_keys if k.startswith(MODEL + ".")}
     request = {}
     for key, value in state.items():
         if key in saved:
@@ -161,14 +180,26 @@ def load_model_weights(path: Path):
         else:
             raise ConfigError(
                 Problem(
-                    "checkpoint.path",
+                    PATH_KEY,
                     str(path),
                     f"the checkpoint has no tensor {key}",
                     "export a checkpoint saved from this model",
                 )
             )
-    with quiet_single_process():
-        dcp.load({MODEL: request}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.load(
+                {MODEL: request}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True
+            )
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if not is_failure(exc):
+            raise
+        unreadable = next((e for e in causes(exc) if isinstance(e, UnreadableFile)), None)
+        if unreadable is not None:
+            raise corrupt(
+                path / unreadable.relative_path, f"cannot be read: {unreadable.reason}", key=PATH_KEY
+            ) from exc
+        raise corrupt(path, f"cannot be loaded: {first_line(exc)}", key=PATH_KEY) from exc
     for key, source in alias.items():
         if key in state and state[key].data_ptr() != model.get_parameter(source).data_ptr():
             raise RuntimeError(f"tied weight {key} is not shared with {source} after loading")
@@ -185,12 +216,30 @@ def _copy_tokenizer(folder: Path, out_dir: Path) -> int:
     return copied
 
 
+def _out_problem(out_dir: Path, rule: str) -> ConfigError:
+    return ConfigError(Problem("--hf", str(out_dir), rule, "pass a new or empty folder in a writable place"))
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """--hf names a folder that is, or can be, created and written: checked before any weight is read."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise _out_problem(out_dir, "is a file; export writes a folder")
+    parent = out_dir
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise _out_problem(out_dir, f"{parent} is a file, so the folder cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _out_problem(out_dir, f"{parent} is not writable")
+
+
 def export_hf(path: Path, out_dir: Path, tokenizer_folder: Optional[str] = None) -> Path:
     """Write the checkpoint's model as an HF folder (safetensors + config.json) loadable offline by
     `AutoModelForCausalLM.from_pretrained(out_dir)`; copy the tokenizer files of `tokenizer_folder`
     (default: the run's data.tokenizer when it was a local HF tokenizer folder). Returns out_dir."""
     out_dir = Path(out_dir)
-    record = read_record(Path(path)) if folders.is_complete(Path(path)) else None
+    _check_out_dir(out_dir)
+    record = read_record(Path(path), key=PATH_KEY) if folders.is_complete(Path(path)) else None
     folder = tokenizer_folder
     if folder is None and record is not None:
         used = (record.get("data") or {}).get("tokenizer")
@@ -202,7 +251,7 @@ def export_hf(path: Path, out_dir: Path, tokenizer_folder: Optional[str] = None)
     if src is not None and not any((src / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
             Problem(
-                "tokenizer",
+                "--tokenizer" if tokenizer_folder is not None else "data.tokenizer",
                 str(folder),
                 "not a local HF tokenizer folder (no tokenizer.json, vocab.json, tokenizer.model, ...)",
                 "pass the local tokenizer folder the run used",
@@ -211,7 +260,10 @@ def export_hf(path: Path, out_dir: Path, tokenizer_folder: Optional[str] = None)
     model, record = load_model_weights(path)
     model.config.use_cache = True  # partrain turns the KV cache off for training only
     model.config.architectures = [type(model).__name__]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _out_problem(out_dir, f"cannot be created: {exc.strerror or exc}") from None
     model.save_pretrained(out_dir, safe_serialization=True)
     if src is not None:
         _copy_tokenizer(src, out_dir)

@@ -2,7 +2,7 @@
 
     <root>/step-00000010.partial/   being written (or left by a crash): never resumed from
     <root>/step-00000010/           complete: renamed from .partial after every rank finished
-        partrain.json               what was saved (step, layout, model, extra, file sizes)
+        partrain.json               what was saved (step, layout, model, extra, file sizes and SHA-256)
         .metadata                   DCP's index
         __0_0.distcp ...            DCP's tensor data, one file per writing rank (and thread)
         rng/rank-0.pt ...           per-rank RNG state
@@ -64,6 +64,14 @@ def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
         return []
     found = [(step_of(p), p) for p in root.iterdir() if is_complete(p)]
     return sorted((s, p) for s, p in found if s is not None)
+
+
+def incomplete_checkpoints(root: Path) -> List[Path]:
+    """Folders under root named like a checkpoint (step-NNNNNNNN) that are not complete ones."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if step_of(p) is not None and p.is_dir() and not is_complete(p))
 
 
 def _resume_problem(value: str, rule: str, fix: str) -> ConfigError:

@@ -3,7 +3,7 @@
 Written by rank 0 once every rank has finished writing; its presence (with DCP's `.metadata`) is
 what makes a folder a checkpoint. Keys:
 
-    format, format_version     "partrain-checkpoint", 1
+    format, format_version     "partrain-checkpoint", 2 (1: the same without sha256; still read)
     step                       optimizer steps done when it was saved
     time                       UTC ISO-8601 time of the commit
     partrain_version, torch_version
@@ -15,9 +15,11 @@ what makes a folder a checkpoint. Keys:
     data                       tokenizer, seq_len, global_batch_size of the saving run
     extra                      the trainer's JSON (data position, ...)
     files                      {relative path: size in bytes} of every file of the checkpoint
+    sha256                     {relative path: hex SHA-256} of the same files (format_version 2)
 
 Before any tensor is read, a load checks that the file parses, that the model is the same (arch
-and every size-determining config value) and that no file is missing or truncated.
+and every size-determining config value) and that no file is missing, truncated or changed
+(size, then SHA-256). A format_version 1 checkpoint has sizes only: it is read with a warning.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from partrain.blueprint.config.schema import ModelConfig
+from partrain.checkpoint.checksums import mismatch
 from partrain.checkpoint.folders import RECORD_FILE
 from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger("partrain")
 
 FORMAT = "partrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+"""format_version 1 (before checksums) is still read; its files are checked by size only."""
+RESUME_KEY = "checkpoint.resume"
 
 SIZE_KEYS = (
     "vocab_size",
@@ -83,17 +88,17 @@ class CorruptCheckpoint(ConfigError):
     """The checkpoint's files are missing, truncated or unreadable (resume=auto falls back)."""
 
 
-def corrupt(file: Path, rule: str, fix: str = "") -> CorruptCheckpoint:
-    return CorruptCheckpoint(
-        Problem(
-            "checkpoint.resume",
-            str(file),
-            rule,
-            fix
-            or "resume from an earlier checkpoint (checkpoint.resume=auto falls back to "
-            "one by itself) or start afresh with checkpoint.resume=none",
+def corrupt(file: Path, rule: str, fix: str = "", key: str = RESUME_KEY) -> CorruptCheckpoint:
+    """CorruptCheckpoint naming `file`, under `key`: checkpoint.resume in a run, the command's
+    argument (PATH) for `partrain checkpoint info/export/verify`."""
+    if not fix and key == RESUME_KEY:
+        fix = (
+            "resume from an earlier checkpoint (checkpoint.resume=auto falls back to "
+            "one by itself) or start afresh with checkpoint.resume=none"
         )
-    )
+    elif not fix:
+        fix = "use an earlier checkpoint (`partrain checkpoint verify RUN_DIR/checkpoints` lists the intact ones)"
+    return CorruptCheckpoint(Problem(key, str(file), rule, fix))
 
 
 # ---- what the trainer passes as meta / expect ---------------------------------------------------
@@ -142,7 +147,12 @@ def run_meta(validated: Any) -> Dict[str, Any]:
 
 
 def make_record(
-    meta: Dict[str, Any], step: int, extra: Dict[str, Any], world_size: int, files: Dict[str, int]
+    meta: Dict[str, Any],
+    step: int,
+    extra: Dict[str, Any],
+    world_size: int,
+    files: Dict[str, int],
+    sha256: Optional[Dict[str, str]] = None,
 ) -> Dict[str, Any]:
     import torch
 
@@ -150,69 +160,88 @@ def make_record(
 
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if sha256 is not None else 1,
         "step": step,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "partrain_version": __version__,
         "torch_version": torch.__version__,
-        **{k: v for k, v in meta.items() if k not in ("step", "extra", "files", "world_size")},
+        **{k: v for k, v in meta.items() if k not in ("step", "extra", "files", "sha256", "world_size")},
         "world_size": world_size,
         "extra": extra,
         "files": files,
+        **({"sha256": sha256} if sha256 is not None else {}),
     }
-
-
-def file_sizes(folder: Path) -> Dict[str, int]:
-    """{relative posix path: bytes} of every file under folder except partrain.json."""
-    sizes = {}
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = Path(dirpath) / name
-            rel = path.relative_to(folder).as_posix()
-            if rel != RECORD_FILE and not name.endswith(".tmp"):
-                sizes[rel] = path.stat().st_size
-    return dict(sorted(sizes.items()))
 
 
 # ---- reading and checking -------------------------------------------------------------------------
 
 
-def read_record(folder: Path) -> Dict[str, Any]:
-    """partrain.json of `folder`; CorruptCheckpoint naming the file if it is missing or not ours."""
+def read_record(folder: Path, key: str = RESUME_KEY) -> Dict[str, Any]:
+    """partrain.json of `folder`; CorruptCheckpoint naming the file (under `key`) if it is missing or not ours."""
     path = Path(folder) / RECORD_FILE
     unknown = "not a partrain checkpoint / unknown layout"
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        raise corrupt(path, f"missing: {unknown}") from None
+        raise corrupt(path, f"missing: {unknown}", key=key) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise corrupt(path, f"cannot be parsed ({exc}): {unknown}") from None
+        raise corrupt(path, f"cannot be parsed ({exc}): {unknown}", key=key) from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise corrupt(path, f'has no "format": "{FORMAT}": {unknown}')
-    if record.get("format_version") != FORMAT_VERSION:
+        raise corrupt(path, f'has no "format": "{FORMAT}": {unknown}', key=key)
+    if record.get("format_version") not in READ_VERSIONS:
         raise ConfigError(
             Problem(
-                "checkpoint.resume",
+                key,
                 str(path),
-                f"format_version {record.get('format_version')!r}; this partrain reads {FORMAT_VERSION}",
+                f"format_version {record.get('format_version')!r}; this partrain reads "
+                f"{', '.join(map(str, READ_VERSIONS))}",
                 "load it with the partrain version that wrote it",
             )
         )
-    for key in ("step", "model", "files", "world_size"):
-        if key not in record:
-            raise corrupt(path, f"lacks the key {key!r}: {unknown}")
+    for name in ("step", "model", "files", "world_size"):
+        if name not in record:
+            raise corrupt(path, f"lacks the key {name!r}: {unknown}", key=key)
+    if not isinstance(record["files"], dict) or not isinstance(record.get("sha256", {}), dict):
+        raise corrupt(path, f'its "files" or "sha256" is not a mapping: {unknown}', key=key)
     return record
 
 
-def check_files(folder: Path, record: Dict[str, Any]) -> None:
-    """Every file partrain.json lists exists with the recorded size (catches truncation, lost files)."""
-    for rel, size in record["files"].items():
-        path = Path(folder) / rel
-        if not path.is_file():
-            raise corrupt(path, "is missing from the checkpoint")
-        actual = path.stat().st_size
-        if actual != size:
-            raise corrupt(path, f"is truncated or changed: {actual} bytes, {size} when it was saved")
+def has_checksums(record: Dict[str, Any]) -> bool:
+    """False for a format_version 1 checkpoint (sizes only)."""
+    return "sha256" in record
+
+
+def no_checksums_warning(folder: Path) -> str:
+    return (
+        f"{folder} was saved by an older partrain (format_version 1) and carries no checksums: "
+        "only file presence and sizes are checked"
+    )
+
+
+def file_problems(folder: Path, record: Dict[str, Any], files: Optional[List[str]] = None) -> List[Tuple[Path, str]]:
+    """(file, why) for each of the given files (default: all in partrain.json) that does not match
+    the record; `why` is a sentence naming the file.
+
+    Presence and size always; SHA-256 when the checkpoint has checksums (one streamed read a file)."""
+    sums = record.get("sha256")
+    problems = []
+    for rel in record["files"] if files is None else files:
+        expected = None if sums is None else sums.get(rel, "")
+        if expected == "":
+            problems.append((Path(folder) / rel, f"{Path(folder) / rel} has no SHA-256 in partrain.json (edited?)"))
+            continue
+        why = mismatch(folder, rel, int(record["files"][rel]), expected)
+        if why:
+            problems.append((Path(folder) / rel, why))
+    return problems
+
+
+def check_files(folder: Path, record: Dict[str, Any], key: str = RESUME_KEY, files: Optional[List[str]] = None) -> None:
+    """Every file partrain.json lists (or the given ones) exists with the recorded size and SHA-256
+    (catches truncation, lost files and same-size changes); CorruptCheckpoint naming each bad file."""
+    problems = file_problems(folder, record, files)
+    if problems:
+        raise CorruptCheckpoint([corrupt(path, why, key=key).problems[0] for path, why in problems])
 
 
 def _param_shapes(arch: str, hf: Dict[str, Any]) -> Dict[str, tuple]:

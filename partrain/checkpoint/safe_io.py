@@ -14,14 +14,16 @@ Per-rank RNG files are plain tensors written by `torch.save` and read with `weig
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.futures import Future
 
 METADATA_FILE = ".metadata"
 """DCP's index of a checkpoint: which file and byte range holds each tensor chunk."""
@@ -70,8 +72,36 @@ def read_metadata(folder: Path) -> Metadata:
     return metadata
 
 
+class UnreadableFile(Exception):
+    """Reading one data file of a checkpoint failed; names the file (DCP's own errors do not).
+    Built from plain strings, so it crosses ranks inside DCP's gathered CheckpointException."""
+
+    def __init__(self, relative_path: str, reason: str) -> None:
+        super().__init__(relative_path, reason)
+        self.relative_path = relative_path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.relative_path}: {self.reason}"
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by the allow-listed unpickler."""
+    """DCP's file reader with `.metadata` read by the allow-listed unpickler, and failures to read
+    a data file raised as UnreadableFile naming it."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: Dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:  # noqa: BLE001 - torch.load, unpickling, short reads: all name the file
+                text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+                raise UnreadableFile(relative_path, f"{type(exc).__name__}: {text[:300]}") from exc
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
