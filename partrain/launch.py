@@ -17,7 +17,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.procs import workers_of_run
-from partrain.runtime.run_lock import FolderBusy, describe_holder, hold_folders, retire_old_errors
+from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.torchrun import torchrun_command
 from partrain.train.metrics import parse_event
@@ -160,6 +160,16 @@ def _claimed(v: ValidatedRun, run_dir: Path) -> Iterator[None]:
                 )
             retire_old_errors(run_dir)
             yield
+    except FolderUnusable as bad:
+        key = next((k for k, folder in folders if Path(folder).absolute() == bad.folder), "train.run_dir")
+        raise_config(
+            Problem(
+                key,
+                str(bad.folder),
+                f"cannot be used as a folder ({bad.error.strerror or bad.error})",
+                f"choose a {key} that is (or can be made) a writable folder",
+            )
+        )
     except FolderBusy as busy:
         key = next(k for k, folder in folders if Path(folder).absolute() == busy.folder)
         pid = busy.holder.get("pid")

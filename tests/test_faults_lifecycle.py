@@ -260,6 +260,10 @@ def test_a_second_run_on_a_held_folder_exits_2_naming_the_holder_before_starting
     assert ran.code == 2 and "checkpoint.dir" in ran.stderr and ran.spawned == []
     assert not (tmp_path / "new").exists()  # the run folder the refused run created is gone again
 
+    (tmp_path / "a-file").write_text("not a folder")
+    ran = run_partrain("train", "recipe=gpt-dp", f"train.run_dir={tmp_path / 'a-file'}", env=env)
+    assert ran.code == 2 and "train.run_dir" in ran.stderr and "Traceback" not in ran.stderr and ran.spawned == []
+
 
 def test_a_stale_lock_is_taken_over_and_old_errors_are_moved_aside(tmp_path):
     folder = tmp_path / "run"

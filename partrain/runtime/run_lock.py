@@ -39,6 +39,15 @@ class FolderBusy(Exception):
         super().__init__(f"{folder} is in use by {describe_holder(holder)}")
 
 
+class FolderUnusable(Exception):
+    """The folder (or its lock file) cannot be created or opened: a file in the way, no permission..."""
+
+    def __init__(self, folder: Path, error: OSError) -> None:
+        self.folder = folder
+        self.error = error
+        super().__init__(f"{folder}: {error.strerror or error}")
+
+
 def describe_holder(holder: dict) -> str:
     """'pid 1234 on host (since 2026-11-30 23:58:01)' from what a lock file holds."""
     if not holder.get("pid"):
@@ -67,9 +76,13 @@ class FolderLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> None:
-        """Take the lock and write this process into the lock file; FolderBusy if held elsewhere."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock and write this process into the lock file; FolderBusy if held elsewhere,
+        FolderUnusable if the folder or its lock file cannot be made."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise FolderUnusable(self.folder, err) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
