@@ -56,7 +56,7 @@ def describe_holder(holder: dict) -> str:
     if holder.get("host") and holder["host"] != socket.gethostname():
         text += f" on {holder['host']}"
     if holder.get("since"):
-        text += f" (since {holder['since']})"
+        text += f", since {holder['since']}"
     return text
 
 
