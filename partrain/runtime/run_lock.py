@@ -49,7 +49,7 @@ class FolderUnusable(Exception):
 
 
 def describe_holder(holder: dict) -> str:
-    """'pid 1234 on host (since 2026-11-30 23:58:01)' from what a lock file holds."""
+    """'pid 1234 on host, since 2026-11-30 23:58:01' from what a lock file holds."""
     if not holder.get("pid"):
         return "another process (its lock file names none)"
     text = f"pid {holder['pid']}"
