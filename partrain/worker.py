@@ -120,6 +120,12 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     dist.gather_object(mine, gathered, dst=0)
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher)
+
+
+def _report_summary(v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool) -> int:
+    """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
+    train, unless `partrain train` reads it from the event)."""
     if env.is_main and state.history:
         timed = state.history[1:] or state.history
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
