@@ -131,7 +131,7 @@ def _start(v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], 
                 bufsize=1,
                 **signals.popen_options(),
             )
-            signals.started(proc.pid)
+            signals.started(proc.pid, run_dir)
         seen = _follow(proc, console, signals.received)
         code = proc.wait()
     return _conclude(run_dir, code, seen, signals.received, console)

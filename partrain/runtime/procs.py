@@ -52,6 +52,18 @@ def is_running(pid: int) -> bool:
     return fields[0] not in ("Z", "X")
 
 
+def blocks_signal(pid: int, signum: int) -> bool:
+    """Whether the main thread of pid blocks `signum` (/proc/PID/status SigBlk): a partrain worker
+    whose StopWatch is running (it receives stop signals itself) rather than one still starting."""
+    try:
+        for line in (_PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("SigBlk:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _pids() -> List[int]:
     try:
         return [int(p.name) for p in _PROC.iterdir() if p.name.isdigit()]

@@ -11,10 +11,12 @@ process ends by itself after `hard_exit_after_s` (train.timeout_s) whatever the 
 
 Launcher side (`Forwarder`): `partrain train` starts torchrun in a session of its own (a terminal's
 Ctrl-C reaches the launcher only) with SIGTERM as its parent-death signal. The first SIGINT/SIGTERM
-is passed straight to the workers (torchrun's children): they stop by themselves after the
-current step and torchrun ends because they ended (torchrun itself would kill them 30 s after
-forwarding). A second one goes to torchrun (which shuts the workers down without restarting them)
-and to the workers (which then exit at once). No torch import.
+is passed straight to the workers (torchrun's children) once they run their StopWatch (seen in
+/proc: they block the signal): they stop by themselves after the current step and torchrun ends
+because they ended (torchrun itself would kill them 30 s after forwarding). Before that (workers
+still starting) it goes to torchrun, which shuts them down without restarting them. A second one
+goes to torchrun (which shuts the workers down without restarting them) and to the workers (which
+then exit at once). No torch import.
 
 The kernel sends the parent-death signal again each time another thread of the dying parent exits
 (the child is handed to a sibling thread first): a worker ignores repeated SIGHUPs, and the
@@ -31,9 +33,10 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Callable, List, Optional
 
-from partrain.runtime.procs import children_of, set_parent_death_signal
+from partrain.runtime.procs import blocks_signal, children_of, set_parent_death_signal, workers_of_run
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What a worker treats as a request to stop."""
@@ -129,6 +132,7 @@ class Forwarder:
         self.received: List[int] = []
         """Stop signals received, in order."""
         self.torchrun: Optional[int] = None
+        self.run_dir: Optional[Path] = None
         self._old: dict = {}
 
     def __enter__(self) -> "Forwarder":
@@ -145,18 +149,25 @@ class Forwarder:
         if self.torchrun is None:
             raise Interrupted(signum)
         workers = children_of(self.torchrun)
-        if len(self.received) > 1 or not workers:
-            # torchrun's agent forwards it to the workers and shuts down without restarting them.
+        if not workers and self.run_dir is not None:  # torchrun is gone: its orphaned workers, if any
+            workers = [pid for pid in workers_of_run(self.run_dir) if pid != self.torchrun]
+        ready = bool(workers) and all(blocks_signal(pid, signum) for pid in workers)
+        if len(self.received) > 1 or not ready:
+            # torchrun's agent forwards it to the workers and shuts down without restarting them
+            # (a worker still starting, its StopWatch not yet running, would just die of it and be restarted).
             _kill(self.torchrun, signum)
-        for pid in workers:
-            _kill(pid, signum)
+        if ready or len(self.received) > 1:
+            for pid in workers:
+                _kill(pid, signum)
 
     def popen_options(self) -> dict:
         """Popen keyword arguments for torchrun: its own session, dies with this process."""
         return {"start_new_session": True, "preexec_fn": _child_setup(os.getpid())}
 
-    def started(self, pid: int) -> None:
+    def started(self, pid: int, run_dir: Path) -> None:
+        """torchrun runs as `pid`, its workers in run_dir."""
         self.torchrun = pid
+        self.run_dir = Path(run_dir)
 
     def blocked(self):
         """Context: hold SIGINT/SIGTERM while torchrun is being started (delivered when it is known)."""
