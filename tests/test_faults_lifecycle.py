@@ -184,6 +184,15 @@ def _pending(pid: int, signum: int) -> bool:
     return False
 
 
+def _freeze(pids: List[int]) -> None:
+    """SIGSTOP, and wait until every thread is stopped (until then a thread may still take signals)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            _until(lambda: "\tT" in (task / "status").read_text().split("State:", 1)[1].split("\n", 1)[0])
+
+
 def _until(condition, seconds: float = 10) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -192,23 +201,27 @@ def _until(condition, seconds: float = 10) -> None:
 
 
 def test_a_second_sigint_stops_at_once_without_a_complete_checkpoint(runs, tmp_path, data_cache):
-    """Ctrl-C twice: exit 130 at once, the step in progress not saved. The workers are frozen until
-    the launcher has forwarded the first SIGINT and unfrozen until they took it, so the second one
-    is not merged into the first (the kernel keeps one pending signal of a kind)."""
+    """Ctrl-C twice: exit 130 at once, the step in progress not saved. The workers are frozen
+    (SIGSTOP) until the launcher has forwarded each SIGINT, and run between the two until they took
+    the first, so the second is neither merged into the first (the kernel keeps one pending signal
+    of a kind) nor late."""
     run_dir = tmp_path / "run"
     proc = runs.start([*DP2, f"data.cache_dir={data_cache}", "checkpoint.every_steps=1000"], run_dir, 1000)
     _wait_training(proc, run_dir)
     from partrain.runtime.procs import children_of
 
     workers = children_of(_torchrun_of(proc, run_dir))
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
+    _freeze(workers)
     proc.send_signal(signal.SIGINT)
     _until(lambda: all(_pending(pid, signal.SIGINT) for pid in workers))
     for pid in workers:
         os.kill(pid, signal.SIGCONT)
     _until(lambda: not any(_pending(pid, signal.SIGINT) for pid in workers))
+    _freeze(workers)  # again, so the step and its save cannot finish before the second one
     proc.send_signal(signal.SIGINT)
+    _until(lambda: all(_pending(pid, signal.SIGINT) for pid in workers))
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert "stopped by SIGINT at once" in out and "Traceback" not in out + err
