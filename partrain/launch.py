@@ -5,20 +5,27 @@ Under an existing torchrun or srun (RANK / SLURM_PROCID set) this process is its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, List, Mapping, Optional
 
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.preflight import check_before_launch
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.runtime.procs import workers_of_run
+from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
+from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.torchrun import torchrun_command
 from partrain.train.metrics import parse_event
 from partrain.worker import DATA_MANIFEST
+
+TORCHRUN_LOG = "torchrun.log"
+"""RUN_DIR/logs/torchrun.log: torchrun's own output and rank 0's stderr (tracebacks, warnings)."""
 
 
 def default_run_dir(v: ValidatedRun, job_id: Optional[str] = None) -> Path:
@@ -86,22 +93,89 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
                     "use cluster=local-cpu, or a smaller layout",
                 )
             )
-    try:
-        run_dir = prepare_run_dir(v, Path(v.run.train.run_dir) if v.run.train.run_dir else _unique(default_run_dir(v)))
-    except ConfigError as err:
-        raise_config(*err.problems)
+    run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else _unique(default_run_dir(v))
+    # One run per folder, held until the run ends; SIGINT/SIGTERM from here on stop the run cleanly.
+    with _claimed(v, run_dir), Forwarder() as signals:
+        try:
+            try:
+                run_dir = prepare_run_dir(v, run_dir)
+            except ConfigError as err:
+                raise_config(*err.problems)
+            return _start(v, run_dir, console, environ, signals)
+        except Interrupted as stop:
+            console.print(f"stopped by {signal_name(stop.signum)} before training started", highlight=False)
+            return exit_code(stop.signum)
+
+
+def _start(v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], signals: Forwarder) -> int:
+    """Start torchrun (own session, dies with this process, output to logs/torchrun.log), follow rank
+    0's events until the workers end, then say how the run ended; returns the exit code."""
     threads = v.run.train.threads_per_process or max(1, cpu_count() // v.world_size)
     child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     console.print(f"[bold]partrain[/bold]: {v.world_size} processes, run folder [cyan]{run_dir}[/cyan]")
-    proc = subprocess.Popen(worker_command(v, run_dir), stdout=subprocess.PIPE, text=True, env=child_env, bufsize=1)
-    summary = _follow(proc, console)
-    code = proc.wait()
-    if code != 0:
-        _report_failure(run_dir, code, console)
-        return 1
-    if summary:
-        _print_summary(summary, console)
-    return 0
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "logs" / TORCHRUN_LOG, "a") as torchrun_log:
+        with signals.blocked():  # a signal arriving now is handled once torchrun's pid is known
+            proc = subprocess.Popen(
+                worker_command(v, run_dir),
+                stdout=subprocess.PIPE,
+                stderr=torchrun_log,
+                text=True,
+                env=child_env,
+                bufsize=1,
+                **signals.popen_options(),
+            )
+            signals.started(proc.pid, run_dir)
+        seen = _follow(proc, console, signals.received)
+        code = proc.wait()
+    return _conclude(run_dir, code, seen, signals.received, console)
+
+
+@contextlib.contextmanager
+def _claimed(v: ValidatedRun, run_dir: Path) -> Iterator[None]:
+    """Lock the run folder (and checkpoint.dir) for the block; exit 2 (ConfigError) if another run
+    holds one or workers of an earlier run still run there. Moves an old errors/ aside."""
+    folders = [("train.run_dir", run_dir)]
+    if v.run.checkpoint.dir:
+        folders.append(("checkpoint.dir", Path(v.run.checkpoint.dir).expanduser()))
+    try:
+        with hold_folders([folder for _, folder in folders]):
+            leftovers = workers_of_run(run_dir)
+            if leftovers:
+                pids = " ".join(map(str, leftovers))
+                raise_config(
+                    Problem(
+                        "train.run_dir",
+                        str(run_dir),
+                        f"processes of an earlier run are still running in this folder (pids {pids}); "
+                        "they stop by themselves within train.timeout_s",
+                        f"wait a moment, or stop them (kill -TERM {pids}), or choose another train.run_dir",
+                    )
+                )
+            retire_old_errors(run_dir)
+            yield
+    except FolderUnusable as bad:
+        key = next((k for k, folder in folders if Path(folder).absolute() == bad.folder), "train.run_dir")
+        raise_config(
+            Problem(
+                key,
+                str(bad.folder),
+                f"cannot be used as a folder ({bad.error.strerror or bad.error})",
+                f"choose a {key} that is (or can be made) a writable folder",
+            )
+        )
+    except FolderBusy as busy:
+        key = next(k for k, folder in folders if Path(folder).absolute() == busy.folder)
+        pid = busy.holder.get("pid")
+        raise_config(
+            Problem(
+                key,
+                str(busy.folder),
+                f"in use by another partrain run ({describe_holder(busy.holder)}): two runs in one folder "
+                "overwrite each other's checkpoints",
+                f"wait for it to end{f' or stop it (kill -TERM {pid})' if pid else ''}, or choose another {key}",
+            )
+        )
 
 
 def raise_config(*problems: Problem) -> None:
@@ -111,23 +185,33 @@ def raise_config(*problems: Problem) -> None:
 def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) -> int:
     from partrain import worker
     from partrain.runtime.lifecycle import leave
+    from partrain.runtime.signals import StopWatch
 
+    # Before anything starts threads; SIGTERM from srun / the user's torchrun then stops cleanly.
+    stop = StopWatch(f"rank {env.rank}", hard_exit_after_s=v.run.train.timeout_s).start()
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "job"
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v, job_id=job)
     if env.is_main:
         check_before_launch(v)
-        prepare_run_dir(v, run_dir)
+        # Global rank 0 alone holds the folder lock (one lock file, also on a shared file system).
+        with _claimed(v, run_dir):
+            prepare_run_dir(v, run_dir)
+            leave(worker.main(run_dir, env, v, stop=stop))
     else:
         deadline = time.monotonic() + v.run.train.timeout_s
         while not (run_dir / DATA_MANIFEST).exists():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank 0 did not prepare {run_dir} within train.timeout_s")
             time.sleep(0.2)
-    leave(worker.main(run_dir, env, v))
+    leave(worker.main(run_dir, env, v, stop=stop))
 
 
-def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
-    """Render rank 0's events as a live progress bar; pass other output through."""
+def _follow(proc: subprocess.Popen, console, signals: Optional[List[int]] = None) -> dict:
+    """Render rank 0's events as a live progress bar; pass other output through.
+
+    Returns the events that decide the outcome: {"start": ..., "summary": ..., "stopped": ...}.
+    signals: the stop signals received so far (announced once each, between lines).
+    """
     from rich.progress import (
         BarColumn,
         Progress,
@@ -136,7 +220,9 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
         TimeRemainingColumn,
     )
 
-    summary = None
+    seen: dict = {}
+    signals = signals if signals is not None else []
+    announced = 0
     progress = Progress(
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
@@ -146,27 +232,67 @@ def _follow(proc: subprocess.Popen, console) -> Optional[dict]:
         TimeRemainingColumn(),
         console=console,
         transient=False,
+        auto_refresh=False,  # no refresh thread: see partrain.runtime.signals on the parent-death signal
     )
     task = None
     with progress:
         for line in proc.stdout:
+            if len(signals) > announced:
+                announced = len(signals)
+                progress.console.print(_stopping_text(signals), markup=False, highlight=False)
             event = parse_event(line)
             if event is None:
                 progress.console.print(line.rstrip("\n"), highlight=False, markup=False)
                 continue
             kind = event["event"]
+            if kind in ("start", "summary", "stopped"):
+                seen[kind] = event
             if kind == "start":
                 task = progress.add_task(
                     "train", total=event["steps"], completed=event.get("first_step", 0), info="starting"
                 )
             elif kind == "step" and task is not None:
                 info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
-                progress.update(task, completed=event["step"], info=info)
+                progress.update(task, completed=event["step"], info=info, refresh=True)
             elif kind == "eval":
                 progress.console.print(f"step {event['step']}: eval loss {event['eval_loss']:.4f}", markup=False)
-            elif kind == "summary":
-                summary = event
-    return summary
+    return seen
+
+
+def _stopping_text(signals: List[int]) -> str:
+    name = signal_name(signals[-1])
+    if len(signals) == 1:
+        return f"{name}: stopping after the current step (again to stop at once, without saving)"
+    return f"{name} again: stopping at once"
+
+
+def _conclude(run_dir: Path, code: int, seen: dict, signals: List[int], console) -> int:
+    """Say how the run ended; returns the exit code (README "Stopping a run" lists them)."""
+    if seen.get("stopped"):
+        console.print(seen["stopped"]["message"], markup=False, highlight=False, soft_wrap=True)
+        return exit_code(seen["stopped"]["signal"])
+    summary = seen.get("summary")
+    if code == 0 and summary:
+        _print_summary(summary, console)
+        if summary.get("problem"):
+            console.print("[bold red]training did not work[/bold red]: ", end="", highlight=False)
+            console.print(summary["problem"], markup=False, highlight=False, soft_wrap=True)
+            return 1
+        return 0
+    if signals:
+        name = signal_name(signals[-1])
+        if "start" not in seen:
+            how = "before training started"
+        elif len(signals) > 1:
+            how = "at once (second signal): the step in progress was not saved"
+        else:
+            how = "but the workers ended without a clean stop"
+        console.print(
+            f"stopped by {name} {how}; logs: {run_dir / 'logs'}", markup=False, highlight=False, soft_wrap=True
+        )
+        return exit_code(signals[-1])
+    _report_failure(run_dir, code, console)
+    return 1
 
 
 def _report_failure(run_dir: Path, code: int, console) -> None:
@@ -178,11 +304,13 @@ def _report_failure(run_dir: Path, code: int, console) -> None:
     if errors:
         first = errors[0].read_text().split("\n\n", 1)[0]
         console.print("[bold red]training failed[/bold red]: ", end="", highlight=False)
-        console.print(first, markup=False, highlight=False)
+        console.print(first, markup=False, highlight=False, soft_wrap=True)
         console.print(f"traceback: {errors[0]}; logs: {run_dir / 'logs'}", markup=False, highlight=False)
     else:
+        how = f"torchrun was killed by {signal_name(-code)}" if code < 0 else f"torchrun exit code {code}"
         console.print(
-            f"[bold red]training failed[/bold red] (torchrun exit code {code}); logs: {run_dir}", highlight=False
+            f"[bold red]training failed[/bold red] ({how}); torchrun's report: {run_dir / 'logs' / TORCHRUN_LOG}",
+            highlight=False,
         )
 
 
@@ -195,6 +323,8 @@ def _print_summary(summary: dict, console) -> None:
     if summary.get("eval_loss") is not None:
         table.add_row("final eval loss", f"{summary['eval_loss']:.4f}")
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
+    if summary.get("skipped_steps"):
+        table.add_row("skipped steps", f"{summary['skipped_steps']} (fp16 overflow)")
     for r in summary["ranks"]:
         experts = f", expert params {r['expert_param_bytes'] / 2**20:.2f} MiB" if "expert_param_bytes" in r else ""
         table.add_row(

@@ -61,8 +61,14 @@ def _open_data(v: ValidatedRun, run_dir: Path):
     return batches, evals
 
 
-def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
-    """Everything between init_process_group and destroy_process_group."""
+def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False) -> int:
+    """Everything between init_process_group and destroy_process_group; returns the exit code.
+
+    stop: the StopWatch (partrain.runtime.signals) the loop polls. via_launcher: started by
+    `partrain train`, which reads the outcome from rank 0's events: exit 0 after a clean stop or a
+    run that did not train well (torchrun must neither restart nor report a crash); otherwise (a
+    user's torchrun or srun) 128 + signal after a stop and 1 on rank 0 for a run that did not train.
+    """
     import torch
 
     from partrain.runtime.mesh import build_mesh
@@ -87,10 +93,20 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
     trainer = Trainer(
-        v, mesh, engine, batches, evals, metrics, env.is_main, on_step_end=checkpoints.maybe_save, loss_scale=loss_scale
+        v,
+        mesh,
+        engine,
+        batches,
+        evals,
+        metrics,
+        env.is_main,
+        on_step_end=checkpoints.maybe_save,
+        loss_scale=loss_scale,
+        stop=stop,
     )
     trainer.state.step = start_step
     state = trainer.run()
+    saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     checkpoints.finish()
     metrics.close()
 
@@ -102,6 +118,14 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
         mine["expert_param_bytes"] = moe.local_expert_bytes()
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
+    if state.stopped:
+        return _report_stop(v, env, run_dir, state, saved, via_launcher)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher)
+
+
+def _report_summary(v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool) -> int:
+    """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
+    train, unless `partrain train` reads it from the event)."""
     if env.is_main and state.history:
         timed = state.history[1:] or state.history
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
@@ -112,11 +136,45 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path) -> None:
             "tokens_per_s": tokens_per_s,
             "ranks": gathered,
             "run_dir": str(run_dir),
+            "skipped_steps": sum(r.skipped for r in state.history),
+            "problem": state.problem(),
         }
         if moe is not None:
             summary["moe"] = moe.summary()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         emit("summary", **summary)
+        if summary["problem"]:
+            log.error("%s", summary["problem"])
+            if not via_launcher:
+                print(f"training did not work: {summary['problem']}", file=sys.stderr, flush=True)
+                return 1
+    return 0
+
+
+def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Optional[Path], via_launcher: bool) -> int:
+    """One line saying where the stopped run ended and how to continue it (rank 0); the exit code."""
+    from partrain.runtime.signals import PARENT_DEATH_SIGNAL, exit_code, signal_name
+
+    if env.is_main:
+        who = (
+            "because its launcher died," if state.stopped == PARENT_DEATH_SIGNAL else f"by {signal_name(state.stopped)}"
+        )
+        text = f"stopped {who} after step {state.step}"
+        cfg = v.run.checkpoint
+        if saved is not None:
+            again = f"checkpoint.resume=auto train.run_dir={run_dir}"
+            again += f" checkpoint.dir={cfg.dir}" if cfg.dir else ""
+            text += f"; checkpoint saved at {saved}; resume with {again}"
+        elif not cfg.every_steps:
+            text += "; checkpointing is off (checkpoint.every_steps=0), so nothing was saved"
+        else:
+            text += "; no step trained since the start, nothing new to save"
+        log.warning("%s", text)
+        if via_launcher:
+            emit("stopped", signal=state.stopped, step=state.step, checkpoint=saved and str(saved), message=text)
+        else:
+            print(text, flush=True)
+    return 0 if via_launcher else exit_code(state.stopped)
 
 
 class Checkpoints:
@@ -135,6 +193,8 @@ class Checkpoints:
         self.meta = ckpt.run_meta(v)
         # After torchrun's elastic agent restarts the job, always continue from the newest checkpoint.
         self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
+        self.last: tuple = (0, None)
+        """(step, folder) of the newest checkpoint this run saved or resumed from."""
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step to continue after."""
@@ -154,25 +214,38 @@ class Checkpoints:
         if self.loss_scale is not None and "loss_scale" in extra:
             self.loss_scale.load_state_dict(extra["loss_scale"])
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
+        self.last = (int(extra["data"]["step"]), Path(path))
         return int(extra["data"]["step"])
 
     def maybe_save(self, step: int) -> None:
         every = self.cfg.every_steps
         if every and step % every == 0:
-            extra = {"data": {**self.batches.state_dict(), "step": step}}
-            if self.loss_scale is not None:
-                extra["loss_scale"] = self.loss_scale.state_dict()
-            path = self.ckpt.save_checkpoint(
-                self.root,
-                step,
-                self.engine.model_parts,
-                self.engine.optimizer,
-                extra,
-                self.meta,
-                self.cfg.keep_last,
-                self.cfg.async_save,
-            )
-            log.info("saved checkpoint %s", path)
+            self._save(step)
+
+    def save_at_stop(self, step: int) -> Optional[Path]:
+        """A run stopped early: save its last step when checkpointing is on (collective); the folder
+        holding that step (None when checkpointing is off or nothing was ever saved)."""
+        if not self.cfg.every_steps or step == self.last[0]:
+            return self.last[1] if self.cfg.every_steps else None
+        return self._save(step)
+
+    def _save(self, step: int) -> Path:
+        extra = {"data": {**self.batches.state_dict(), "step": step}}
+        if self.loss_scale is not None:
+            extra["loss_scale"] = self.loss_scale.state_dict()
+        path = self.ckpt.save_checkpoint(
+            self.root,
+            step,
+            self.engine.model_parts,
+            self.engine.optimizer,
+            extra,
+            self.meta,
+            self.cfg.keep_last,
+            self.cfg.async_save,
+        )
+        log.info("saved checkpoint %s", path)
+        self.last = (step, Path(path))
+        return Path(path)
 
     def finish(self) -> None:
         self.ckpt.wait_pending_save()
@@ -201,8 +274,13 @@ def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:
     os.replace(tmp, errors / f"rank-{env.rank}.txt")
 
 
-def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) -> int:
-    """Run one worker to completion; returns the process exit code (the caller leaves with `leave`)."""
+def main(
+    run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None, stop=None, via_launcher: bool = False
+) -> int:
+    """Run one worker to completion; returns the process exit code (the caller leaves with `leave`).
+
+    stop: a started StopWatch (partrain.runtime.signals) or None; via_launcher: see train_process.
+    """
     import torch
 
     from partrain.runtime.lifecycle import joined_group
@@ -210,6 +288,8 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
     setup_logging(run_dir, env)
     try:
         v = validated or validate(load_resolved(run_dir / "config.yaml"))
+        if stop is not None:
+            stop.hard_exit_after_s = float(v.run.train.timeout_s)
         torch.set_num_threads(_threads(v, env))
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
         with joined_group(v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store=store):
@@ -217,8 +297,8 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
                 raise RuntimeError(
                     f"the layout needs {v.world_size} processes but the launcher started {env.world_size}"
                 )
-            train_process(v, env, run_dir)
-        return 0
+            code = train_process(v, env, run_dir, stop, via_launcher)
+        return code
     except BaseException as exc:  # noqa: BLE001 - any failure must end this rank with its message recorded
         text = f"rank {env.rank}: {type(exc).__name__}: {exc}"
         log.error("%s\n%s", text, traceback.format_exc())
@@ -232,12 +312,15 @@ def main(run_dir: Path, env: DistEnv, validated: Optional[ValidatedRun] = None) 
 
 def entry() -> None:
     from partrain.runtime.lifecycle import leave
+    from partrain.runtime.signals import StopWatch
 
     env = from_environ(os.environ)
     if env is None:
         print("partrain.worker must be started by torchrun (or srun); use `partrain train`", file=sys.stderr)
         leave(2)
-    leave(main(Path(sys.argv[1]), env))
+    # First, before torch starts threads: they must inherit the blocked stop signals.
+    stop = StopWatch(f"rank {env.rank}").start()
+    leave(main(Path(sys.argv[1]), env, stop=stop, via_launcher=True))
 
 
 if __name__ == "__main__":

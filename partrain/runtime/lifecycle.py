@@ -57,6 +57,9 @@ def joined_group(
 
 def leave(code: int) -> NoReturn:
     """End this process now with `code`, output flushed (never through the interpreter's exit)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader is gone (the launcher was killed): nothing to flush to
+            pass
     os._exit(code)

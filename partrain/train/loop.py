@@ -46,6 +46,23 @@ class TrainState:
     history: List[StepResult] = field(default_factory=list)
     eval_loss: Optional[float] = None
     model_state_bytes: int = 0
+    stopped: int = 0
+    """The signal that stopped the run before train.steps (every rank agreed on it); 0 = not stopped."""
+
+    def problem(self) -> Optional[str]:
+        """Why a run that went to the end did not train (every step skipped, loss not finite), or None."""
+        if not self.history:
+            return None
+        if all(r.skipped for r in self.history):
+            return (
+                f"all {len(self.history)} optimizer steps were skipped: the fp16 gradients overflowed at every "
+                f"loss scale tried (down to {self.history[-1].loss_scale:g}); lower train.loss_scale_init or use "
+                "train.precision=bf16"
+            )
+        final = self.history[-1].loss
+        if not math.isfinite(final):
+            return f"the final loss is {final}, not finite: lower optim.lr (train.stop_on_nan=true stops at the first)"
+        return None
 
 
 def _mean_over(value: float, group, size: int) -> float:
@@ -101,8 +118,13 @@ class Trainer:
         is_main: bool,
         on_step_end: Callable[[int], None] = lambda step: None,
         loss_scale: Optional[DynamicLossScale] = None,
+        stop=None,
     ) -> None:
         self.on_step_end = on_step_end
+        self.stop = stop
+        """A StopWatch (partrain.runtime.signals): its `signum` is polled between steps; None = never stop."""
+        # A gloo group of its own for the stop flag (also under NCCL: a CPU int, no device sync).
+        self.stop_group = dist.new_group(backend="gloo") if stop is not None and dist.get_world_size() > 1 else None
         self.loss_scale = loss_scale
         self.v = validated
         self.cfg = validated.run
@@ -181,6 +203,8 @@ class Trainer:
                 tokens_per_step=self.v.tokens_per_step,
             )
         while self.state.step < train.steps:
+            if self._stop_agreed():
+                return self.state
             result = self.train_step()
             self.state.history.append(result)
             elapsed = time.perf_counter() - started
@@ -206,6 +230,17 @@ class Trainer:
                 self._eval_and_log(result.step)
         self._eval_and_log(self.state.step)
         return self.state
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop: every rank takes the same decision at the same step
+        (one all-reduce of a single int per step; see README "Stopping a run" for its cost)."""
+        if self.stop is None:
+            return False
+        flag = torch.tensor([self.stop.signum], dtype=torch.int64)
+        if self.stop_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
+        self.state.stopped = int(flag.item())
+        return self.state.stopped != 0
 
     def _eval_and_log(self, step: int) -> None:
         value = self.evaluate()

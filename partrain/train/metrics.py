@@ -18,8 +18,11 @@ log = logging.getLogger("partrain")
 
 
 def emit(event: str, stream: TextIO = sys.stdout, **fields) -> None:
-    stream.write(EVENT_PREFIX + json.dumps({"event": event, **fields}, default=float) + "\n")
-    stream.flush()
+    try:
+        stream.write(EVENT_PREFIX + json.dumps({"event": event, **fields}, default=float) + "\n")
+        stream.flush()
+    except BrokenPipeError:  # the launcher reading the events was killed: the run goes on (or stops) without it
+        pass
 
 
 def parse_event(line: str) -> Optional[dict]:
