@@ -220,6 +220,21 @@ class LayerActivations:
         )
 
 
+def _moe_saved(spec: PlanSpec, tokens: float, c: int) -> float:
+    """Saved bytes of a MoE block's router and experts (replicated over TP) for `tokens` tokens."""
+    f, x = spec.facts, spec.extras
+    h, k, e, ffn = f.hidden, f.experts_per_token, f.n_experts, f.ffn
+    router = e * 4 + k * 8 + (4 + k * 4 if x.norm_topk_prob else 0)  # fp32 softmax, top-k ids, renormalisation
+    # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
+    # the routing-weighted output in fp32; the weight; two int64 indices.
+    per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch in ("qwen2_moe", "qwen3_moe") else 4) + 16
+    # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
+    saved = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
+    if f.arch == "qwen2_moe" and f.shared_expert_ffn:
+        saved += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
+    return saved
+
+
 def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=None) -> LayerActivations:
     """Counted saved bytes of one decoder layer (see module docstring), for `tokens` tokens of
     sequences of length `seq` on this rank (before TP; after sequence/context parallel)."""
@@ -271,29 +286,15 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     replicated = 0.0
     if f.arch != "gpt2":
         if sparse:
-            k, e, ffn = f.experts_per_token, f.n_experts, f.ffn
-            router = e * 4 + k * 8 + (4 + k * 4 if x.norm_topk_prob else 0)  # fp32 softmax, top-k ids, renormalisation
-            # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
-            # the routing-weighted output in fp32; the weight; two int64 indices.
-            per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch in ("qwen2_moe", "qwen3_moe") else 4) + 16
-            # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
-            replicated = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
-            if f.arch == "qwen2_moe" and f.shared_expert_ffn:
-                replicated += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
+            replicated = _moe_saved(spec, tokens, c)
         else:
             sharded += tokens * 4 * (x.dense_ffn or f.ffn) * c  # gate, up, act(gate), product
     weights = 0.0
     # FSDP (zero 2/3) runs 16-bit training with a MixedPrecisionPolicy: its layers compute with
     # 16-bit parameters, so autocast has no weight copies to keep.
     if d.autocast_copies and spec.zero_stage < 2:
-        weights = (
-            sum(
-                _local_numel(t, spec.tp, spec.ep)
-                for t in layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
-                if len(t.shape) >= 2
-            )
-            * c
-        )
+        tensors = layer_tensors(f, x, 0 if not sparse else _sparse_index(f, x))
+        weights = sum(_local_numel(t, spec.tp, spec.ep) for t in tensors if len(t.shape) >= 2) * c
     return LayerActivations(
         resid=resid,
         gathered=gathered,

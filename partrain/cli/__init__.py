@@ -1,7 +1,8 @@
 """The `partrain` command line (Typer). Overrides are Hydra-style positional arguments.
 
-Exit codes: 0 success, 2 bad config or usage (one message per problem, nothing created),
-1 a failure while running.
+Exit codes: 0 success; 2 bad config or usage (one message per problem, nothing created);
+1 a failure while running (or a run that ended without training); 128 + N when stopped by signal N
+(130 Ctrl-C, 143 SIGTERM, 129 when torchrun or the workers were lost).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
+from partrain.cli.bench_cmds import bench_app
+from partrain.cli.checkpoint_cmds import checkpoint_app
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
 from partrain.errors import ConfigError, Problem
-
-RECIPES_ENV = "PARTRAIN_RECIPES"
-"""Colon-separated recipe folders searched after --recipes and before the shipped recipes."""
 
 app = typer.Typer(
     add_completion=False,
@@ -26,38 +26,6 @@ app = typer.Typer(
     rich_markup_mode="rich",
     help="Declarative parallel training of Hugging Face language models (DP/ZeRO, TP, PP, EP, SP).",
 )
-checkpoint_app = typer.Typer(help="Inspect and export distributed checkpoints.", no_args_is_help=True)
-
-OVERRIDES = typer.Argument(
-    None, help="Hydra overrides: recipe=NAME, group=option (model=llama-tiny), key=value (parallel.tp=4)."
-)
-RECIPES = typer.Option(
-    None, "--recipes", help=f"Extra recipe folder (repeatable); searched before ${RECIPES_ENV} and the shipped recipes."
-)
-JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see README).")
-
-
-def _console() -> Console:
-    return Console(highlight=False)
-
-
-def _recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
-    given = [("--recipes", str(d)) for d in cli_dirs or []]
-    given += [(RECIPES_ENV, d) for d in environ.get(RECIPES_ENV, "").split(os.pathsep) if d]
-    for source, d in given:  # checked even when no recipe is named: a folder the user gives must exist
-        if not Path(d).expanduser().is_dir():
-            raise ConfigError(Problem(source, d, "not a folder", "pass an existing folder of recipe YAML files"))
-    return [d for _, d in given]
-
-
-def _fail(err: ConfigError, as_json: bool) -> None:
-    from partrain.blueprint.report.layout import error_report, render_errors
-
-    if as_json:
-        print(json.dumps(error_report(err), indent=1, default=str))
-    else:
-        render_errors(err, Console(stderr=True, highlight=False))
-    raise typer.Exit(2)
 
 
 def _validated(overrides, recipes, as_json: bool):
@@ -65,10 +33,10 @@ def _validated(overrides, recipes, as_json: bool):
     from partrain.blueprint.validate import validate
 
     try:
-        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
+        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
         return validate(run)
     except ConfigError as err:
-        _fail(err, as_json)
+        fail(err, as_json)
 
 
 SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
@@ -102,7 +70,7 @@ def _print_layout(
         try:
             report["candidates"] = search(validated, top_k=search_top)
         except ConfigError as err:
-            _fail(err, as_json)
+            fail(err, as_json)
     if simulate_ranks is not None:
         report["simulation"] = _simulation(validated, simulate_ranks, as_json)
     drawable = "bubble_fraction_simulated" in report.get("pipeline", {})
@@ -114,7 +82,7 @@ def _print_layout(
         except OSError as exc:
             from partrain.blueprint.problems import os_error_problem
 
-            _fail(ConfigError(os_error_problem("--schedule-svg", schedule_svg, exc, "write the picture")), as_json)
+            fail(ConfigError(os_error_problem("--schedule-svg", schedule_svg, exc, "write the picture")), as_json)
         report["pipeline"]["svg"] = str(schedule_svg)
     if as_json:
         print(json.dumps(report, default=str))
@@ -124,16 +92,16 @@ def _print_layout(
             from partrain.blueprint.report.schedule import render_text
 
             picture = render_text(schedule_grid_of(validated), max_slots=120)
-        render_layout(report, _console(), all_ranks=all_ranks, picture=picture)
-        render_estimate(report["estimate"], _console())
+        render_layout(report, stdout_console(), all_ranks=all_ranks, picture=picture)
+        render_estimate(report["estimate"], stdout_console())
         if "candidates" in report:
-            render_candidates(report["candidates"], _console())
+            render_candidates(report["candidates"], stdout_console())
         if "simulation" in report:
             from partrain.blueprint.report.estimate import render_simulation
 
-            render_simulation(report["simulation"], _console(), all_ranks=all_ranks)
+            render_simulation(report["simulation"], stdout_console(), all_ranks=all_ranks)
         if schedule_svg is not None and not drawable:
-            _console().print(f"no schedule picture: pp=1 or more than {SCHEDULE_PICTURE_LIMIT} pipeline slots")
+            stdout_console().print(f"no schedule picture: pp=1 or more than {SCHEDULE_PICTURE_LIMIT} pipeline slots")
     return report
 
 
@@ -157,13 +125,13 @@ def train(
 
     missing = unsupported_features(validated)
     if missing:
-        _fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
+        fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
     from partrain.launch import launch
 
     try:
-        code = launch(validated, console=_console(), environ=dict(os.environ))
+        code = launch(validated, console=stdout_console(), environ=dict(os.environ))
     except ConfigError as err:
-        _fail(err, as_json)
+        fail(err, as_json)
     raise typer.Exit(code)
 
 
@@ -184,7 +152,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     world = validated.layout.world_size
     for rank in ranks:
         if not 0 <= rank < world:
-            _fail(
+            fail(
                 ConfigError(
                     Problem(
                         "--simulate-rank",
@@ -204,7 +172,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     for axis, what in (("sp", "sequence/context parallelism"),):
         degree = getattr(validated.layout, axis)
         if degree > 1 and not IMPLEMENTED[axis]:
-            _fail(
+            fail(
                 ConfigError(
                     Problem(
                         f"parallel.{axis}",
@@ -220,7 +188,7 @@ def _simulation(validated, ranks: List[int], as_json: bool) -> dict:
     try:
         return simulate(validated, ranks).to_json()
     except ConfigError as err:  # a wrapper refusing this layout, as `partrain train` would
-        _fail(err, as_json)
+        fail(err, as_json)
 
 
 @app.command()
@@ -276,9 +244,9 @@ def show(
     from partrain.blueprint.config.compose import compose, to_yaml
 
     try:
-        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
+        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
     except ConfigError as err:
-        _fail(err, as_json)
+        fail(err, as_json)
     if explain:
         from partrain.blueprint.config.docs import explain_rows
 
@@ -293,7 +261,7 @@ def show(
             table.add_column(col, overflow="fold")
         for row in rows:
             table.add_row(row["key"], row["type"], repr(row["value"]), row["doc"])
-        _console().print(table)
+        stdout_console().print(table)
         return
     if as_json:
         from dataclasses import asdict
@@ -309,9 +277,9 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
     from partrain.blueprint.config.recipes import list_recipes
 
     try:
-        found = list_recipes(_recipe_dirs(recipes, dict(os.environ)))
+        found = list_recipes(recipe_dirs(recipes, dict(os.environ)))
     except ConfigError as err:
-        _fail(err, as_json)
+        fail(err, as_json)
     if as_json:
         print(
             json.dumps(
@@ -339,155 +307,10 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
         if r.shadows:
             source += f" (overrides {r.shadows})"
         table.add_row(r.name, r.description, source)
-    _console().print(table)
-
-
-@checkpoint_app.command("info")
-def checkpoint_info_cmd(
-    path: Path = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-NNNNNNNN)."),
-    as_json: bool = JSON,
-) -> None:
-    """Show a checkpoint's step, layout it was saved under, model, size and tensor count."""
-    from partrain.checkpoint import checkpoint_info
-
-    try:
-        info = checkpoint_info(path)
-    except ConfigError as err:
-        _fail(err, as_json)
-    if as_json:
-        print(json.dumps(info, default=str))
-        return
-    from rich.table import Table
-
-    table = Table(title=f"checkpoint {path}", show_header=False, title_justify="left")
-    for key in ("step", "time", "world_size", "layout", "model", "size_bytes", "n_tensors", "n_parameters", "version"):
-        if key in info:
-            value = info[key]
-            if key == "model" and isinstance(value, dict):
-                value = f"{value.get('arch')} {value.get('name', '')}".strip()
-            table.add_row(key, str(value))
-    table.add_row("checksums", "SHA-256 of every file" if info.get("checksums") else "none (sizes only)")
-    _console().print(table)
-
-
-@checkpoint_app.command("export")
-def checkpoint_export_cmd(
-    path: Path = typer.Argument(..., help="A checkpoint folder."),
-    hf: Path = typer.Option(..., "--hf", help="Output folder for an HF save_pretrained model."),
-    tokenizer: Optional[Path] = typer.Option(
-        None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."
-    ),
-    as_json: bool = JSON,
-) -> None:
-    """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
-    from partrain.blueprint.problems import storage_error_words
-    from partrain.checkpoint import export_hf
-    from partrain.preflight import folder_problems
-
-    try:
-        if problems := folder_problems("--hf", hf):
-            raise ConfigError(problems)
-        out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
-    except ConfigError as err:
-        _fail(err, as_json)
-    except Exception as exc:  # the disk filling up while writing (safetensors wraps it): one line, no traceback
-        if storage_error_words(exc) is None:
-            raise
-        Console(stderr=True, highlight=False).print(f"export to {hf} failed: {storage_error_words(exc)}", markup=False)
-        raise typer.Exit(1)
-    if as_json:
-        print(json.dumps({"exported": str(out)}))
-    else:
-        _console().print(f"exported to [cyan]{out}[/cyan] (AutoModelForCausalLM.from_pretrained loads it offline)")
-
-
-@checkpoint_app.command("verify")
-def checkpoint_verify_cmd(
-    path: Path = typer.Argument(..., help="A checkpoint folder, or a folder of them (RUN_DIR/checkpoints)."),
-    as_json: bool = JSON,
-) -> None:
-    """Check each file's size and SHA-256 and DCP's index: one line per problem; exit 0 intact, 1 damaged."""
-    from partrain.checkpoint.verify import report_json, report_lines, verify_path
-
-    try:
-        verdicts = verify_path(path)
-    except ConfigError as err:
-        _fail(err, as_json)
-    print(json.dumps(report_json(path, verdicts)) if as_json else "\n".join(report_lines(verdicts)))
-    raise typer.Exit(0 if all(v.ok for v in verdicts) else 1)
+    stdout_console().print(table)
 
 
 app.add_typer(checkpoint_app, name="checkpoint")
-
-bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_help=True)
-
-
-@bench_app.command("comm")
-def bench_comm_cmd(
-    overrides: Optional[List[str]] = OVERRIDES,
-    sizes: Optional[str] = typer.Option(
-        None,
-        "--sizes",
-        help="Message sizes in bytes, comma-separated; K, M, G = 2**10, 2**20, 2**30 "
-        "(default 1K,64K,1M,16M on CPU, plus 256M on CUDA). The planner uses the largest.",
-    ),
-    iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
-    warmup: int = typer.Option(5, "--warmup", help="Untimed calls before timing."),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="Profile file to write (default runs/bench-comm/<cluster>-<time>.json)."
-    ),
-    as_json: bool = JSON,
-    recipes: Optional[List[Path]] = RECIPES,
-) -> None:
-    """Measure all-reduce, all-gather, reduce-scatter, all-to-all and send/recv bandwidth over the cluster's process
-    groups (nccl-tests' algbw/busbw by size) and save a profile for `cluster.comm_profile`."""
-    from partrain.bench.comm_parent import (
-        bench_problems,
-        bench_settings,
-        render_profile,
-    )
-    from partrain.bench.comm_parent import launch as bench_launch
-    from partrain.blueprint.config.compose import compose
-    from partrain.blueprint.validate import validate
-    from partrain.runtime.context import cpu_count, from_environ
-
-    try:  # composed as plan/train do; only problems of the cluster (and timeouts) stop a measurement
-        run = compose(overrides or [], _recipe_dirs(recipes, dict(os.environ)))
-        try:
-            validate(run)
-        except ConfigError as err:
-            if bench_problems(err.problems):
-                raise ConfigError(bench_problems(err.problems)) from None
-        dist_env = from_environ(dict(os.environ))
-        settings = bench_settings(run, sizes, iters, warmup, out, dist_env)
-    except ConfigError as err:
-        _fail(err, as_json)
-    if dist_env is not None:  # under torchrun / srun (multi-node): this process is a worker
-        from partrain.bench.comm import run as bench_run
-        from partrain.runtime.lifecycle import leave
-
-        code, profile = bench_run(settings, dist_env, show_progress=False)
-        if code == 0 and dist_env.is_main:
-            if as_json:
-                print(json.dumps({"path": settings.out, **profile}))
-            else:
-                render_profile(profile, Path(settings.out), _console())
-        leave(code)  # gloo may abort at a normal interpreter exit
-    threads = run.train.threads_per_process or max(1, cpu_count() // settings.devices_per_node)
-    code, cause, tail = bench_launch(settings, Console(stderr=True, highlight=False), dict(os.environ), threads)
-    if code != 0:
-        err = Console(stderr=True, highlight=False)
-        err.print(tail, markup=False)
-        err.print(f"[bold red]bench comm failed[/bold red] (torchrun exit code {code}): ", end="")
-        err.print(cause or "see the output above", markup=False)
-        raise typer.Exit(1)
-    profile = json.loads(Path(settings.out).read_text())
-    if as_json:
-        print(json.dumps({"path": settings.out, **profile}))
-    else:
-        render_profile(profile, Path(settings.out), _console())
-
-
 app.add_typer(bench_app, name="bench")
 
 

@@ -1,0 +1,5 @@
+"""`python -m partrain.cli`."""
+
+from partrain.cli import main
+
+main()

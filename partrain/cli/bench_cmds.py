@@ -1,0 +1,82 @@
+"""`partrain bench comm`: measure the cluster's collectives for the planner."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.errors import ConfigError
+
+bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_help=True)
+
+
+@bench_app.command("comm")
+def bench_comm_cmd(
+    overrides: Optional[List[str]] = OVERRIDES,
+    sizes: Optional[str] = typer.Option(
+        None,
+        "--sizes",
+        help="Message sizes in bytes, comma-separated; K, M, G = 2**10, 2**20, 2**30 "
+        "(default 1K,64K,1M,16M on CPU, plus 256M on CUDA). The planner uses the largest.",
+    ),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed calls before timing."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Profile file to write (default runs/bench-comm/<cluster>-<time>.json)."
+    ),
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+) -> None:
+    """Measure all-reduce, all-gather, reduce-scatter, all-to-all and send/recv bandwidth over the cluster's process
+    groups (nccl-tests' algbw/busbw by size) and save a profile for `cluster.comm_profile`."""
+    from partrain.bench.comm_parent import (
+        bench_problems,
+        bench_settings,
+        render_profile,
+    )
+    from partrain.bench.comm_parent import launch as bench_launch
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.runtime.context import cpu_count, from_environ
+
+    try:  # composed as plan/train do; only problems of the cluster (and timeouts) stop a measurement
+        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        try:
+            validate(run)
+        except ConfigError as err:
+            if bench_problems(err.problems):
+                raise ConfigError(bench_problems(err.problems)) from None
+        dist_env = from_environ(dict(os.environ))
+        settings = bench_settings(run, sizes, iters, warmup, out, dist_env)
+    except ConfigError as err:
+        fail(err, as_json)
+    if dist_env is not None:  # under torchrun / srun (multi-node): this process is a worker
+        from partrain.bench.comm import run as bench_run
+        from partrain.runtime.lifecycle import leave
+
+        code, profile = bench_run(settings, dist_env, show_progress=False)
+        if code == 0 and dist_env.is_main:
+            if as_json:
+                print(json.dumps({"path": settings.out, **profile}))
+            else:
+                render_profile(profile, Path(settings.out), stdout_console())
+        leave(code)  # gloo may abort at a normal interpreter exit
+    threads = run.train.threads_per_process or max(1, cpu_count() // settings.devices_per_node)
+    code, cause, tail = bench_launch(settings, Console(stderr=True, highlight=False), dict(os.environ), threads)
+    if code != 0:
+        err = Console(stderr=True, highlight=False)
+        err.print(tail, markup=False)
+        err.print(f"[bold red]bench comm failed[/bold red] (torchrun exit code {code}): ", end="")
+        err.print(cause or "see the output above", markup=False)
+        raise typer.Exit(1)
+    profile = json.loads(Path(settings.out).read_text())
+    if as_json:
+        print(json.dumps({"path": settings.out, **profile}))
+    else:
+        render_profile(profile, Path(settings.out), stdout_console())
