@@ -224,7 +224,7 @@ def test_estimated_model_states_follow_zero_per_stage(zero):
     """A 7.5B GPT on 64 GPUs (dp 64): the estimate's states equal ZeRO's formula on the exact count
     (stage 2: FSDP2 keeps the gathered 16-bit parameters from forward to backward: counted as transient)."""
     v = validate(_gpt_run(4096, 32, 36, 64, 512, zero=zero))
-    est = estimate(v)
+    est = estimate(v, mixed="zero")  # ZeRO's 2 + 2 + 12 bytes per parameter
     m = est["memory_bytes"]
     states = m["params"] + m["grads"] + m["optimizer"]
     psi = est["params_total"]
@@ -313,7 +313,7 @@ def test_in_flight_microbatches_give_korthikanti_interleaving_factor():
 
 def _gpt_paper_spec(t: int):
     run = _gpt_run(12288, 96, 96, 64, 64, tp=t, pp=64 // t // 8 if t < 8 else 8)
-    spec = spec_from_validated(validate(run))
+    spec = spec_from_validated(validate(run), mixed="zero")  # the paper's 16-bit accounting
     # Korthikanti's assumptions: fused GeLU (keeps its input), dropout after attention and MLP and on
     # the attention probabilities, the s x s scores stored (no fused attention), 16-bit activations.
     extras = ModelExtras(

@@ -39,6 +39,51 @@ def _validated(overrides, recipes, as_json: bool):
         fail(err, as_json)
 
 
+SEARCHED_KEYS = frozenset(
+    [f"parallel.{k}" for k in ("dp", "tp", "pp", "ep", "dp_shard", "zero_stage", "recompute", "recompute_every")]
+    + [f"parallel.{k}" for k in ("pp_schedule", "pp_virtual_stages", "pp_layers_per_stage", "tp_sequence_parallel")]
+    + ["train.micro_batch_size", "train.microbatches"]
+)
+"""Keys `plan --search` chooses itself: a starting value that is invalid does not stop the search."""
+
+
+def _search_start(overrides, recipes, as_json: bool):
+    """(ValidatedRun or None, RunConfig, problems of the starting layout the search ignores)."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+
+    try:
+        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        return validate(run), run, []
+    except ConfigError as err:
+        if any(p.key not in SEARCHED_KEYS for p in err.problems):
+            fail(ConfigError([p for p in err.problems if p.key not in SEARCHED_KEYS]), as_json)
+        return None, run, err.problems
+
+
+ACCOUNTING_STYLES = {"runtime": "autocast", "paper": "zero"}
+"""`--accounting`: what partrain's runtime allocates (default), or the ZeRO paper's 16-bit 2+2+12 bytes."""
+
+ACCOUNTING = typer.Option(
+    "runtime",
+    "--accounting",
+    help="Memory accounting: runtime (what partrain train allocates: fp32 weights under autocast, its buffers) "
+    "or paper (ZeRO's 16-bit 2+2+12 bytes per parameter, to reproduce published tables).",
+)
+CHECK = typer.Option(
+    False, "--check", help="Exit 3 when the layout does not fit or this version cannot train it (for CI)."
+)
+
+
+def _mixed_style(accounting: str, as_json: bool) -> str:
+    if accounting not in ACCOUNTING_STYLES:
+        fail(
+            ConfigError(Problem("--accounting", accounting, "must be runtime or paper", "pass --accounting runtime")),
+            as_json,
+        )
+    return ACCOUNTING_STYLES[accounting]
+
+
 SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
 
 
@@ -49,12 +94,14 @@ def _print_layout(
     schedule_svg: Optional[Path] = None,
     search_top: int = 0,
     simulate_ranks: Optional[List[int]] = None,
+    mixed: str = "autocast",
+    include_unsupported: bool = False,
 ) -> dict:
     from partrain.blueprint.planner import estimate, search
     from partrain.blueprint.report.estimate import (
+        conclude,
         render_candidates,
         render_estimate,
-        verdict_text,
     )
     from partrain.blueprint.report.layout import (
         SCHEDULE_PICTURE_LIMIT,
@@ -64,11 +111,13 @@ def _print_layout(
     )
 
     report = layout_report(validated)
-    report["estimate"] = estimate(validated)
-    report["verdict"] += "; " + verdict_text(report["estimate"])
+    report["estimate"] = estimate(validated, mixed=mixed)
+    conclude(report)
     if search_top:
         try:
-            report["candidates"] = search(validated, top_k=search_top)
+            report["candidates"] = search(
+                validated, top_k=search_top, mixed=mixed, runnable_only=not include_unsupported
+            )
         except ConfigError as err:
             fail(err, as_json)
     if simulate_ranks is not None:
@@ -115,17 +164,22 @@ def train(
     recipes: Optional[List[Path]] = RECIPES,
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
+    check: bool = CHECK,
 ) -> None:
     """Compose, validate and train (launches workers with torchrun)."""
+    if check and not dry_run:
+        fail(ConfigError(Problem("--check", True, "only goes with --dry-run", "add --dry-run")), as_json)
     validated = _validated(overrides, recipes, as_json)
     if dry_run:
-        _print_layout(validated, as_json, all_ranks, schedule_svg)
+        report = _print_layout(validated, as_json, all_ranks, schedule_svg)
+        _exit_for_check(report, check)
         return
     from partrain.blueprint.trainable import unsupported_features
 
     missing = unsupported_features(validated)
     if missing:
         fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
+    _warn_if_predicted_not_to_fit(validated)
     from partrain.launch import launch
 
     try:
@@ -133,6 +187,17 @@ def train(
     except ConfigError as err:
         fail(err, as_json)
     raise typer.Exit(code)
+
+
+def _warn_if_predicted_not_to_fit(validated) -> None:
+    """The planner's verdict before a launch: a warning, not a refusal (a measured run decides)."""
+    from partrain.blueprint.planner import estimate
+    from partrain.blueprint.report.estimate import verdict_text
+
+    est = estimate(validated)
+    if not est["fits"]:
+        text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
+        stdout_console().print(text, markup=False)
 
 
 def _unsupported_problem(text: str):
@@ -215,19 +280,67 @@ def plan(
     simulate_rank: Optional[List[int]] = typer.Option(
         None, "--simulate-rank", help="Simulate this global rank (repeatable; implies --simulate)."
     ),
+    include_unsupported: bool = typer.Option(
+        False, "--include-unsupported", help="--search also ranks layouts this version of partrain cannot train yet."
+    ),
+    accounting: str = ACCOUNTING,
+    check: bool = CHECK,
 ) -> None:
     """Validate a layout and show its report: rank table, groups, schedule, per-rank memory, FLOPs,
-    communication, bubble, predicted step time, tokens/s, MFU and whether it fits."""
+    communication, bubble, predicted step time, tokens/s, MFU and whether it fits.
+
+    With --search the starting degrees, ZeRO stage, recompute and micro batch need not be valid: the
+    search keeps only the model, cluster, sequence length, sp and global batch."""
+    mixed = _mixed_style(accounting, as_json)
     simulate_ranks = list(simulate_rank or []) if (simulate or simulate_rank) else None
+    if search_layouts:
+        validated, run, ignored = _search_start(overrides, recipes, as_json)
+        if validated is None:
+            _search_only(run, ignored, top, mixed, include_unsupported, as_json)
+            return
+    else:
+        validated = _validated(overrides, recipes, as_json)
     report = _print_layout(
-        _validated(overrides, recipes, as_json),
+        validated,
         as_json,
         all_ranks,
         schedule_svg,
         search_top=top if search_layouts else 0,
         simulate_ranks=simulate_ranks,
+        mixed=mixed,
+        include_unsupported=include_unsupported,
     )
     if search_layouts and not report.get("candidates"):
+        raise typer.Exit(2)
+    _exit_for_check(report, check)
+
+
+def _exit_for_check(report: dict, check: bool) -> None:
+    from partrain.blueprint.report.estimate import STATUS_EXIT_CODES
+
+    if check and STATUS_EXIT_CODES[report["status"]]:
+        raise typer.Exit(STATUS_EXIT_CODES[report["status"]])
+
+
+def _search_only(run, ignored, top: int, mixed: str, include_unsupported: bool, as_json: bool) -> None:
+    """`plan --search` from a starting layout that is not valid: the search's candidates alone."""
+    from partrain.blueprint.planner import search
+    from partrain.blueprint.report.estimate import render_candidates
+
+    try:
+        candidates = search(run, top_k=top, mixed=mixed, runnable_only=not include_unsupported)
+    except ConfigError as err:
+        fail(err, as_json)
+    start = [p.to_json() for p in ignored]
+    if as_json:
+        print(json.dumps({"valid": False, "starting_layout_problems": start, "candidates": candidates}, default=str))
+    else:
+        console = stdout_console()
+        console.print("the starting layout is not valid; searched from the model, cluster and global batch:")
+        for problem in ignored:
+            console.print(f"  {problem.key}={problem.value}: {problem.rule}", markup=False)
+        render_candidates(candidates, console)
+    if not candidates:
         raise typer.Exit(2)
 
 

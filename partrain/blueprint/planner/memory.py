@@ -117,7 +117,7 @@ class Dtypes:
     """torch.autocast keeps a 16-bit copy of every weight per in-flight microbatch."""
 
 
-def dtypes(precision: str, mixed: str = "zero") -> Dtypes:
+def dtypes(precision: str, mixed: str = "autocast") -> Dtypes:
     if precision == "fp32":
         return Dtypes(4, 4, 8, 4, 4, False)
     if mixed == "autocast":

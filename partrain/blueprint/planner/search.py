@@ -170,7 +170,7 @@ def _fitting_at(
                 break
 
 
-def base_spec(v_or_run, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
+def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
     """What the search keeps of a run: model, cluster, sequence length, context-parallel degree and
     mode, precision and global batch. Accepts a ValidatedRun, or a RunConfig whose own layout need
     not be valid (say, degrees written for another cluster); then the global batch must be stated."""
@@ -307,7 +307,7 @@ def why(spec: PlanSpec, est: dict, best: Optional[dict]) -> str:
 def search(
     v,
     top_k: int = 10,
-    mixed: str = "zero",
+    mixed: str = "autocast",
     space: SearchSpace = SearchSpace(),
     runnable_only: bool = False,
     dp_overlap: bool = True,

@@ -177,7 +177,7 @@ class PlanSpec:
     mbs: int = 1
     global_batch: int = 1
     precision: str = "fp32"
-    mixed: str = "zero"
+    mixed: str = "autocast"
     """Mixed-precision accounting for bf16/fp16 (see MIXED_PRECISION_STYLES)."""
     fsdp_grad_sync: str = "every_microbatch"
     """FSDP gradient reduce-scatter each microbatch, or once per step (parallel.fsdp_grad_sync)."""
@@ -244,7 +244,7 @@ def cluster_spec(cl) -> ClusterSpec:
     )
 
 
-def spec_from_validated(v, mixed: str = "zero", dp_overlap: bool = True) -> PlanSpec:
+def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
     """The PlanSpec of a `partrain.blueprint.validate.ValidatedRun`."""
     if mixed not in MIXED_PRECISION_STYLES:
         raise ValueError(f"mixed must be one of {MIXED_PRECISION_STYLES}, got {mixed!r}")

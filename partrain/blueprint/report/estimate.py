@@ -31,6 +31,26 @@ def verdict_text(est: dict) -> str:
     return f"does not fit: the worst rank needs {total:.1f} GiB, {device * usable:.1f} of {device:.1f} GiB usable"
 
 
+STATUS_EXIT_CODES = {"ready": 0, "does_not_fit": 3, "unsupported": 3}
+"""Exit codes of `plan --check` / `train --dry-run --check` by report status."""
+
+
+def conclude(report: dict) -> dict:
+    """Give the report one verdict from the layout and its estimate: "ready to launch" only when
+    `partrain train` can run the layout and it fits; sets "status" and "ready"."""
+    est = report["estimate"]
+    if report.get("status") == "unsupported":
+        report["verdict"] += "; " + verdict_text(est)
+    elif not est["fits"]:
+        report["status"] = "does_not_fit"
+        report["verdict"] += "; " + verdict_text(est)
+    else:
+        report["status"] = "ready"
+        report["verdict"] += "; ready to launch: " + verdict_text(est)
+    report["ready"] = report["status"] == "ready"
+    return report
+
+
 def render_estimate(est: dict, console) -> None:
     """Per-rank memory (GiB), FLOPs, communication (GB, 10**9 bytes), bubble, time, verdict."""
     _render_memory(est, console)

@@ -3,7 +3,8 @@
 JSON keys (documented contract, see README):
   valid, recipe, world_size, nodes, devices_per_node, degrees, order, zero_stage, dp_shard,
   model (facts), batch (global_batch_size, micro_batch_size, microbatches, seq_len, tokens_per_step),
-  ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, verdict, notes.
+  ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, verdict, notes,
+  status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate).
 On a bad config: {"valid": false, "errors": [{key, value, rule, fix, message}]}.
 """
 
@@ -44,6 +45,8 @@ def layout_report(v: ValidatedRun) -> dict:
         },
         "notes": notes,
         "verdict": _verdict(v, notes),
+        # "ready" until the estimate says otherwise (report.estimate.conclude): one verdict in the end.
+        "status": "unsupported" if notes else "ready",
     }
     if layout.pp > 1:
         report["pipeline"] = pipeline_summary(v)
@@ -86,7 +89,7 @@ def _verdict(v: ValidatedRun, notes: List[str]) -> str:
         head += f" (ep{v.layout.ep} inside dp x sp)"
     if notes:
         return head + "; this version cannot train it yet: " + "; ".join(notes)
-    return head + "; ready to launch"
+    return head
 
 
 def error_report(err: ConfigError) -> dict:
@@ -170,7 +173,7 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
         console.print(line, markup=False)
         if picture is not None:
             console.print(picture)
-    style = "yellow" if report["notes"] else "green"
+    style = {"ready": "green", "unsupported": "yellow"}.get(report.get("status", "ready"), "red")
     console.print(f"[bold {style}]verdict:[/bold {style}] {report['verdict']}")
 
 
