@@ -330,6 +330,10 @@ def test_resume_problems_exit_2_before_anything_starts(partrain, checkpoint, tmp
     damaged = tmp_path / "damaged"
     shutil.copytree(step, damaged / step.name)
     (damaged / step.name / "partrain.json").write_text("{")
+    cut = tmp_path / "cut" / step.name  # a named checkpoint has no fallback: a cut shard stops the launch
+    shutil.copytree(step, cut)
+    shard = next(cut.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
     try:
         cases = [
             ([f"checkpoint.resume={partial}"], ["unfinished save", f"checkpoint.resume={step}"]),
@@ -337,6 +341,7 @@ def test_resume_problems_exit_2_before_anything_starts(partrain, checkpoint, tmp
             ([f"checkpoint.resume={step}", "model.config.n_layer=3"], ["model.config.n_layer=3", "n_layer=4"]),
             (["checkpoint.resume=auto", f"checkpoint.dir={root}", "model.config.n_layer=2"], ["n_layer=4"]),
             (["checkpoint.resume=auto", f"checkpoint.dir={damaged}"], ["partrain.json", "cannot be parsed"]),
+            ([f"checkpoint.resume={cut}"], [f"{shard} is truncated or changed: 100 bytes"]),
         ]
         for overrides, words in cases:
             refused(partrain("train", *TINY, "train.run_dir=run", *overrides), *words)

@@ -78,10 +78,21 @@ def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
                 damaged += err.problems  # the load falls back past it, with a warning
                 continue
             check_model(record, run_meta(v), path / RECORD_FILE)
+            if spec != "auto":  # a named checkpoint has no fallback: a lost or cut file stops here (sizes only;
+                # the SHA-256 is checked when the ranks load it, one read of the checkpoint in all)
+                return _missing_or_cut(path, record)
             return []
         return damaged  # every checkpoint damaged: the load would stop too (nothing to resume is not silent)
     except ConfigError as err:
         return list(err.problems)
+
+
+def _missing_or_cut(path: Path, record: dict) -> List[Problem]:
+    from partrain.checkpoint.checksums import mismatch
+    from partrain.checkpoint.record import corrupt
+
+    found = ((path / rel, mismatch(path, rel, int(size), None)) for rel, size in record["files"].items())
+    return [corrupt(file, why).problems[0] for file, why in found if why]
 
 
 def data_problems(v: ValidatedRun) -> List[Problem]:
