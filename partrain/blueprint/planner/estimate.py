@@ -396,11 +396,15 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
                 "bytes/param); partrain's runtime keeps fp32 weights under torch.autocast (4+4+8, plus 16-bit "
                 "weight copies per in-flight microbatch), which the default --accounting runtime counts"
             )
+        elif spec.zero_stage >= 2:
+            notes.append(
+                f"runtime accounting: fp32 sharded weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param); "
+                "FSDP2's mixed-precision policy gathers 16-bit weights and computes with them (no autocast copies)"
+            )
         else:
             notes.append(
-                f"autocast: fp32 weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param) and a 16-bit "
-                "copy of each "
-                "weight saved per in-flight microbatch"
+                f"runtime accounting: fp32 weights and gradients under autocast ({d.param}+{d.grad}+{d.optim} "
+                "bytes/param) and a 16-bit copy of each weight saved per in-flight microbatch"
             )
     if spec.sp > 1:
         over = "dp_shard (partrain's ZeRO-1 optimizer shards over dp only)" if spec.zero_stage == 1 else "dp_shard x sp"
