@@ -49,15 +49,16 @@ H200 = ClusterSpec(
 
 
 def calib_spec(row: Mapping) -> PlanSpec:
-    """The PlanSpec of a calib row's 2-layer model on one H200 (bf16 autocast, zero 0)."""
-    arch, seq = row["arch"], int(row["seq"])
+    """The PlanSpec of a calib row's 2-layer model on one H200 (bf16 autocast, zero 0); the row may
+    name another "vocab" (calib.py: 32000)."""
+    arch, seq, vocab = row["arch"], int(row["seq"]), int(row.get("vocab", CALIB_VOCAB))
     if arch == "gpt2":
         config = dict(n_embd=row["hidden"], n_layer=CALIB_LAYERS, n_head=row["heads"], n_inner=row["ffn"])
-        config.update(vocab_size=CALIB_VOCAB, n_positions=seq)
+        config.update(vocab_size=vocab, n_positions=seq)
     else:
         config = dict(hidden_size=row["hidden"], intermediate_size=row["ffn"], num_hidden_layers=CALIB_LAYERS)
         config.update(num_attention_heads=row["heads"], num_key_value_heads=row["kv_heads"])
-        config.update(vocab_size=CALIB_VOCAB, max_position_embeddings=seq)
+        config.update(vocab_size=vocab, max_position_embeddings=seq)
     facts = model_facts(arch, config)
     micro = int(row["micro"])
     return PlanSpec(
