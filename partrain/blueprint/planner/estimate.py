@@ -45,10 +45,11 @@ family (ring volumes, see comm.py), for the busiest pipeline rank; "dp" includes
 Memory of a rank = model states at rest (params, grads, optimizer: memory.py) + saved activations
 of the microbatches in flight (bubble.py) + transients: the all-gathered parameters FSDP holds
 (ZeRO 2: the rank's whole unsharded model from forward to backward; ZeRO 3: the root - embeddings,
-final norm, head - plus two layers), one layer's full activations while it is recomputed, and the
-fp32 gradient of the logits on the last stage. It fits when the total is at most
-USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA context, allocator fragmentation,
-communication buffers).
+final norm, head - plus two layers), and the larger of the forward's peak (logits and their fp32
+copy on the last stage; under full recompute, autocast's cached weight copies) and the backward's
+(the fp32 loss gradients, or one layer's full activations while it is recomputed): peaks.py.
+It fits when the total is at most USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA
+context, allocator fragmentation, communication buffers).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from partrain.blueprint.planner.moe_report import moe_report
 from partrain.blueprint.planner.params import (
     param_count,
 )
+from partrain.blueprint.planner.peaks import phase_transient
 from partrain.blueprint.planner.rank_state import (
     PipelineRank,
     group_parts,
@@ -156,11 +158,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     rotary_extra = 0.0
     if f.arch != "gpt2" and len(r.chunks) > 1:
         rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq / spec.sp * f.head_dim * dt.resid
-    transient = 0.0
-    if spec.recompute == "full":
-        transient += max(s.acts[k][1] for k in s.acts)
-    if r.last:
-        transient += s.tokens * f.vocab / spec.tp * 4  # fp32 gradient of the logits
+    transient = phase_transient(spec, r, s)  # the forward's or the backward's peak (peaks.py)
     if r.layers:
         transient += sp_attention_transient(spec, s.tokens, dt)  # one layer's ring blocks / all-to-all buffers
     transient += _fsdp_gathered(spec, r, p, unsharded, s.gathered_param_bytes)

@@ -23,7 +23,8 @@ What partrain really holds:
   `torch.autograd.graph.saved_tensors_hooks` on the tiny models. For GPT-style layers under the
   paper's assumptions (fused GeLU, 16-bit, dropout, scores stored) it reduces to Korthikanti's
   34sbh + 5as^2b, plus the small fp32 statistics (layer-norm mean/rstd, softmax logsumexp) the
-  paper neglects.
+  paper neglects. The device changes what autocast keeps (`device_rules.py`: on CUDA, GPT-2's
+  tanh-GELU keeps fp32 tensors); checked against H200 measurements (tests/fixtures/gpu_h200_calib.jsonl).
 - Megatron-SP (`tp_sp`): norms and the residual stream per sequence shard (/tp), and the inputs
   of each block's column-parallel projections kept once as a compute-dtype sequence shard
   (`seq_inputs`, /tp: partrain.parallel.megatron_sp re-gathers them in backward); a MoE block still
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple
 
 from partrain.blueprint.model_facts import ModelFacts
+from partrain.blueprint.planner.device_rules import cuda_autocast, gelu_saved_per_element
 from partrain.blueprint.planner.moe import kept_fraction
 from partrain.blueprint.planner.params import TensorSpec, layer_is_sparse, layer_tensors
 from partrain.blueprint.planner.spec import ModelExtras, PlanSpec
@@ -252,8 +254,9 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
         gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
         if spec.tp_sp:  # Megatron-SP keeps each block's input as a 16-bit (compute dtype) sequence shard
             seq_inputs, gathered = gathered, 0.0
-        act = 5 if x.activation == "gelu_new" else 2
-        sharded = tokens * (3 * h + h + act * f.ffn) * c  # qkv, attention output, MLP intermediates
+        # qkv, attention output (compute dtype), MLP intermediates (fp32 in part under CUDA autocast)
+        on_cuda = cuda_autocast(spec.cluster.device, d.autocast_copies)
+        sharded = tokens * ((3 * h + h) * c + f.ffn * gelu_saved_per_element(x.activation, c, on_cuda))
         if sp_attn:
             sharded += tokens * h * c * sp_attn["extra_outputs"]
     else:

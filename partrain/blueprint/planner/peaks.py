@@ -1,0 +1,71 @@
+"""Transient bytes of a rank's step beyond its saved activations: the forward's peak and the
+backward's, of which the rank's memory counts the larger (estimate._rank_memory adds what both
+phases hold: sp attention buffers, FSDP's gathered parameters and unsharded gradients).
+
+partrain's microbatch (train.engine): forward and loss under torch.autocast, then the backward
+outside it. The loss (`models.loss.token_loss`) is cross-entropy on `logits.float()`, i.e.
+log_softmax (its fp32 output is saved: `memory.end_activations`) and nll_loss.
+
+- Forward, last rank: the logits in the compute dtype and their fp32 copy, alive while log_softmax
+  writes its output.
+- Forward, full recompute under autocast: autocast caches the 16-bit copy of every weight it casts
+  until the autocast region exits (at the end of the forward, on CPU and CUDA alike), so the copies
+  of all the rank's recomputed layers are alive at the forward's end although no layer saves them.
+- Backward, last rank: nll_loss's gradient (dense, fp32, the logits' shape) and log_softmax's
+  gradient of the fp32 logits, while the saved log-softmax output is still held: 2 x 4 bytes per
+  logit. They are freed once the head's backward has run; a fully recomputed layer then holds its
+  whole activations (`memory.LayerActivations` with recompute none): the larger of the two counts.
+
+Checked against torch.cuda.max_memory_allocated on an H200 (the forward's peak of a 2-layer model:
+tests/test_planner_gpu_calibration.py).
+"""
+
+from __future__ import annotations
+
+from partrain.blueprint.planner.memory import layer_activations
+from partrain.blueprint.planner.rank_state import PipelineRank
+from partrain.blueprint.planner.spec import PlanSpec
+
+
+def loss_forward_bytes(spec: PlanSpec, tokens: float, compute: int) -> float:
+    """Logits in the compute dtype plus their fp32 copy (none when they already are fp32), per rank
+    (vocabulary-parallel logits: /tp)."""
+    per_logit = compute + (4 if compute != 4 else 0)
+    return tokens * spec.facts.vocab / spec.tp * per_logit
+
+
+def loss_backward_bytes(spec: PlanSpec, tokens: float) -> float:
+    """fp32 gradients of the log-softmax output and of the logits, per rank."""
+    return tokens * spec.facts.vocab / spec.tp * 2 * 4
+
+
+def autocast_cache_bytes(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """16-bit weight copies of the rank's fully recomputed layers held by autocast's cast cache
+    until the forward ends (16-bit FSDP parameters need no copies)."""
+    if spec.recompute != "full" or not s.dt.autocast_copies or spec.zero_stage >= 2 or not r.layers:
+        return 0.0
+    dense = r.layers - r.sparse
+    per_layer = layer_activations(spec, False, s.tokens, spec.seq, s.dt).weights * dense
+    if r.sparse:
+        per_layer += layer_activations(spec, True, s.tokens, spec.seq, s.dt).weights * r.sparse
+    return per_layer / max(1, spec.recompute_every)
+
+
+def forward_transient(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """Bytes beyond the saved activations at the forward's peak (the loss, on the last rank)."""
+    out = autocast_cache_bytes(spec, r, s)
+    if r.last:
+        out += loss_forward_bytes(spec, s.tokens, s.dt.compute)
+    return out
+
+
+def backward_transient(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """Bytes beyond the saved activations at the backward's peak: the loss gradients (last rank)
+    or, later, one fully recomputed layer's activations (the loss gradients are freed by then)."""
+    recomputed = max(s.acts[k][1] for k in s.acts) if spec.recompute == "full" and r.layers else 0.0
+    return max(recomputed, loss_backward_bytes(spec, s.tokens) if r.last else 0.0)
+
+
+def phase_transient(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """The larger of the forward's and the backward's transient peak."""
+    return max(forward_transient(spec, r, s), backward_transient(spec, r, s))
