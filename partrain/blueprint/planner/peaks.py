@@ -39,16 +39,41 @@ def loss_backward_bytes(spec: PlanSpec, tokens: float) -> float:
     return tokens * spec.facts.vocab / spec.tp * 2 * 4
 
 
-def autocast_cache_bytes(spec: PlanSpec, r: PipelineRank, s) -> float:
-    """16-bit weight copies of the rank's fully recomputed layers held by autocast's cast cache
-    until the forward ends (16-bit FSDP parameters need no copies)."""
-    if spec.recompute != "full" or not s.dt.autocast_copies or spec.zero_stage >= 2 or not r.layers:
+def _weight_copies(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """16-bit autocast copies of all the rank's layer weights (0 when there are none to make)."""
+    if not s.dt.autocast_copies or spec.zero_stage >= 2 or not r.layers:
         return 0.0
     dense = r.layers - r.sparse
-    per_layer = layer_activations(spec, False, s.tokens, spec.seq, s.dt).weights * dense
+    out = layer_activations(spec, False, s.tokens, spec.seq, s.dt).weights * dense
     if r.sparse:
-        per_layer += layer_activations(spec, True, s.tokens, spec.seq, s.dt).weights * r.sparse
-    return per_layer / max(1, spec.recompute_every)
+        out += layer_activations(spec, True, s.tokens, spec.seq, s.dt).weights * r.sparse
+    return out
+
+
+def autocast_cache_bytes(spec: PlanSpec, r: PipelineRank, s) -> float:
+    """16-bit weight copies of the rank's fully recomputed layers held by autocast's cast cache
+    until the forward ends (16-bit FSDP parameters need no copies). A pipeline's copies are counted
+    as resident for the whole step instead (`pipeline_copies_correction`)."""
+    if spec.recompute != "full" or spec.pp > 1:
+        return 0.0
+    return _weight_copies(spec, r, s) / max(1, spec.recompute_every)
+
+
+def pipeline_copies_correction(spec: PlanSpec, r: PipelineRank, s, in_flight: int) -> float:
+    """Bytes to add to a pipeline rank's saved activations (negative: fewer) for autocast's copies.
+
+    The per-layer count saves each layer's 16-bit weight copy once per in-flight microbatch, as
+    separate autocast regions do (one per microbatch without a pipeline). A pipeline runs its whole
+    schedule in one autocast region (train.engine.PipelineEngine), so the cast cache makes one copy
+    per weight, shared by every microbatch and alive for the whole step, recomputed layers included."""
+    if spec.pp == 1:
+        return 0.0
+    every = _weight_copies(spec, r, s)
+    if not every:
+        return 0.0
+    kept_share = (1 - 1 / max(1, spec.recompute_every)) if spec.recompute == "full" else 1.0
+    counted = in_flight * (r.layers / len(r.chunks)) * (every / r.layers) * kept_share
+    return every - counted
 
 
 def forward_transient(spec: PlanSpec, r: PipelineRank, s) -> float:

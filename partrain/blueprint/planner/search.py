@@ -51,6 +51,17 @@ class SearchSpace:
     sequence_parallel: Tuple[bool, ...] = (False, True)
     micro_batch_sizes: Optional[Tuple[int, ...]] = None
     expert_parallel: Optional[Tuple[int, ...]] = None
+    runnable_only: bool = False
+    """Leave out, before pruning, the choices `partrain train` cannot run yet (ZeRO-1 with TP), so
+    that a runnable layout is never pruned in favour of one that cannot train."""
+
+
+def _trainable(spec: PlanSpec) -> bool:
+    """The spec-level part of `partrain.blueprint.trainable.unsupported_features` for the choices the
+    search makes (the rest: model, sp and checkpoint settings, are the same for every candidate)."""
+    from partrain.blueprint.trainable import IMPLEMENTED
+
+    return not (spec.zero_stage == 1 and spec.tp > 1 and not IMPLEMENTED["zero1-tp"])
 
 
 def _tp_options(spec: PlanSpec, world: int, allow_across: bool, space: SearchSpace) -> List[int]:
@@ -159,6 +170,8 @@ def _fitting_at(
         for zero in zeros:
             for i, rec in enumerate(space.recompute[:lightest]):
                 spec = dataclasses.replace(base, **layout, zero_stage=zero, recompute=rec, schedule=schedule, v=v)
+                if space.runnable_only and not _trainable(spec):
+                    break  # every recompute of this ZeRO stage is as untrainable
                 est = estimate_spec(spec, detail=False)
                 stats["evaluated"] += 1
                 if est["fits"]:
@@ -327,6 +340,8 @@ def search(
     from partrain.errors import ConfigError
 
     started = time.perf_counter()
+    if runnable_only:
+        space = dataclasses.replace(space, runnable_only=True)
     run = getattr(v, "run", v)
     base = base_spec(v, mixed=mixed, dp_overlap=dp_overlap)
     stats = {"evaluated": 0}
