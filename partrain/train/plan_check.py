@@ -70,6 +70,7 @@ def _warm_imports(v, with_tensorboard: bool) -> None:
 def memory_baseline(v, device: torch.device, is_main: bool) -> int:
     """Bytes in use before the model is built (call just before build_engine)."""
     if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the peaks count from here
         return int(torch.cuda.memory_allocated(device))
     _warm_imports(v, with_tensorboard=is_main)
     return current_rss_bytes()
