@@ -15,6 +15,13 @@
    stored attention scores, so it differs from HF GPT-2 with SDPA by design).
 3. Papers: ZeRO Figure 1, Narayanan et al. Table 1 (parameters; predicted vs achieved TFLOP/s of their
    layouts; search over their techniques), and the time of a --search for a 1T GPT on 4096 GPUs.
+4. Every run's plan check (summary.json "planned_vs_measured", partrain/train/plan_check.py) for the
+   recipes gpt-dp and gpt-3d as they are (short runs): predicted bytes per pipeline stage under the
+   runtime accounting against the measured peak RSS minus the RSS before the model was built, also
+   with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_: freed tensors go back to the
+   system, so the RSS follows live bytes more closely), and, for gpt-dp, the tensor-level peak of one
+   rank's step counted by torch's MemTracker in one process; predicted vs measured tokens/s.
+   `--plan-check` runs only this part (about 2 min).
 
 Ratios are predicted / measured (1.000 = exact).
 """
@@ -275,13 +282,173 @@ def papers() -> None:
     )
 
 
+PLAN_CHECK_RECIPES = ("gpt-dp", "gpt-3d")
+PLAN_CHECK_OVERRIDES = ["data.max_bytes=300000"]
+MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def _plan_check_run(recipe: str, run_dir: Path, steps: int, env_extra: dict) -> tuple:
+    """One short `partrain train recipe=...` run: (its summary, the cores other processes used)."""
+    import json
+    import subprocess
+
+    from _harness import partrain_command, worker_env
+    from _machine_load import ForeignLoad, settle
+
+    args = [f"recipe={recipe}", *PLAN_CHECK_OVERRIDES, f"train.steps={steps}", "train.eval_every=0"]
+    args += ["train.eval_batches=0", f"train.run_dir={run_dir}"]
+    settle(5.0)
+    with ForeignLoad() as load:
+        proc = subprocess.run(partrain_command(args), capture_output=True, text=True, env=worker_env(env_extra))
+    if proc.returncode != 0:
+        raise RuntimeError(f"partrain train {' '.join(args)}: exit {proc.returncode}\n{proc.stdout[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text()), load.cores
+
+
+def _stage_rows(recipe: str, summary: dict, threshold_summary: dict, tensor_peak: dict) -> List[List[str]]:
+    block, mib = summary["planned_vs_measured"], 2**20
+    rows = []
+    for pp_rank, terms in block["planned_memory_terms"].items():
+        stage = [r for r in block["memory_per_rank"] if r["pp_rank"] == int(pp_rank)]
+        other = [r for r in threshold_summary["planned_vs_measured"]["memory_per_rank"] if r["pp_rank"] == int(pp_rank)]
+        worst, worst_t = max(r["measured"] for r in stage), max(r["measured"] for r in other)
+        peak_rss = max(r["peak_rss_bytes"] for r in summary["ranks"] if r["pp_rank"] == int(pp_rank))
+        tensor = tensor_peak.get(recipe)
+        rows.append(
+            [
+                recipe,
+                pp_rank,
+                len(stage),
+                f"{terms['total'] / mib:.1f}",
+                f"{worst / mib:.1f}",
+                f"{terms['total'] / worst:.3f}",
+                f"{worst_t / mib:.1f}",
+                f"{terms['total'] / worst_t:.3f}",
+                f"{tensor / mib:.1f}" if tensor else "-",
+                f"{terms['total'] / tensor:.3f}" if tensor else "-",
+                f"{peak_rss / mib:.0f}",
+            ]
+        )
+    return rows
+
+
+def plan_check(steps: int) -> None:
+    print("== 4. the plan check of every run: planner (runtime accounting) vs measured, real runs on this machine")
+    tensor_peak = {"gpt-dp": _tensor_peak("gpt-dp")}
+    memory, speed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in PLAN_CHECK_RECIPES:
+            summary, cores = _plan_check_run(recipe, Path(tmp) / recipe, steps, {})
+            fixed, _ = _plan_check_run(recipe, Path(tmp) / f"{recipe}-mmap", steps, MMAP_THRESHOLD)
+            memory += _stage_rows(recipe, summary, fixed, tensor_peak)
+            t = summary["planned_vs_measured"]["tokens_per_s"]
+            speed.append(
+                [
+                    recipe,
+                    f"{t['planned']:,.0f}",
+                    f"{t['measured']:,.0f}",
+                    f"{t['planned'] / t['measured']:.3f}",
+                    f"{cores:.2f}",
+                ]
+            )
+    table(
+        memory,
+        [
+            "recipe",
+            "pp stage",
+            "ranks",
+            "predicted MiB",
+            "RSS-base MiB",
+            "pred/meas",
+            "RSS-base mmap128K",
+            "pred/meas",
+            "tensor peak MiB",
+            "pred/meas",
+            "peak RSS MiB",
+        ],
+    )
+    print(
+        "RSS-base: peak RSS minus the RSS before the model was built, the worst rank of the stage (what every run's\n"
+        "summary compares); tensor peak: torch's MemTracker over a steady step (after one untracked step) of one\n"
+        "microbatch of gpt-dp's rank model in one process (parameters, gradients, optimizer state, activations,\n"
+        "temporaries; gpt-dp's ranks run 2 microbatches, the second also holding the gradients the planner counts)\n"
+    )
+    table(speed, ["recipe", "predicted tokens/s", "measured tokens/s", "pred/meas", "other load (cores)"])
+    print(
+        "measured tokens/s: the steady-state mean after 2 warm-up steps. The planner's CPU compute model is\n"
+        "cluster.peak_tflops (local-cpu: 0.1) at its CPU efficiency, per process: it knows neither how many cores\n"
+        "the machine has nor that gpt-3d's 8 processes share them\n"
+    )
+
+
+TENSOR_PEAK_SCRIPT = """
+import json, os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+import torch, torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.validate import validate
+from partrain.runtime.mesh import build_mesh
+from partrain.train.assemble import build_engine
+v = validate(compose(json.loads(sys.argv[1])))
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=0, world_size=1)
+engine = build_engine(v, build_mesh(v.layout, "cpu"), torch.device("cpu"))
+b, s = v.run.train.micro_batch_size, v.run.train.seq_len
+x = torch.randint(0, 256, (b, s))
+def step():
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.forward_backward(x, x.clone(), 1.0)
+    engine.clip(1.0)
+    engine.optimizer.step()
+step()  # the optimizer state exists from the second step on: measure a steady step
+tracker = MemTracker()
+tracker.track_external(*engine.model_parts, engine.optimizer)
+with tracker:
+    step()
+peak = tracker.get_tracker_snapshot("peak")
+print("@@peak", json.dumps(sum(v["Total"] for v in peak.values())))
+dist.destroy_process_group()
+"""
+
+
+def _tensor_peak(recipe: str) -> int:
+    """The tensor-level peak bytes of one rank of `recipe` (dp only) over a step, in a fresh process."""
+    import json
+    import os
+    import subprocess
+
+    from _harness import worker_env
+
+    # One rank's model and micro batch: dp=1 on one process (the same per-rank shapes under DDP).
+    overrides = [f"recipe={recipe}", "cluster.devices_per_node=1", "parallel.dp=1", "train.global_batch_size=4"]
+    port = str(29600 + os.getpid() % 300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TENSOR_PEAK_SCRIPT, json.dumps(overrides), port],
+        capture_output=True,
+        text=True,
+        env=worker_env({"PYTHONPATH": str(ROOT)}),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@peak ")]
+    if proc.returncode != 0 or not lines:
+        print(f"tensor peak of {recipe} not measured: {proc.stderr[-500:]}")
+        return 0
+    return int(json.loads(lines[0].split(" ", 1)[1]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no real training runs; fewer activation cases")
+    parser.add_argument("--plan-check", action="store_true", help="only part 4 (every run's plan check)")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each part-4 run")
     args = parser.parse_args(argv)
-    papers()
-    activations(args.quick)
-    model_states(args.quick)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if not args.plan_check:
+        papers()
+        activations(args.quick)
+        model_states(args.quick)
+    if not args.quick:
+        plan_check(args.steps)
     return 0
 
 

@@ -338,3 +338,28 @@ def _print_summary(summary: dict, console) -> None:
         from partrain.blueprint.report.expert_load import expert_load_table
 
         console.print(expert_load_table(summary["moe"]))
+    _print_plan_check(summary.get("planned_vs_measured"), console)
+
+
+def _print_plan_check(block: Optional[dict], console) -> None:
+    """One line of planned vs measured memory and tokens/s; a `warning:` line for each figure more
+    than the tolerance away from its plan (partrain.train.plan_check)."""
+    if not block:
+        return
+    if block.get("error"):
+        console.print(f"planned vs measured: no plan ({block['error']})", markup=False, highlight=False, soft_wrap=True)
+        return
+    m, t = block["memory"], block["tokens_per_s"]
+
+    def ratio(c: dict) -> str:
+        return f"{c['measured_over_planned']:.2f}x" if c["measured_over_planned"] is not None else "no plan"
+
+    console.print(
+        f"planned vs measured: memory {m['planned'] / 2**30:.3f} vs {m['measured'] / 2**30:.3f} GiB ({ratio(m)}, "
+        f"rank {m['rank']}), tokens/s {t['planned']:,.0f} vs {t['measured']:,.0f} ({ratio(t)})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    for text in block.get("warnings", []):
+        console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)

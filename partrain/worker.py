@@ -76,12 +76,16 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     from partrain.train.loop import Trainer, peak_rss_bytes
     from partrain.train.loss_scale import DynamicLossScale
     from partrain.train.metrics import MetricsWriter
+    from partrain.train.plan_check import Plan, PlanCheckMetrics, measured_memory, memory_baseline
 
     run = v.run
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
     mesh = build_mesh(v.layout, device.type)
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
+    from partrain import checkpoint  # noqa: F401 - imported before the memory baseline (plan_check)
+
+    baseline = memory_baseline(v, device, env.is_main)
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_data(v, run_dir)
@@ -92,6 +96,10 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
+    pp_rank = mesh.local("pp")
+    plan = Plan.of(v) if env.is_main else None  # once, before the loop: measured beside planned
+    if env.is_main:
+        metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank)
     trainer = Trainer(
         v,
         mesh,
@@ -113,6 +121,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     import torch.distributed as dist
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline))
     moe = getattr(engine, "moe", None)
     if moe is not None:
         mine["expert_param_bytes"] = moe.local_expert_bytes()
@@ -120,12 +129,16 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     dist.gather_object(mine, gathered, dst=0)
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type)
 
 
-def _report_summary(v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool) -> int:
+def _report_summary(
+    v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool, plan=None, device_type="cpu"
+) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
+    from partrain.train.plan_check import planned_vs_measured
+
     if env.is_main and state.history:
         timed = state.history[1:] or state.history
         tokens_per_s = v.tokens_per_step * len(timed) / sum(r.step_time_s for r in timed)
@@ -141,6 +154,9 @@ def _report_summary(v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathere
         }
         if moe is not None:
             summary["moe"] = moe.summary()
+        if plan is not None:
+            steps = [r.step_time_s for r in state.history]
+            summary["planned_vs_measured"] = planned_vs_measured(plan, gathered, steps, v, device_type)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         emit("summary", **summary)
         if summary["problem"]:

@@ -1,0 +1,234 @@
+"""Measured beside planned: each run's peak memory and tokens/s next to the planner's prediction for
+the same layout (summary.json "planned_vs_measured", the last step's metrics.jsonl record and
+TensorBoard scalars, the launcher's run summary), with a warning when they differ by more than 20%.
+
+Measured memory, one definition per device:
+- cuda: `torch.cuda.max_memory_allocated` minus what was allocated before the model was built (the
+  planner counts tensors, not the caching allocator's slack); `max_memory_reserved` is kept beside it;
+- cpu: the process's peak RSS (ru_maxrss) minus its RSS just before the model was built, with the
+  modules the run imports later (the model's transformers module, TensorBoard) imported first: what
+  the Python interpreter, torch, transformers and the process group take is a baseline the planner
+  does not model. The raw peak RSS and the baseline are kept.
+Measured tokens/s: global tokens per step over the mean step time, skipping warm-up steps (the first
+two when the run has four or more, else the first).
+
+Nothing here runs inside a step: the plan is computed once before the loop, memory is read once at
+the end. A planner that cannot estimate this layout never fails the run: the block says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("partrain")
+
+TOLERANCE = 0.2
+"""A measured figure more than this far from its plan (relative) is reported with a warning."""
+
+ACCOUNTING = "autocast"
+"""The planner's accounting compared with the run: partrain's own runtime (fp32 weights under autocast)."""
+
+MEMORY_DEFINITION = {
+    "cpu": "peak RSS (ru_maxrss) minus the RSS just before the model was built (interpreter, torch, "
+    "transformers and process group excluded: the planner does not model them)",
+    "cuda": "torch.cuda.max_memory_allocated minus the bytes allocated before the model was built "
+    "(max_memory_reserved kept beside it)",
+}
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux /proc; elsewhere the peak, the best there is)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _warm_imports(v, with_tensorboard: bool) -> None:
+    """Import now what the run imports after the baseline, so the baseline holds it."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from partrain.models.build import hf_config
+
+        AutoModelForCausalLM._model_mapping[type(hf_config(v.run.model))]  # imports the modeling module
+    except Exception as exc:  # noqa: BLE001 - a custom model: the baseline is only a little lower
+        log.info("plan check: the model's module was not imported before the baseline (%s)", exc)
+    if with_tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            pass
+
+
+def memory_baseline(v, device: torch.device, is_main: bool) -> int:
+    """Bytes in use before the model is built (call just before build_engine)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the peaks count from here
+        return int(torch.cuda.memory_allocated(device))
+    _warm_imports(v, with_tensorboard=is_main)
+    return current_rss_bytes()
+
+
+def measured_memory(device: torch.device, baseline: int) -> Dict[str, int]:
+    """This rank's peak memory since the start, by the module's definition ("measured_memory_bytes")."""
+    if device.type == "cuda":
+        allocated = int(torch.cuda.max_memory_allocated(device))
+        return {
+            "measured_memory_bytes": allocated - baseline,
+            "max_memory_allocated_bytes": allocated,
+            "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "baseline_memory_bytes": baseline,
+        }
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"measured_memory_bytes": peak - baseline, "peak_rss_bytes": peak, "baseline_memory_bytes": baseline}
+
+
+def warmup_steps(n: int) -> int:
+    return 2 if n >= 4 else 1 if n >= 2 else 0
+
+
+def steady_tokens_per_s(step_times: Sequence[float], tokens_per_step: int) -> float:
+    """Tokens per second over the steps after warm-up (0.0 without a timed step)."""
+    timed = list(step_times)[warmup_steps(len(step_times)) :]
+    return tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else 0.0
+
+
+def compare(planned: float, measured: float, tolerance: float = TOLERANCE) -> Dict[str, Any]:
+    """{"planned", "measured", "measured_over_planned", "within_tolerance"}; no ratio without a plan."""
+    ratio = measured / planned if planned > 0 else None
+    ok = ratio is not None and abs(ratio - 1.0) <= tolerance
+    return {"planned": planned, "measured": measured, "measured_over_planned": ratio, "within_tolerance": ok}
+
+
+@dataclass
+class Plan:
+    """The planner's figures for this run's layout, or why there are none."""
+
+    stage_bytes: Dict[int, dict] = field(default_factory=dict)
+    """pp rank -> the planner's memory terms (params, grads, optimizer, activations, transient, total)."""
+    tokens_per_s: float = 0.0
+    error: Optional[str] = None
+
+    @classmethod
+    def of(cls, v) -> "Plan":
+        try:
+            from partrain.blueprint.planner import estimate
+
+            est = estimate(v, mixed=ACCOUNTING)
+            stages = {int(s["pp_rank"]): {k: s[k] for k in _TERMS if k in s} for s in est["memory_bytes_per_stage"]}
+            return cls(stages, float(est["tokens_per_s"]))
+        except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
+            log.warning("plan check: the planner could not estimate this layout: %s: %s", type(exc).__name__, exc)
+            return cls(error=f"the planner could not estimate this layout: {type(exc).__name__}: {exc}")
+
+    def bytes_for(self, pp_rank: int) -> int:
+        stage = self.stage_bytes.get(pp_rank)
+        return int(stage["total"]) if stage else 0
+
+
+_TERMS = ("params", "grads", "optimizer", "activations", "transient", "total")
+
+
+CPU_MEMORY_HINT = (
+    "; on CPU the RSS also holds what the allocator keeps after freeing (glibc heap) and torch's own "
+    "workspaces, which the planner does not count"
+)
+
+
+def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List[str]:
+    """The figures more than TOLERANCE away from their plan, one sentence each."""
+    out = []
+    if not memory["within_tolerance"] and memory["measured_over_planned"] is not None:
+        out.append(
+            f"peak memory of rank {worst['rank']} is {memory['measured_over_planned']:.2f}x the plan "
+            f"({memory['measured'] / 2**30:.3f} vs {memory['planned'] / 2**30:.3f} GiB planned)"
+            + (CPU_MEMORY_HINT if device_type == "cpu" and memory["measured_over_planned"] > 1 else "")
+        )
+    if not tokens["within_tolerance"] and tokens["measured_over_planned"] is not None:
+        out.append(
+            f"throughput is {tokens['measured_over_planned']:.2f}x the plan "
+            f"({tokens['measured']:,.0f} vs {tokens['planned']:,.0f} tokens/s planned)"
+        )
+    return out
+
+
+def planned_vs_measured(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device_type: str) -> dict:
+    """The summary's "planned_vs_measured" block from every rank's measured memory (the gathered
+    rank records: rank, pp_rank, measured_memory_bytes) and rank 0's step times."""
+    try:
+        return _block(plan, ranks, step_times, v, device_type)
+    except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
+        log.warning("plan check failed: %s: %s", type(exc).__name__, exc)
+        why = f"the plan check failed: {type(exc).__name__}: {exc}"
+        return {"accounting": ACCOUNTING, "error": why, "warnings": []}
+
+
+def _block(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device_type: str) -> dict:
+    per_rank = []
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        c = compare(plan.bytes_for(r["pp_rank"]), r["measured_memory_bytes"])
+        per_rank.append({"rank": r["rank"], "pp_rank": r["pp_rank"], **c})
+    # The rank furthest from its plan decides the memory verdict and the one-line summary.
+    worst = max(per_rank, key=lambda c: abs((c["measured_over_planned"] or 0.0) - 1.0))
+    memory = compare(worst["planned"], worst["measured"])
+    tokens = compare(plan.tokens_per_s, steady_tokens_per_s(step_times, v.tokens_per_step))
+    block = {
+        "accounting": ACCOUNTING,
+        "memory_definition": MEMORY_DEFINITION.get(device_type, MEMORY_DEFINITION["cpu"]),
+        "tolerance": TOLERANCE,
+        "error": plan.error,
+        "memory": {"rank": worst["rank"], **memory},
+        "memory_per_rank": per_rank,
+        "planned_memory_terms": {str(k): s for k, s in sorted(plan.stage_bytes.items())},
+        "tokens_per_s": {**tokens, "warmup_steps_skipped": warmup_steps(len(step_times))},
+        "warnings": [] if plan.error else _warnings(memory, tokens, worst, device_type),
+    }
+    for text in block["warnings"]:
+        log.warning("planned vs measured: %s", text)
+    return block
+
+
+class PlanCheckMetrics:
+    """A MetricsWriter that adds the plan check to the run's last step record (rank 0's own memory):
+    plan_memory_bytes, measured_memory_bytes, memory_measured_over_planned, plan_tokens_per_s,
+    measured_tokens_per_s, tokens_per_s_measured_over_planned. Every other record passes unchanged,
+    so parsers of step and eval lines keep working; TensorBoard gets them as scalars at that step."""
+
+    def __init__(self, inner, plan: Plan, last_step: int, v, device: torch.device, baseline: int, pp_rank: int):
+        self.inner, self.plan, self.last_step, self.v = inner, plan, last_step, v
+        self.device, self.baseline, self.pp_rank = device, baseline, pp_rank
+        self.step_times: List[float] = []
+
+    def write(self, record: dict) -> None:
+        if "step_time_s" in record:
+            self.step_times.append(record["step_time_s"])
+            if record["step"] == self.last_step:
+                try:
+                    record = {**record, **self.fields()}
+                except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
+                    log.warning("plan check failed: %s: %s", type(exc).__name__, exc)
+        self.inner.write(record)
+
+    def fields(self) -> Dict[str, Any]:
+        measured = measured_memory(self.device, self.baseline)["measured_memory_bytes"]
+        memory = compare(self.plan.bytes_for(self.pp_rank), measured)
+        tokens = compare(self.plan.tokens_per_s, steady_tokens_per_s(self.step_times, self.v.tokens_per_step))
+        out = {"measured_memory_bytes": measured, "measured_tokens_per_s": tokens["measured"]}
+        if self.plan.error is None:
+            out.update(
+                plan_memory_bytes=memory["planned"],
+                memory_measured_over_planned=memory["measured_over_planned"],
+                plan_tokens_per_s=tokens["planned"],
+                tokens_per_s_measured_over_planned=tokens["measured_over_planned"],
+            )
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
