@@ -70,12 +70,8 @@ from partrain.blueprint.planner.comm import (
     family_groups,
     link_of,
 )
-from partrain.blueprint.planner.compute_model import (
-    compute_assumptions,
-    compute_note,
-    optimizer_time,
-    rank_microbatch_time,
-)
+from partrain.blueprint.planner.compute_model import compute_assumptions, compute_note
+from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
 from partrain.blueprint.planner.flops import (
     head_forward_flops,
     step_flops,

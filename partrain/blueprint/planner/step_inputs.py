@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups
-from partrain.blueprint.planner.compute_model import ComputeModel, compute_model, matmul_rate
+from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
+from partrain.blueprint.planner.compute_time import matmul_rate
 from partrain.blueprint.planner.flops import layer_forward_flops
 from partrain.blueprint.planner.memory import (
     LayerActivations,
