@@ -14,7 +14,6 @@ import pytest
 from partrain.bench.compute import gemm_shapes
 from partrain.blueprint.compute_profile import load_profile
 from partrain.blueprint.config.compose import compose
-from partrain.blueprint.planner.estimate import estimate
 from partrain.blueprint.planner.spec import spec_from_validated
 from partrain.blueprint.validate import validate
 
@@ -29,7 +28,7 @@ def bench(tmp_path_factory):
     """One real `partrain bench compute` run (a separate interpreter, this checkout first on the path)."""
     out = tmp_path_factory.mktemp("bench-compute") / "tiny.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "partrain.cli", "bench", "compute", *TINY, "--iters", "3", "--out", str(out), "--json"]
+    cmd = [sys.executable, "-m", "partrain.cli", "bench", "compute", *TINY, "--iters", "5", "--out", str(out), "--json"]
     ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     return out, json.loads(ran.stdout)
@@ -121,22 +120,3 @@ def test_bad_bench_input_exits_2(cli, args, key):
     assert ran.code == 2, ran.stdout + ran.stderr
     assert json.loads(ran.stdout)["errors"][0]["key"] == key
     assert not ran.created() and not ran.spawned
-
-
-def test_profile_predicts_a_real_training_run(bench, tmp_path):
-    """The tiny model trained for real on this machine (2 gloo ranks, 10 steps): the tokens/s the
-    planner predicts from the profile is within 35% of the measured median (the nominal
-    peak_tflops x efficiency is off by about 3x here)."""
-    path, _ = bench
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    run_dir = tmp_path / "run"
-    args = ["train.steps=10", "train.eval_every=0", "train.eval_batches=0", "checkpoint.every_steps=0"]
-    cmd = [sys.executable, "-m", "partrain.cli", "train", *TINY, *args, f"train.run_dir={run_dir}"]
-    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    measured = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)[2:]  # past warm-up
-    measured = measured[len(measured) // 2]
-    predicted = estimate(validate(compose([*TINY, f"cluster.compute_profile={path}"])))["tokens_per_s"]
-    print(f"tiny llama on this CPU: measured {measured:,.0f} tokens/s, predicted {predicted:,.0f}")
-    assert predicted == pytest.approx(measured, rel=0.35)

@@ -36,7 +36,8 @@ COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], float]:
-    """Median seconds of fn() over `iters` calls after `warmup` (CUDA events on a GPU)."""
+    """Median seconds of fn() over `iters` calls after `warmup` (CUDA events on a GPU): the median,
+    not the fastest call, so that a CPU shared with other work is measured as training will find it."""
 
     def timed(fn: Callable[[], object], iters: int, warmup: int) -> float:
         for _ in range(warmup):

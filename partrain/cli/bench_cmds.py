@@ -85,7 +85,11 @@ def bench_comm_cmd(
 @bench_app.command("compute")
 def bench_compute_cmd(
     overrides: Optional[List[str]] = OVERRIDES,
-    iters: int = typer.Option(5, "--iters", help="Timed calls per matmul shape and of the layer (median kept)."),
+    iters: int = typer.Option(
+        5,
+        "--iters",
+        help="Timed calls per matmul shape and of the layer (median kept).",
+    ),
     out: Optional[Path] = typer.Option(
         None, "--out", help="Profile file to write (default runs/bench-compute/<cluster>-<time>.json)."
     ),
