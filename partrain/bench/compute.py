@@ -61,10 +61,13 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int, int], f
 
 
 def gemm_shapes(spec: PlanSpec) -> List[Tuple[int, int, int]]:
-    """The distinct (m, k, n) the planner times for this spec: each dense layer matmul forward, its
-    input-gradient and weight-gradient transposes, and the head's three."""
+    """The distinct (m, k, n) the planner times for this spec: each layer matmul forward (dense, and
+    for MoE the router and expert ones), its input-gradient and weight-gradient transposes, and the
+    head's three."""
     tokens = spec.mbs * spec.seq / spec.sp
     fwd = list(layer_gemms(shape_of_spec(spec, False, tokens)))
+    if spec.facts.is_moe:  # router and experts (at the tokens each expert gets on average)
+        fwd += [g for g in layer_gemms(shape_of_spec(spec, True, tokens)) if g not in fwd]
     fwd.append((tokens, spec.facts.hidden, spec.facts.vocab / spec.tp))
     out = []
     for m, k, n in fwd:
