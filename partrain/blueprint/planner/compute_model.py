@@ -379,7 +379,7 @@ def compute_note(path: str) -> str:
     warn = f" (WARNING: it reproduces the profile's layer times only within {worst:.0%})" if worst > 0.2 else ""
     return (
         f"compute timed from the profile {path} ({m.device}, {m.dtype}): matmuls at the measured rates by shape "
-        f"(saturating fit, peak {m.rates.peak / 1e12:.0f} TFLOP/s), attention at {c.attn_fraction:.2f} x that, "
+        f"(saturating fit, peak {m.rates.peak / 1e12:.3g} TFLOP/s), attention at {c.attn_fraction:.2f} x that, "
         f"elementwise bytes at {c.bw_fraction:.0%} of {m.hbm / 1e12:.3g} TB/s, host {c.host_fwd_s * 1e6:.1f} / "
         f"{c.host_bwd_s * 1e6:.1f} us per op forward / backward, and the optimizer update{warn}"
     )
