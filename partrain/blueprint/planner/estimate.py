@@ -35,7 +35,7 @@ Step-time model (documented in every report's "assumptions"):
   shape, attention, elementwise bytes and host overhead instead, plus the optimizer update
   (compute_model.py); "compute_source" in the report says which.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
-  link it spans (see comm.py). The optimizer update itself is not timed.
+  link it spans (see comm.py). The optimizer update itself is not timed (without a compute profile).
 - Bandwidths: the cluster's nominal link speeds, or with `cluster.comm_profile` the bus bandwidth
   `partrain bench comm` measured for each op on that link class: TP all-reduce (Megatron-SP:
   all-gather + reduce-scatter), Ulysses and EP all-to-all, ring attention and PP send/recv, DP
