@@ -203,6 +203,17 @@ def _comm_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
         c.add("cluster.comm_profile", path, why, fix)
 
 
+def _compute_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
+    """cluster.compute_profile must be a readable profile measured on the cluster's device type at
+    the run's precision (rules in compute_profile.problem)."""
+    if run.cluster.compute_profile:
+        from partrain.blueprint.compute_profile import FIX, problem
+
+        why = problem(run.cluster.compute_profile, run.cluster.device, run.train.precision)
+        if why:
+            c.add("cluster.compute_profile", run.cluster.compute_profile, why, FIX)
+
+
 def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
     d = run.data
     if d.source != "builtin":
@@ -279,6 +290,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)
     _comm_profile_problems(c, run)
+    _compute_profile_problems(c, run)
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     if facts is not None:
         c.check(

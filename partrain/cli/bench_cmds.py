@@ -80,3 +80,38 @@ def bench_comm_cmd(
         print(json.dumps({"path": settings.out, **profile}))
     else:
         render_profile(profile, Path(settings.out), stdout_console())
+
+
+@bench_app.command("compute")
+def bench_compute_cmd(
+    overrides: Optional[List[str]] = OVERRIDES,
+    iters: int = typer.Option(
+        5,
+        "--iters",
+        help="Timed calls per matmul shape and of the layer (median kept).",
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Profile file to write (default runs/bench-compute/<cluster>-<time>.json)."
+    ),
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+) -> None:
+    """Measure this machine's matmul rates for the model's shapes, one decoder layer's forward + backward time and
+    saved bytes, and an elementwise bandwidth, at the run's precision, and save a profile for `cluster.compute_profile`.
+    """
+    from partrain.bench.compute_parent import bench_spec, default_out, render_profile
+
+    try:
+        run, spec = bench_spec(overrides or [], recipe_dirs(recipes, dict(os.environ)), iters)
+    except ConfigError as err:
+        fail(err, as_json)
+    from partrain.bench.compute import measure
+    from partrain.blueprint.compute_profile import write_profile
+
+    status = Console(stderr=True, highlight=False)
+    profile = measure(run, spec, iters, progress=lambda msg: status.print(f"bench compute: {msg}", markup=False))
+    path = write_profile(out or default_out(run.cluster.name), profile)
+    if as_json:
+        print(json.dumps({"path": str(path), **profile}))
+    else:
+        render_profile(profile, path, stdout_console())

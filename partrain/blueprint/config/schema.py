@@ -62,6 +62,10 @@ class ClusterConfig:
     comm_profile: str = ""
     """A communication profile (JSON) written by `partrain bench comm`; when set, the planner times each
     collective with the bus bandwidth measured there instead of intra_node_gbps/inter_node_gbps."""
+    compute_profile: str = ""
+    """A compute profile (JSON) written by `partrain bench compute`; when set, the planner times each
+    layer's matmuls at the rates measured there by shape (plus attention, elementwise and host time
+    fitted to its layer measurements) instead of peak_tflops x a constant efficiency."""
     allow_tp_across_nodes: bool = False
     """Permit a tensor-parallel group to span nodes (normally a mistake: TP talks every layer)."""
 

@@ -31,8 +31,11 @@ Step-time model (documented in every report's "assumptions"):
   to backward) all-gathers parameters and reduce-scatters gradients every microbatch, ZeRO 3
   all-gathers twice; overlapped with that microbatch's compute. Hybrid sharding adds an all-reduce
   of the shards across replicas.
+- With `cluster.compute_profile` (a `partrain bench compute` profile) compute is timed per matmul
+  shape, attention, elementwise bytes and host overhead instead, plus the optimizer update
+  (compute_model.py); "compute_source" in the report says which.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
-  link it spans (see comm.py). The optimizer update itself is not timed.
+  link it spans (see comm.py). The optimizer update itself is not timed (without a compute profile).
 - Bandwidths: the cluster's nominal link speeds, or with `cluster.comm_profile` the bus bandwidth
   `partrain bench comm` measured for each op on that link class: TP all-reduce (Megatron-SP:
   all-gather + reduce-scatter), Ulysses and EP all-to-all, ring attention and PP send/recv, DP
@@ -68,6 +71,8 @@ from partrain.blueprint.planner.comm import (
     family_groups,
     link_of,
 )
+from partrain.blueprint.planner.compute_model import compute_assumptions, compute_note
+from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
 from partrain.blueprint.planner.flops import (
     head_forward_flops,
     step_flops,
@@ -201,6 +206,8 @@ class RankCompute:
     hardware: float
     """All FLOPs executed: 3 passes plus the recomputed forward."""
     rate: float
+    t_optimizer: float = 0.0
+    """Seconds of the optimizer update per step (timed only with a compute profile)."""
 
     @property
     def t_compute(self) -> float:
@@ -222,6 +229,9 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
         hw += layers * s.passes_extra
     elif spec.recompute == "selective":
         hw += core * s.passes_extra
+    if s.compute is not None:  # timed per matmul shape from cluster.compute_profile (compute_model.py)
+        t = rank_microbatch_time(s.compute, spec, dense, r.sparse, r.first, r.last, s.tokens)
+        return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t if t > 0 else s.rate)
     return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=s.rate)
 
 
@@ -258,6 +268,8 @@ def _rank_estimate(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankEstima
     n_if = in_flight(spec.schedule, spec.pp, spec.v, spec.microbatches, r.pp_rank)
     memory = _rank_memory(spec, r, n_if, s)
     compute = _rank_compute(spec, r, s)
+    if s.compute is not None:
+        compute.t_optimizer = optimizer_time(s.compute, rank_state_elements(spec, r)[2])
     traffic = RankTraffic()
     tp_traffic(spec, r, s, traffic)
     sp_traffic(spec, r, s, compute.attention_core, traffic)
@@ -287,7 +299,8 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     worst = max(per_rank, key=lambda e: e.memory.total)
     units = bubble_units(spec.schedule, spec.pp, spec.v)
     t_dp_exposed = max(e.t_dp_exposed_per_step(spec.dp_overlap) for e in per_rank)
-    step = (m + units) * slowest.t_microbatch + t_dp_exposed
+    t_optimizer = max(e.compute.t_optimizer for e in per_rank)
+    step = (m + units) * slowest.t_microbatch + t_dp_exposed + t_optimizer
     flops = step_flops(spec.facts, spec.extras, spec.global_batch, spec.seq, spec.recompute, spec.recompute_every)
     capacity = spec.cluster.device_memory_bytes * USABLE_MEMORY_FRACTION
     per_step = [e.traffic.per_step(m) for e in per_rank]
@@ -302,7 +315,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         "tokens_per_s": spec.tokens_per_step / step if step > 0 else 0.0,
         "mfu": flops["model"] / (step * spec.world * spec.cluster.peak_flops) if step > 0 else 0.0,
         "fits": worst.memory.total <= capacity,
-        "time_breakdown_s": _time_breakdown(slowest, m, units, t_dp_exposed),
+        "time_breakdown_s": {**_time_breakdown(slowest, m, units, t_dp_exposed), "optimizer": t_optimizer},
         "worst_memory_pp_rank": worst.rank.pp_rank,
         "capacity_bytes": capacity,
     }
@@ -353,8 +366,10 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
         "memory_gib": {k: vv / GIB for k, vv in out["memory_bytes"].items()},
         "links": {name: f"{link_of(cl, groups[name])}-node {used[name] / GB:g} GB/s" for name in used},
         "bandwidth_source": cl.bandwidth_source,
+        "compute_source": cl.compute_source,
         "assumptions": {
-            "matmul_efficiency": eff,
+            "matmul_efficiency": eff if s.compute is None else s.rate / cl.peak_flops,
+            **({"compute_model": compute_assumptions(s.compute)} if s.compute is not None else {}),
             "link_bandwidths_gbps": {
                 link: {op: cl.bw(link, op) / GB for op in COMM_OPS} for link in ("intra", "inter")
             },
@@ -438,7 +453,10 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
             )
     else:
         comm_note = "communication at the cluster's link speeds"
-    notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")
+    if cl.compute_profile:
+        notes.append(f"{compute_note(cl.compute_profile)}; {comm_note}")
+    else:
+        notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")
     if not est["fits"]:
         notes.append(f"does not fit: needs {worst_total / GIB:.2f} GiB, usable {est['capacity_bytes'] / GIB:.2f} GiB")
     return notes

@@ -136,6 +136,11 @@ class ClusterSpec:
     "intra/all_gather"); empty = nominal link speeds. See `bw`."""
     bandwidth_source: str = "nominal"
     """Where the bandwidths come from: "nominal" (the cluster config) or "profile:<path>"."""
+    compute_profile: str = ""
+    """A compute profile written by `partrain bench compute` (compute_model.py times compute from it);
+    empty = FLOPs / (peak x efficiency)."""
+    compute_source: str = "nominal"
+    """Where compute time comes from: "nominal" (peak x efficiency) or "profile:<path>"."""
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
@@ -241,6 +246,8 @@ def cluster_spec(cl) -> ClusterSpec:
         inter_bw=inter,
         measured=measured,
         bandwidth_source=source,
+        compute_profile=getattr(cl, "compute_profile", "") or "",
+        compute_source=f"profile:{cl.compute_profile}" if getattr(cl, "compute_profile", "") else "nominal",
     )
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups
+from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
+from partrain.blueprint.planner.compute_time import matmul_rate
 from partrain.blueprint.planner.flops import layer_forward_flops
 from partrain.blueprint.planner.memory import (
     LayerActivations,
@@ -107,6 +109,8 @@ class StepInputs:
     """Share of layers re-run in backward (recompute every k-th layer)."""
     gathered_param_bytes: int
     """Bytes per element of the parameters FSDP all-gathers (16-bit under MixedPrecisionPolicy)."""
+    compute: Optional[ComputeModel] = None
+    """The fitted compute model of `cluster.compute_profile` (None: FLOPs / rate)."""
 
 
 def step_inputs(spec: PlanSpec) -> StepInputs:
@@ -118,10 +122,13 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
     # Megatron-SP moves the all-reduce's bytes as all-gather + reduce-scatter, half each.
     tp_bw = mixed_bandwidth(bw, "tp", {"all_gather": 1.0, "reduce_scatter": 1.0}) if spec.tp_sp else bw["tp"]
     acts = _activation_terms(spec, tokens, spec.mbs, dt)
+    # With a compute profile, compute is timed per matmul shape (compute_model.py); "rate" is then
+    # the measured rate at the MLP projection's shape (ring attention's overlap estimate uses it).
+    model = compute_model(spec.cluster.compute_profile) if spec.cluster.compute_profile else None
     return StepInputs(
         dt=dt,
         tokens=tokens,
-        rate=spec.cluster.peak_flops * matmul_efficiency(spec),
+        rate=matmul_rate(model, spec, tokens) if model else spec.cluster.peak_flops * matmul_efficiency(spec),
         bw=bw,
         tp_bw=tp_bw,
         dp_ops=dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32"),
@@ -131,4 +138,5 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         ar_size=tokens * f.hidden * dt.compute,
         passes_extra=1.0 / max(1, spec.recompute_every),
         gathered_param_bytes=4 if spec.precision == "fp32" else 2,
+        compute=model,
     )

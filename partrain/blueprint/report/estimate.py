@@ -134,6 +134,11 @@ def _step_table(est: dict):
         if source == "nominal"
         else f"measured bus bandwidths, {source}",
     )
+    compute = est.get("compute_source", "nominal")
+    perf.add_row(
+        "compute",
+        "nominal (cluster.peak_tflops x matmul efficiency)" if compute == "nominal" else f"measured rates, {compute}",
+    )
     perf.add_row(
         "pipeline bubble",
         f"{est['pipeline_bubble_fraction']:.1%} of the step idle ({est['pipeline_bubble_overhead']:.1%} over ideal)",

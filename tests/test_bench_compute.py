@@ -1,0 +1,122 @@
+"""`partrain bench compute` for real on this CPU (a tiny Llama, seconds) and the planner reading its
+profile through `cluster.compute_profile`; bad profiles and bad bench input exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partrain.bench.compute import gemm_shapes
+from partrain.blueprint.compute_profile import load_profile
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.planner.spec import spec_from_validated
+from partrain.blueprint.validate import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = Path(__file__).parent / "fixtures" / "gpu_h200_compute_profile.json"
+TINY = ["model=llama-tiny", "train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8"]
+LAYER_KEYS = {"arch", "hidden", "heads", "kv_heads", "ffn", "seq", "micro", "tp", "recompute", "layer_fwd_bwd_s"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One real `partrain bench compute` run (a separate interpreter, this checkout first on the path)."""
+    out = tmp_path_factory.mktemp("bench-compute") / "tiny.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "partrain.cli", "bench", "compute", *TINY, "--iters", "5", "--out", str(out), "--json"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    return out, json.loads(ran.stdout)
+
+
+def _estimate(cli, *args):
+    ran = cli("plan", *args, "--json")
+    assert ran.code == 0, ran.stdout + ran.stderr
+    return json.loads(ran.stdout)["estimate"]
+
+
+def test_profile_keys_and_shapes(bench):
+    path, report = bench
+    profile = load_profile(path)
+    assert report == {"path": str(path), **profile}
+    assert profile["format"] == "partrain-compute-profile" and profile["version"] == 1
+    assert profile["device"]["type"] == "cpu" and profile["device"]["name"]
+    assert profile["torch"] and profile["date"] and profile["dtype"] == "fp32"
+    assert profile["hbm_bytes_per_s"] > 1e8 and profile["hbm_source"] == "measured"
+    # exactly the matmuls the planner times for this run: each projection, its two backward
+    # transposes and the head, at micro batch x seq tokens
+    spec = spec_from_validated(validate(compose(TINY)))
+    assert [(r["m"], r["k"], r["n"]) for r in profile["gemm"]] == gemm_shapes(spec)
+    assert (128, 128, 128) in gemm_shapes(spec) and (128, 128, 256) in gemm_shapes(spec)  # q, gate/up at 2 x 64
+    for r in profile["gemm"]:
+        assert r["seconds"] > 0 and r["tflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["seconds"] / 1e12)
+    (layer,) = profile["layers"]
+    assert LAYER_KEYS <= set(layer)
+    assert (layer["arch"], layer["hidden"], layer["heads"], layer["kv_heads"]) == ("llama", 128, 4, 2)
+    assert (layer["seq"], layer["micro"], layer["ffn"]) == (64, 2, 256)
+    assert layer["layer_fwd_bwd_s"] > 0
+    # saved for backward: at least the fp32 q, k, v, the MLP's gate/up/act/product and the norms' inputs
+    tokens = 2 * 64
+    assert layer["layer_saved_bytes"] >= tokens * 4 * (128 + 2 * 64 + 4 * 256 + 2 * 128)
+
+
+def test_plan_uses_the_profile_and_predicts_the_step(cli, bench):
+    path, profile = bench
+    est = _estimate(cli, *TINY, f"cluster.compute_profile={path}")
+    nominal = _estimate(cli, *TINY)
+    assert est["compute_source"] == f"profile:{path}" and nominal["compute_source"] == "nominal"
+    assert any("compute timed from the profile" in n for n in est["notes"])
+    model = est["assumptions"]["compute_model"]
+    assert model["source"] == str(path) and model["device"] == "cpu" and model["dtype"] == "fp32"
+    assert model["layer_fit_worst_error"] < 0.01  # one layer row: the host cost fits it exactly
+    assert model["gemm_peak_tflops"] <= 1.2 * max(r["tflops"] for r in profile["gemm"])
+    # compute of a step = microbatches x (layers x the measured layer + head and embedding), and
+    # the optimizer update on top
+    layer_s = profile["layers"][0]["layer_fwd_bwd_s"]
+    layers_s = spec_from_validated(validate(compose(TINY))).microbatches * 4 * layer_s
+    tb = est["time_breakdown_s"]
+    assert layers_s <= tb["compute"] <= 1.5 * layers_s
+    assert tb["optimizer"] > 0 and est["step_time_s"] == pytest.approx(sum(tb.values()), rel=1e-9)
+    assert est["tokens_per_s"] == pytest.approx(8 * 64 / est["step_time_s"])
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "not-json", "gpu-profile", "bad-row"])
+def test_bad_compute_profile_exits_2(cli, tmp_path, case):
+    value = {"missing": str(tmp_path / "nope.json"), "folder": str(tmp_path), "gpu-profile": str(H200)}.get(case)
+    if case == "not-json":
+        value = str(tmp_path / "p.json")
+        Path(value).write_text("[1, 2")
+    if case == "bad-row":
+        prof = json.loads(H200.read_text())
+        prof.update(device={"type": "cpu", "name": "x"}, dtype="fp32")
+        prof["gemm"][0]["seconds"] = -1
+        value = str(tmp_path / "p.json")
+        Path(value).write_text(json.dumps(prof))
+    ran = cli("plan", *TINY, f"cluster.compute_profile={value}", "--json")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    (err,) = json.loads(ran.stdout)["errors"]
+    assert err["key"] == "cluster.compute_profile" and err["value"] == value
+    rule = {
+        "missing": "no such file",
+        "folder": "is not a file",
+        "not-json": "is not JSON",
+        "gpu-profile": "was measured on cuda (NVIDIA H200), but the cluster's devices are cpu",
+        "bad-row": "gemm[0].seconds = -1 is not a positive finite number",
+    }[case]
+    assert rule in err["rule"] and "partrain bench compute" in err["fix"]
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [(["--iters", "0"], "--iters"), (["cluster.device=cuda", "cluster.backend=nccl"], "cluster.device")],
+)
+def test_bad_bench_input_exits_2(cli, args, key):
+    ran = cli("bench", "compute", *TINY, *args, "--json")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert json.loads(ran.stdout)["errors"][0]["key"] == key
+    assert not ran.created() and not ran.spawned
