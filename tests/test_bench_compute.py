@@ -120,3 +120,29 @@ def test_bad_bench_input_exits_2(cli, args, key):
     assert ran.code == 2, ran.stdout + ran.stderr
     assert json.loads(ran.stdout)["errors"][0]["key"] == key
     assert not ran.created() and not ran.spawned
+
+
+def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
+    """A CPU profile records its threads and the machine's cores; ranks that share cores (more
+    processes than cores, as gpt-3d's 8 on 2 cores) compute proportionally slower."""
+    from partrain.blueprint.planner.compute_model import ComputeModel
+
+    model = ComputeModel(rates=None, hbm=1.0, device="cpu", constants=None, source="", threads=1, cores=2)
+    assert model.cpu_sharing(2) == 1.0 and model.cpu_sharing(8) == 4.0 and model.cpu_sharing(1) == 0.5
+    assert ComputeModel(None, 1.0, "cuda", None, "", threads=1, cores=2).cpu_sharing(8) == 1.0
+    assert ComputeModel(None, 1.0, "cpu", None, "").cpu_sharing(8) == 1.0  # older profiles: no scaling
+    path, profile = bench
+    assert profile["cpu_cores"] >= 1 and profile["threads"] >= 1
+    per_microbatch = {}
+    for devices, batch in ((2, 8), (8, 16)):  # dp = devices, micro 2: one or two microbatches
+        est = _estimate(
+            cli,
+            *TINY,
+            f"cluster.devices_per_node={devices}",
+            f"train.global_batch_size={batch}",
+            f"cluster.compute_profile={path}",
+        )
+        per_microbatch[devices] = est["time_breakdown_s"]["compute"] / (batch // (devices * 2))
+    fitted = ComputeModel(None, 1.0, "cpu", None, "", threads=profile["threads"], cores=profile["cpu_cores"])
+    expected = fitted.cpu_sharing(8) / fitted.cpu_sharing(2)
+    assert per_microbatch[8] / per_microbatch[2] == pytest.approx(expected, rel=1e-6)

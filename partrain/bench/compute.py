@@ -188,6 +188,7 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
             "hbm_bytes_per_s": bw,
             "hbm_source": "measured",
             "threads": torch.get_num_threads(),
+            "cpu_cores": cpu_cores() if device.type == "cpu" else 0,
             "iters": iters,
             "gemm": gemm,
             "layers": [layer],
@@ -195,6 +196,13 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
             "source": f"partrain bench compute ({run.model.arch}, micro {spec.mbs} x seq {spec.seq}, tp {spec.tp})",
         }
     )
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the planner scales a CPU profile by how ranks share them)."""
+    from partrain.runtime.context import cpu_count
+
+    return cpu_count()
 
 
 def _cpu_name() -> str:

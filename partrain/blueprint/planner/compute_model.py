@@ -173,6 +173,19 @@ class ComputeModel:
     constants: Constants
     source: str
     dtype: str = "bf16"
+    threads: int = 0
+    """CPU profiles: the threads the measuring process used (0: unknown, or a GPU)."""
+    cores: int = 0
+    """CPU profiles: the cores the measuring machine let the process use (0: unknown, or a GPU)."""
+
+    def cpu_sharing(self, processes_per_node: int) -> float:
+        """How much slower a CPU rank computes than the profile measured alone: partrain gives each
+        of P processes max(1, cores // P) threads; when P x threads exceed the cores, they share them
+        (the profile ran with `threads` threads on cores of its own). 1.0 on GPUs."""
+        if self.device != "cpu" or not self.threads or not self.cores:
+            return 1.0
+        run_threads = max(1, self.cores // max(1, processes_per_node))
+        return self.threads / min(run_threads, self.cores / max(1, processes_per_node))
 
     def parts(self, w: LayerWork) -> Parts:
         t = self.rates.time
@@ -341,7 +354,8 @@ def _model(key: Tuple[str, int, int]) -> Tuple[ComputeModel, float]:
         dtype=prof["dtype"],
     )
     constants, worst = fit_constants(base, prof["layers"])
-    return ComputeModel(base.rates, base.hbm, base.device, constants, path, base.dtype), worst
+    cpu = (int(prof.get("threads") or 0), int(prof.get("cpu_cores") or 0)) if base.device == "cpu" else (0, 0)
+    return ComputeModel(base.rates, base.hbm, base.device, constants, path, base.dtype, *cpu), worst
 
 
 def compute_model(path: str) -> ComputeModel:

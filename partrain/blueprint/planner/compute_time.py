@@ -69,12 +69,13 @@ def rank_microbatch_time(
         t += head_time(model, spec, tokens)
     if first:
         t += embed_time(model, spec, tokens)
-    return t
+    return t * model.cpu_sharing(spec.cluster.devices_per_node)
 
 
-def optimizer_time(model: ComputeModel, param_elements: float) -> float:
+def optimizer_time(model: ComputeModel, spec: PlanSpec, param_elements: float) -> float:
     """Seconds of one AdamW update over a rank's (fp32) parameters."""
-    return model.bytes_time(OPTIMIZER_BYTES_PER_PARAM * param_elements)
+    sharing = model.cpu_sharing(spec.cluster.devices_per_node)
+    return model.bytes_time(OPTIMIZER_BYTES_PER_PARAM * param_elements) * sharing
 
 
 def matmul_rate(model: ComputeModel, spec: PlanSpec, tokens: float) -> float:

@@ -269,7 +269,7 @@ def _rank_estimate(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankEstima
     memory = _rank_memory(spec, r, n_if, s)
     compute = _rank_compute(spec, r, s)
     if s.compute is not None:
-        compute.t_optimizer = optimizer_time(s.compute, rank_state_elements(spec, r)[2])
+        compute.t_optimizer = optimizer_time(s.compute, spec, rank_state_elements(spec, r)[2])
     traffic = RankTraffic()
     tp_traffic(spec, r, s, traffic)
     sp_traffic(spec, r, s, compute.attention_core, traffic)
