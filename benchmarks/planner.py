@@ -20,7 +20,8 @@
    runtime accounting against the measured peak RSS minus the RSS before the model was built, also
    with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_: freed tensors go back to the
    system, so the RSS follows live bytes more closely), and, for gpt-dp, the tensor-level peak of one
-   rank's step counted by torch's MemTracker in one process; predicted vs measured tokens/s.
+   rank's step counted by torch's MemTracker in one process; predicted vs measured tokens/s, from the
+   nominal cluster and from a `partrain bench compute` profile measured in the same invocation.
    `--plan-check` runs only this part (about 2 min).
 
 Ratios are predicted / measured (1.000 = exact).
@@ -287,7 +288,30 @@ PLAN_CHECK_OVERRIDES = ["data.max_bytes=300000"]
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def _plan_check_run(recipe: str, run_dir: Path, steps: int, env_extra: dict) -> tuple:
+def _compute_profile(recipe: str, out: Path) -> Path:
+    """`partrain bench compute recipe=...` on this machine, now (the profile the plan then uses)."""
+    import subprocess
+
+    from _harness import worker_env
+
+    cmd = [sys.executable, "-m", "partrain.cli", "bench", "compute", f"recipe={recipe}", *PLAN_CHECK_OVERRIDES]
+    proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, env=worker_env({}))
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"bench compute {recipe}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    return out
+
+
+def _nominal_tokens_per_s(recipe: str) -> float:
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.planner import estimate
+    from partrain.blueprint.validate import validate
+
+    return estimate(validate(compose([f"recipe={recipe}", *PLAN_CHECK_OVERRIDES])))["tokens_per_s"]
+
+
+def _plan_check_run(recipe: str, run_dir: Path, steps: int, env_extra: dict, extra: List[str] = ()) -> tuple:
     """One short `partrain train recipe=...` run: (its summary, the cores other processes used)."""
     import json
     import subprocess
@@ -296,7 +320,7 @@ def _plan_check_run(recipe: str, run_dir: Path, steps: int, env_extra: dict) -> 
     from _machine_load import ForeignLoad, settle
 
     args = [f"recipe={recipe}", *PLAN_CHECK_OVERRIDES, f"train.steps={steps}", "train.eval_every=0"]
-    args += ["train.eval_batches=0", f"train.run_dir={run_dir}"]
+    args += ["train.eval_batches=0", f"train.run_dir={run_dir}", *extra]
     settle(5.0)
     with ForeignLoad() as load:
         proc = subprocess.run(partrain_command(args), capture_output=True, text=True, env=worker_env(env_extra))
@@ -338,13 +362,18 @@ def plan_check(steps: int) -> None:
     memory, speed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in PLAN_CHECK_RECIPES:
-            summary, cores = _plan_check_run(recipe, Path(tmp) / recipe, steps, {})
-            fixed, _ = _plan_check_run(recipe, Path(tmp) / f"{recipe}-mmap", steps, MMAP_THRESHOLD)
+            profile = _compute_profile(recipe, Path(tmp) / f"{recipe}-compute.json")
+            extra = [f"cluster.compute_profile={profile}"]
+            summary, cores = _plan_check_run(recipe, Path(tmp) / recipe, steps, {}, extra)
+            fixed, _ = _plan_check_run(recipe, Path(tmp) / f"{recipe}-mmap", steps, MMAP_THRESHOLD, extra)
             memory += _stage_rows(recipe, summary, fixed, tensor_peak)
             t = summary["planned_vs_measured"]["tokens_per_s"]
+            nominal = _nominal_tokens_per_s(recipe)
             speed.append(
                 [
                     recipe,
+                    f"{nominal:,.0f}",
+                    f"{nominal / t['measured']:.3f}",
                     f"{t['planned']:,.0f}",
                     f"{t['measured']:,.0f}",
                     f"{t['planned'] / t['measured']:.3f}",
@@ -373,11 +402,22 @@ def plan_check(steps: int) -> None:
         "microbatch of gpt-dp's rank model in one process (parameters, gradients, optimizer state, activations,\n"
         "temporaries; gpt-dp's ranks run 2 microbatches, the second also holding the gradients the planner counts)\n"
     )
-    table(speed, ["recipe", "predicted tokens/s", "measured tokens/s", "pred/meas", "other load (cores)"])
+    table(
+        speed,
+        [
+            "recipe",
+            "nominal tokens/s",
+            "pred/meas",
+            "with profile",
+            "measured tokens/s",
+            "pred/meas",
+            "other load (cores)",
+        ],
+    )
     print(
-        "measured tokens/s: the steady-state mean after 2 warm-up steps. The planner's CPU compute model is\n"
-        "cluster.peak_tflops (local-cpu: 0.1) at its CPU efficiency, per process: it knows neither how many cores\n"
-        "the machine has nor that gpt-3d's 8 processes share them\n"
+        "measured tokens/s: the steady-state mean after 2 warm-up steps. nominal: cluster.peak_tflops (local-cpu:\n"
+        "0.1) at the planner's CPU efficiency; with profile: `partrain bench compute` run just before on this\n"
+        "machine (matmul rates by shape, one decoder layer, bandwidth; ranks sharing cores scaled by that share)\n"
     )
 
 
