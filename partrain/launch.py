@@ -20,6 +20,7 @@ from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
+from partrain.runtime.slurm import check_allocation
 from partrain.runtime.torchrun import torchrun_command
 from partrain.train.metrics import parse_event
 from partrain.worker import DATA_MANIFEST
@@ -68,6 +69,7 @@ def worker_command(v: ValidatedRun, run_dir: Path) -> list:
 
 def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     """Returns the exit code for the CLI."""
+    check_allocation(environ, v.run.cluster.nodes, v.run.cluster.devices_per_node)  # srun's tasks vs the layout
     env = from_environ(environ)
     if env is not None:
         return _run_as_worker(v, env, environ)

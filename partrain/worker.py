@@ -308,7 +308,9 @@ def main(
             stop.hard_exit_after_s = float(v.run.train.timeout_s)
         torch.set_num_threads(_threads(v, env))
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
-        with joined_group(v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store=store):
+        with joined_group(
+            v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store, env.init_method
+        ):
             if env.world_size != v.world_size:
                 raise RuntimeError(
                     f"the layout needs {v.world_size} processes but the launcher started {env.world_size}"

@@ -18,6 +18,7 @@ import typer
 from partrain.cli.bench_cmds import bench_app
 from partrain.cli.checkpoint_cmds import checkpoint_app
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.launch_cmds import launch_app
 from partrain.errors import ConfigError, Problem
 
 app = typer.Typer(
@@ -425,6 +426,7 @@ def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIP
 
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(bench_app, name="bench")
+app.add_typer(launch_app, name="launch")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

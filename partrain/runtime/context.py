@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from partrain.runtime.slurm import slurm_fields, under_srun
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -22,6 +24,11 @@ class DistEnv:
     """How many times torchrun's elastic agent restarted this job (TORCHELASTIC_RESTART_COUNT)."""
     agent_store: bool = False
     """The elastic agent hosts the TCPStore at master_addr:master_port (TORCHELASTIC_USE_AGENT_STORE)."""
+    node_rank: int = 0
+    """This machine's index among the job's nodes (torchrun's GROUP_RANK, SLURM_NODEID)."""
+    init_method: Optional[str] = None
+    """How to join the process group: None = env:// (torchrun exports MASTER_ADDR/PORT), or
+    tcp://master_addr:master_port (srun exports neither: rank 0 hosts the store there)."""
 
     @property
     def is_main(self) -> bool:
@@ -29,7 +36,9 @@ class DistEnv:
 
 
 def from_environ(environ: Mapping[str, str]) -> Optional[DistEnv]:
-    """torchrun's variables, or SLURM's when started by srun; None outside any launcher."""
+    """torchrun's variables, or SLURM's when started by srun; None outside any launcher.
+
+    A malformed SLURM variable raises ConfigError naming it."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return DistEnv(
             rank=int(environ["RANK"]),
@@ -40,17 +49,11 @@ def from_environ(environ: Mapping[str, str]) -> Optional[DistEnv]:
             master_port=int(environ.get("MASTER_PORT", 29500)),
             restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            node_rank=int(environ.get("GROUP_RANK", 0)),
         )
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and int(environ["SLURM_NTASKS"]) > 1:
-        nodelist = environ.get("SLURM_LAUNCH_NODE_IPADDR") or environ.get("MASTER_ADDR", "127.0.0.1")
-        return DistEnv(
-            rank=int(environ["SLURM_PROCID"]),
-            world_size=int(environ["SLURM_NTASKS"]),
-            local_rank=int(environ.get("SLURM_LOCALID", 0)),
-            local_world_size=int(environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
-            master_addr=environ.get("MASTER_ADDR", nodelist),
-            master_port=int(environ.get("MASTER_PORT", 29500)),
-        )
+    if under_srun(environ):  # srun: one task per device, each task one worker (partrain.runtime.slurm)
+        fields = slurm_fields(environ)
+        return DistEnv(**fields, init_method=f"tcp://{fields['master_addr']}:{fields['master_port']}")
     return None
 
 

@@ -1,0 +1,206 @@
+"""SLURM: a worker's place derived from SLURM's variables alone (one task per device), the layout
+checked against the allocation, and `partrain launch slurm`'s sbatch script for a layout.
+
+No SLURM here: the environments are what srun gives each task (variables only), and the real run
+starts the two tasks itself, as srun would."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import partrain
+from partrain.errors import ConfigError
+from partrain.runtime.context import from_environ
+from partrain.runtime.sbatch import parse_time
+from partrain.runtime.slurm import allocation_problems, expand_counts, expand_nodelist, master_port_for
+
+REPO = Path(partrain.__file__).resolve().parent.parent
+
+
+def fake_task(procid: int, nodes: int = 2, per_node: int = 4, nodelist: str = "node[03-04]", job: str = "4242"):
+    """The variables srun sets for task `procid` of a `nodes` x `per_node` step (block distribution)."""
+    return {
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(nodes * per_node),
+        "SLURM_NTASKS_PER_NODE": str(per_node),
+        "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})" if nodes > 1 else str(per_node),
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(procid % per_node),
+        "SLURM_NODEID": str(procid // per_node),
+        "SLURM_STEP_ID": "0",
+    }
+
+
+def test_compressed_node_lists_and_counts_expand_like_scontrol():
+    assert expand_nodelist("node[03-04]") == ["node03", "node04"]
+    assert expand_nodelist("gpu[01-04,07]") == ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]
+    assert expand_nodelist("a1,b[2-3],c") == ["a1", "b2", "b3", "c"]
+    assert expand_nodelist("r[1-2]n[8-9]") == ["r1n8", "r1n9", "r2n8", "r2n9"]
+    assert expand_nodelist("gpu-[098-101].ib") == ["gpu-098.ib", "gpu-099.ib", "gpu-100.ib", "gpu-101.ib"]
+    for bad in ("node[03-04", "node[a-b]", ""):
+        with pytest.raises(ValueError):
+            expand_nodelist(bad)
+    assert expand_counts("4(x2),2") == [4, 4, 2]
+    assert expand_counts("8") == [8]
+
+
+def test_each_task_of_a_2x4_step_derives_its_rank_from_slurm_variables():
+    port = master_port_for("4242")
+    assert port == 15000 + 4242
+    for procid in range(8):
+        env = from_environ(fake_task(procid))
+        assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (
+            procid,
+            8,
+            procid % 4,
+            4,
+            procid // 4,
+        )
+        assert (env.master_addr, env.master_port) == ("node03", port)
+        assert env.init_method == f"tcp://node03:{port}"
+        assert allocation_problems(fake_task(procid), nodes=2, devices_per_node=4) == []
+    # The step's own variables (srun inside sbatch) win over the job's; explicit MASTER_* win over both.
+    step = dict(fake_task(5), SLURM_STEP_NODELIST="gpu[07,09]", MASTER_PORT="23456")
+    assert (from_environ(step).master_addr, from_environ(step).master_port) == ("gpu07", 23456)
+    assert from_environ(dict(fake_task(5), MASTER_ADDR="10.0.0.1")).master_addr == "10.0.0.1"
+    # torchrun's variables come first; a one-task step is not a worker (partrain starts torchrun itself).
+    assert from_environ(dict(fake_task(5), RANK="1", WORLD_SIZE="2")).rank == 1
+    assert from_environ(dict(fake_task(0, nodes=1, per_node=1))) is None
+    with pytest.raises(ConfigError, match="SLURM_PROCID"):
+        from_environ(dict(fake_task(0), SLURM_PROCID="x"))
+
+
+def test_an_allocation_that_does_not_match_the_layout_names_the_key():
+    one_node = allocation_problems(fake_task(0, nodes=1, per_node=8), nodes=2, devices_per_node=4)
+    assert [p.key for p in one_node] == ["cluster.nodes", "cluster.devices_per_node"]
+    assert "srun --nodes=2 --ntasks-per-node=4" in one_node[0].fix
+    two_per_node = allocation_problems(fake_task(0, nodes=2, per_node=2), nodes=2, devices_per_node=4)
+    assert [(p.key, p.value) for p in two_per_node] == [("cluster.devices_per_node", 4)]
+    assert "2,2 tasks per node" in two_per_node[0].rule
+
+
+def test_train_under_a_mismatched_srun_step_exits_2_before_any_file(tmp_path):
+    """The real `partrain train` as srun would start it (task 0 of 1 node x 4), for a 2-process layout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PARTRAIN_"))}
+    env.update(fake_task(0, nodes=1, per_node=4, nodelist="localhost"), PYTHONPATH=str(REPO), HOME=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", "recipe=gpt-dp"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cluster.devices_per_node=2" in proc.stderr and "4 tasks per node" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def srun_line(script: str) -> list:
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    return shlex.split(line.removesuffix(" &"))
+
+
+def sbatch_lines(script: str) -> dict:
+    pairs = [line.removeprefix("#SBATCH ").partition("=") for line in script.splitlines() if line.startswith("#SBATCH")]
+    return {key: value for key, _, value in pairs}
+
+
+def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
+    ran = cli(
+        "launch",
+        "slurm",
+        "recipe=llama3-70b-h100",
+        "checkpoint.every_steps=50",
+        "--time",
+        "1-12:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj1",
+    )
+    assert ran.code == 0, ran.stderr
+    options = sbatch_lines(ran.stdout)
+    assert options["--nodes"] == "8" and options["--ntasks-per-node"] == "8" and options["--gpus-per-node"] == "8"
+    assert options["--time"] == "1-12:00:00" and options["--partition"] == "gpu" and options["--account"] == "proj1"
+    assert options["--signal"] == "TERM@120" and options["--open-mode"] == "append" and "--requeue" in options
+    assert options["--cpus-per-task"] == "8"
+    assert srun_line(ran.stdout) == [
+        "srun",
+        "partrain",
+        "train",
+        "recipe=llama3-70b-h100",
+        "checkpoint.every_steps=50",
+        "checkpoint.resume=auto",
+        "train.threads_per_process=8",
+    ]
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in ran.stdout
+    assert ran.spawned == [] and ran.created() == []
+
+
+def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
+    args = ["recipe=gpt-dp", "cluster.nodes=2", "parallel.dp=4", "train.run_dir=/scratch/my runs/a", "--time", "30"]
+    ran = cli("launch", "slurm", *args, "--cpus-per-task", "4")
+    assert ran.code == 0, ran.stderr
+    options = sbatch_lines(ran.stdout)
+    assert (options["--nodes"], options["--ntasks-per-node"], options["--cpus-per-task"]) == ("2", "2", "4")
+    assert "--gpus-per-node" not in options and options["--time"] == "00:30:00"
+    assert srun_line(ran.stdout)[3:] == [*args[:4], "checkpoint.resume=auto", "train.threads_per_process=4"]
+    assert "warning: checkpoint.every_steps=0" in ran.stderr
+    out = ran.cwd / "job.sbatch"
+    ran = cli("launch", "slurm", *args, "--out", str(out), "--json")
+    assert ran.code == 0, ran.stderr
+    report = __import__("json").loads(ran.stdout)
+    assert (report["nodes"], report["tasks_per_node"], report["world_size"], report["gpus_per_node"]) == (2, 2, 4, 0)
+    assert out.read_text() == report["script"] and os.access(out, os.X_OK)
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["recipe=gpt-dp", "--time", "25h"], "--time"),
+        (["recipe=gpt-dp", "--time", "-1"], "--time"),
+        (["recipe=gpt-dp", "--time", "00:61:00"], "--time"),
+        (["recipe=gpt-dp", "--cpus-per-task", "-2"], "--cpus-per-task"),
+        (["recipe=gpt-dp", "--partition", "gpu; rm -rf ~"], "--partition"),
+        (["recipe=no-such-recipe"], "recipe"),
+        (["recipe=gpt-dp", "cluster.nodes=-1"], "cluster.nodes"),
+        (["recipe=gpt-dp", "parallel.dp=3"], "parallel"),
+    ],
+)
+def test_bad_launch_input_exits_2_naming_the_option_or_key(cli, args, key):
+    ran = cli("launch", "slurm", *args, "--out", "job.sbatch")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert key in ran.stderr and "Traceback" not in ran.stderr
+    assert ran.created() == [] and ran.spawned == []
+
+
+def test_time_limits_in_slurms_forms():
+    assert parse_time("04:00:00") == "04:00:00"
+    assert parse_time("48:00:00") == "48:00:00"
+    assert parse_time("2-00:00:00") == "2-00:00:00"
+    assert parse_time("90") == "01:30:00"
+    for bad in ("12:00", "0", "00:00:00", "1-24:00:00", "4h"):
+        with pytest.raises(ConfigError, match="--time"):
+            parse_time(bad)
+
+
+def _free_port_slurm_job_id() -> str:
+    """A SLURM_JOB_ID whose derived port is free here (tests run beside other jobs)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if 15000 <= port < 35000:
+            return str(port - 15000)
+    return str(os.getpid() % 20000)
