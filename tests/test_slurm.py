@@ -6,7 +6,9 @@ starts the two tasks itself, as srun would."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shlex
 import socket
 import subprocess
@@ -19,7 +21,8 @@ import partrain
 from partrain.errors import ConfigError
 from partrain.runtime.context import from_environ
 from partrain.runtime.sbatch import parse_time
-from partrain.runtime.slurm import allocation_problems, expand_counts, expand_nodelist, master_port_for
+from partrain.runtime.slurm import PORT_SPAN, allocation_problems, expand_counts, expand_nodelist, master_port_for
+from partrain.testing.parity import RunRecord, check_parity, run_training
 
 REPO = Path(partrain.__file__).resolve().parent.parent
 
@@ -160,7 +163,7 @@ def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
     out = ran.cwd / "job.sbatch"
     ran = cli("launch", "slurm", *args, "--out", str(out), "--json")
     assert ran.code == 0, ran.stderr
-    report = __import__("json").loads(ran.stdout)
+    report = json.loads(ran.stdout)
     assert (report["nodes"], report["tasks_per_node"], report["world_size"], report["gpus_per_node"]) == (2, 2, 4, 0)
     assert out.read_text() == report["script"] and os.access(out, os.X_OK)
 
@@ -195,12 +198,40 @@ def test_time_limits_in_slurms_forms():
             parse_time(bad)
 
 
-def _free_port_slurm_job_id() -> str:
-    """A SLURM_JOB_ID whose derived port is free here (tests run beside other jobs)."""
-    for _ in range(50):
+def _job_id_with_a_free_port() -> str:
+    """A SLURM_JOB_ID whose derived rendezvous port is free here (other tests run beside this one)."""
+    for job in random.sample(range(PORT_SPAN), 50):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if 15000 <= port < 35000:
-            return str(port - 15000)
-    return str(os.getpid() % 20000)
+            try:
+                s.bind(("127.0.0.1", master_port_for(str(job))))
+                return str(job)
+            except OSError:
+                continue
+    raise RuntimeError("no free port in the SLURM port range")
+
+
+def test_two_srun_tasks_train_gpt_dp_like_torchrun(tmp_path):
+    """Two `partrain train` processes started as srun starts them (SLURM variables only, no
+    MASTER_ADDR): they find each other at the derived address and train; the losses and gradient
+    norms equal those of `partrain train`'s own 2-process torchrun run."""
+    overrides = ["recipe=gpt-dp", "train.steps=3", "train.eval_every=0", "train.eval_batches=0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(PYTHONPATH=str(REPO))
+    job = _job_id_with_a_free_port()
+    run_dir = tmp_path / "slurm-run"
+    tasks = []
+    for procid in range(2):
+        task_env = dict(env, **fake_task(procid, nodes=1, per_node=2, nodelist="localhost", job=job))
+        cmd = [sys.executable, "-m", "partrain.cli", "train", *overrides, f"train.run_dir={run_dir}"]
+        with open(tmp_path / f"task-{procid}.out", "w") as log:
+            tasks.append(subprocess.Popen(cmd, cwd=tmp_path, env=task_env, stdout=log, stderr=subprocess.STDOUT))
+    for task in tasks:
+        task.wait(timeout=180)
+    outputs = [(tmp_path / f"task-{procid}.out").read_text()[-3000:] for procid in range(2)]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    slurm = RunRecord([r["loss"] for r in records], [r["grad_norm"] for r in records], run_dir, {})
+    torchrun = run_training(overrides[:1], tmp_path / "torchrun-run", steps=3, extra_env=env, timeout_s=180)
+    assert len(slurm.losses) == 3
+    diffs = check_parity(torchrun, slurm, rtol=1e-6)
+    print(f"srun-style vs torchrun: {diffs}")
