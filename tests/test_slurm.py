@@ -89,6 +89,9 @@ def test_an_allocation_that_does_not_match_the_layout_names_the_key():
     two_per_node = allocation_problems(fake_task(0, nodes=2, per_node=2), nodes=2, devices_per_node=4)
     assert [(p.key, p.value) for p in two_per_node] == [("cluster.devices_per_node", 4)]
     assert "2,2 tasks per node" in two_per_node[0].rule
+    # torchrun started by one task per node: its workers are torchrun's, the step is not checked.
+    torchrun_worker = dict(fake_task(0, nodes=2, per_node=1), RANK="3", WORLD_SIZE="8")
+    assert allocation_problems(torchrun_worker, nodes=2, devices_per_node=4) == []
 
 
 def test_train_under_a_mismatched_srun_step_exits_2_before_any_file(tmp_path):

@@ -30,7 +30,10 @@ SRUN_FIX = "partrain launch slurm OVERRIDES writes an sbatch script whose srun m
 
 
 def under_srun(environ: Mapping[str, str]) -> bool:
-    """True for a task of a SLURM step of several tasks (each task is then one worker)."""
+    """True for a task of a SLURM step of several tasks (each task is then one worker); False under
+    torchrun (RANK and WORLD_SIZE set), also when torchrun itself runs inside a SLURM job."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return False
     ntasks = _first(environ, NTASKS_VARS)
     return "SLURM_PROCID" in environ and ntasks is not None and ntasks.strip().isdigit() and int(ntasks) > 1
 
