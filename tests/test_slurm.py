@@ -10,9 +10,11 @@ import json
 import os
 import random
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,42 @@ def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
     report = json.loads(ran.stdout)
     assert (report["nodes"], report["tasks_per_node"], report["world_size"], report["gpus_per_node"]) == (2, 2, 4, 0)
     assert out.read_text() == report["script"] and os.access(out, os.X_OK)
+
+
+def test_the_script_requeues_after_a_sigterm_stop(tmp_path):
+    """The generated script run by bash with stand-ins for srun (a step stopped by SIGTERM exits 143,
+    as partrain's tasks do) and scontrol (records its arguments): SIGTERM to the batch shell (a
+    preemption) and to the step -> the shell waits for srun, then requeues its own job."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.runtime.sbatch import SbatchOptions, sbatch_script
+
+    overrides = ["recipe=gpt-dp", "checkpoint.every_steps=5"]
+    script = sbatch_script(validate(compose(overrides, [])), overrides, SbatchOptions())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = '#!/bin/bash\ntrap \'kill $!; exit 143\' TERM\necho "$@" > "$LOG.args"\nsleep 30 >/dev/null &\n'
+    srun += 'echo $$ > "$LOG.pid"\nwait\n'
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" > "$LOG.scontrol"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_ID="77")
+    batch = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "log.pid").exists() or not (tmp_path / "log.pid").read_text().strip():
+        assert time.monotonic() < deadline, "the stand-in srun did not start"
+        time.sleep(0.05)
+    batch.send_signal(signal.SIGTERM)  # a preemption signals the batch shell too
+    time.sleep(0.3)
+    os.kill(int((tmp_path / "log.pid").read_text()), signal.SIGTERM)  # and the step's tasks
+    out, _ = batch.communicate(timeout=20)
+    assert batch.returncode == 143, out
+    assert "SIGTERM; the workers finish their step" in out
+    assert (tmp_path / "log.scontrol").read_text().split() == ["requeue", "77"]
+    args = (tmp_path / "log.args").read_text().split()
+    assert args == ["partrain", "train", *overrides, "checkpoint.resume=auto", "train.threads_per_process=8"]
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,9 @@ def slurm_cmd(
     as_json: bool = JSON,
     recipes: Optional[List[Path]] = RECIPES,
 ) -> None:
-    """Validate the layout and print an sbatch script for it: one SLURM task per device
-    (--nodes = cluster.nodes, --ntasks-per-node = cluster.devices_per_node), `srun partrain train
+    """Validate the layout and print its sbatch script (one SLURM task per device).
+
+    --nodes = cluster.nodes, --ntasks-per-node = cluster.devices_per_node, `srun partrain train
     OVERRIDES checkpoint.resume=auto`, SIGTERM 120 s before the time limit and a requeue after the
     checkpoint it triggers."""
     from partrain.runtime.sbatch import SbatchOptions, check_cpus, check_name, parse_time, sbatch_script
