@@ -251,28 +251,60 @@ def _job_id_with_a_free_port() -> str:
     raise RuntimeError("no free port in the SLURM port range")
 
 
-def test_two_srun_tasks_train_gpt_dp_like_torchrun(tmp_path):
-    """Two `partrain train` processes started as srun starts them (SLURM variables only, no
-    MASTER_ADDR): they find each other at the derived address and train; the losses and gradient
-    norms equal those of `partrain train`'s own 2-process torchrun run."""
-    overrides = ["recipe=gpt-dp", "train.steps=3", "train.eval_every=0", "train.eval_batches=0"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=str(REPO))
-    job = _job_id_with_a_free_port()
-    run_dir = tmp_path / "slurm-run"
+def _srun_tasks(tmp_path: Path, args: list, env: dict, job: str, name: str) -> list:
+    """Start `partrain train ARGS` twice as srun starts a 1-node x 2 step; returns the processes."""
     tasks = []
     for procid in range(2):
         task_env = dict(env, **fake_task(procid, nodes=1, per_node=2, nodelist="localhost", job=job))
-        cmd = [sys.executable, "-m", "partrain.cli", "train", *overrides, f"train.run_dir={run_dir}"]
-        with open(tmp_path / f"task-{procid}.out", "w") as log:
+        cmd = [sys.executable, "-m", "partrain.cli", "train", *args]
+        with open(tmp_path / f"{name}-{procid}.out", "w") as log:
             tasks.append(subprocess.Popen(cmd, cwd=tmp_path, env=task_env, stdout=log, stderr=subprocess.STDOUT))
-    for task in tasks:
-        task.wait(timeout=180)
-    outputs = [(tmp_path / f"task-{procid}.out").read_text()[-3000:] for procid in range(2)]
-    assert [task.returncode for task in tasks] == [0, 0], outputs
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    slurm = RunRecord([r["loss"] for r in records], [r["grad_norm"] for r in records], run_dir, {})
-    torchrun = run_training(overrides[:1], tmp_path / "torchrun-run", steps=3, extra_env=env, timeout_s=180)
-    assert len(slurm.losses) == 3
+    return tasks
+
+
+def _steps_seen(path: Path) -> dict:
+    """step -> (loss, grad_norm) from rank 0's event lines (`@@partrain {...}`)."""
+    events = [json.loads(line.split(" ", 1)[1]) for line in path.read_text().splitlines() if line.startswith("@@")]
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events if e["event"] == "step"}
+
+
+def test_two_srun_tasks_train_stop_on_sigterm_and_resume_like_torchrun(tmp_path):
+    """Two `partrain train` processes started as srun starts them (SLURM variables only, no
+    MASTER_ADDR) find each other at the derived address and train. SIGTERM to both (SLURM's
+    preemption or time-limit signal) saves the current step and each exits 143; the requeued
+    step (same job id, checkpoint.resume=auto) continues, and the losses and gradient norms of the
+    whole run equal those of `partrain train`'s own uninterrupted 2-process torchrun run."""
+    steps = 8
+    overrides = ["recipe=gpt-dp", "train.eval_every=0", "train.eval_batches=0"]
+    args = [*overrides, f"train.steps={steps}", f"train.run_dir={tmp_path / 'slurm-run'}"]
+    args += ["checkpoint.every_steps=100", "checkpoint.resume=auto"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(PYTHONPATH=str(REPO))
+    job = _job_id_with_a_free_port()
+    first = _srun_tasks(tmp_path, args, env, job, "first")
+    deadline = time.monotonic() + 150
+    while 2 not in _steps_seen(tmp_path / "first-0.out"):
+        assert time.monotonic() < deadline and first[0].poll() is None, (tmp_path / "first-0.out").read_text()
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    for task in first:
+        task.send_signal(signal.SIGTERM)
+    codes = [task.wait(timeout=60) for task in first]
+    stop_s = time.monotonic() - signalled
+    assert codes == [143, 143], [(tmp_path / f"first-{r}.out").read_text()[-2000:] for r in range(2)]
+    saved = sorted(p.name for p in (tmp_path / "slurm-run" / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    stopped_at = int(saved[0].removeprefix("step-"))
+    assert 2 <= stopped_at < steps
+    second = _srun_tasks(tmp_path, args, env, job, "second")
+    codes = [task.wait(timeout=150) for task in second]
+    assert codes == [0, 0], [(tmp_path / f"second-{r}.out").read_text()[-2000:] for r in range(2)]
+    seen = _steps_seen(tmp_path / "first-0.out")
+    resumed = _steps_seen(tmp_path / "second-0.out")
+    assert min(resumed) == stopped_at + 1
+    seen = {**{k: v for k, v in seen.items() if k <= stopped_at}, **resumed}
+    assert sorted(seen) == list(range(1, steps + 1))
+    slurm = RunRecord([seen[k][0] for k in sorted(seen)], [seen[k][1] for k in sorted(seen)], tmp_path, {})
+    torchrun = run_training(overrides[:1], tmp_path / "torchrun-run", steps=steps, extra_env=env, timeout_s=180)
     diffs = check_parity(torchrun, slurm, rtol=1e-6)
-    print(f"srun-style vs torchrun: {diffs}")
+    print(f"srun-style (SIGTERM after step {stopped_at}, exit in {stop_s:.2f} s, resumed) vs torchrun: {diffs}")
