@@ -194,7 +194,11 @@ def _warn_if_predicted_not_to_fit(validated) -> None:
     """The planner's verdict before a launch: a warning, not a refusal (a measured run decides)."""
     from partrain.blueprint.planner import estimate
     from partrain.blueprint.report.estimate import verdict_text
+    from partrain.runtime.context import from_environ
 
+    worker = from_environ(dict(os.environ))
+    if worker is not None and not worker.is_main:  # under srun / the user's torchrun: said once, by rank 0
+        return
     est = estimate(validated)
     if not est["fits"]:
         text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
