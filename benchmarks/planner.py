@@ -21,7 +21,7 @@
    with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_: freed tensors go back to the
    system, so the RSS follows live bytes more closely), and, for gpt-dp, the tensor-level peak of one
    rank's step counted by torch's MemTracker in one process; predicted vs measured tokens/s, from the
-   nominal cluster and from a `partrain bench compute` profile measured in the same invocation.
+   nominal cluster and from `partrain bench compute` and `bench comm` profiles measured in the same invocation.
    `--plan-check` runs only this part (about 2 min).
 
 Ratios are predicted / measured (1.000 = exact).
@@ -303,6 +303,19 @@ def _compute_profile(recipe: str, out: Path) -> Path:
     return out
 
 
+def _comm_profile(recipe: str, out: Path) -> Path:
+    """`partrain bench comm recipe=...` on this machine, now (gloo's measured bandwidths by op)."""
+    import subprocess
+
+    from _harness import worker_env
+
+    cmd = [sys.executable, "-m", "partrain.cli", "bench", "comm", f"recipe={recipe}", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env({}))
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench comm {recipe}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return out
+
+
 def _nominal_tokens_per_s(recipe: str) -> float:
     from partrain.blueprint.config.compose import compose
     from partrain.blueprint.planner import estimate
@@ -363,7 +376,8 @@ def plan_check(steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in PLAN_CHECK_RECIPES:
             profile = _compute_profile(recipe, Path(tmp) / f"{recipe}-compute.json")
-            extra = [f"cluster.compute_profile={profile}"]
+            links = _comm_profile(recipe, Path(tmp) / f"{recipe}-comm.json")
+            extra = [f"cluster.compute_profile={profile}", f"cluster.comm_profile={links}"]
             summary, cores = _plan_check_run(recipe, Path(tmp) / recipe, steps, {}, extra)
             fixed, _ = _plan_check_run(recipe, Path(tmp) / f"{recipe}-mmap", steps, MMAP_THRESHOLD, extra)
             memory += _stage_rows(recipe, summary, fixed, tensor_peak)
@@ -416,8 +430,9 @@ def plan_check(steps: int) -> None:
     )
     print(
         "measured tokens/s: the steady-state mean after 2 warm-up steps. nominal: cluster.peak_tflops (local-cpu:\n"
-        "0.1) at the planner's CPU efficiency; with profile: `partrain bench compute` run just before on this\n"
-        "machine (matmul rates by shape, one decoder layer, bandwidth; ranks sharing cores scaled by that share)\n"
+        "0.1) at the planner's CPU efficiency; with profile: `partrain bench compute` and `bench comm` run just\n"
+        "before on this machine (matmul rates by shape, one decoder layer, bandwidth, ranks sharing cores scaled by\n"
+        "that share; gloo's bus bandwidth by op)\n"
     )
 
 
