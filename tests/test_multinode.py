@@ -163,3 +163,23 @@ def test_sigterm_to_node0_checkpoints_both_nodes_and_resume_matches(tmp_path, ca
     diff = max(abs(a - b) for a, b in zip(whole, got))
     print(f"resumed after {saved[-1]}: max |loss difference| vs the uninterrupted two-node run {diff:.2e}")
     assert len(got) == steps and diff <= 1e-6, (whole, first, rest)
+
+
+def test_placement_on_two_nodes():
+    """Dry run: ranks per node, tp groups inside a node, the spanning pp groups on the inter-node link;
+    a tp group that would span nodes is refused (exit 2)."""
+    dims = ["cluster.nodes=2", "cluster.devices_per_node=2", "parallel.dp=1", "train.global_batch_size=4"]
+    cmd = [sys.executable, "-m", "partrain.cli", "train", "recipe=gpt-3d", *dims, "--dry-run"]
+    ok = subprocess.run([*cmd, "parallel.tp=2", "parallel.pp=2", "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(ok.stdout)
+    assert [(r["rank"], r["node"], r["local_rank"]) for r in report["ranks"]] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert report["groups"]["tp"] == [[0, 1], [2, 3]] and report["groups"]["pp"] == [[0, 2], [1, 3]]
+    assert report["estimate"]["links"]["tp"].startswith("intra-node")
+    assert report["estimate"]["links"]["pp"].startswith("inter-node")
+    bad = subprocess.run([*cmd, "parallel.tp=4", "parallel.pp=1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "parallel.tp=4" in bad.stderr and "one node" in bad.stderr
