@@ -82,9 +82,11 @@ def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Opti
             "folder of the node that ran global rank 0"
         )
     if "RendezvousTimeoutError" in log_text or "RendezvousClosedError" in log_text:
+        # The join times out below cluster.nodes participants; with two nodes that means this one alone.
+        joined = "only this node joined" if rdzv.nodes == 2 else f"fewer than {rdzv.nodes} joined"
         return 1, (
             f"error: node {rdzv.node_rank} waited {rdzv.join_timeout_s} s (train.timeout_s) at {rdzv.endpoint} "
-            f"for {rdzv.nodes} nodes to join, and not all of them did; start `partrain train ... --node-rank K "
+            f"for {rdzv.nodes} nodes to join; {joined}. Start `partrain train ... --node-rank K "
             f"--rdzv-endpoint {rdzv.endpoint}` on every node within train.timeout_s"
         )
     return None

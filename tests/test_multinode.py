@@ -183,3 +183,29 @@ def test_placement_on_two_nodes():
     assert report["estimate"]["links"]["pp"].startswith("inter-node")
     bad = subprocess.run([*cmd, "parallel.tp=4", "parallel.pp=1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "parallel.tp=4" in bad.stderr and "one node" in bad.stderr
+
+
+def test_node_alone_times_out_with_a_clear_line(tmp_path, cache):
+    """Node 1 never starts: node 0 gives up after train.timeout_s with one line, no process left."""
+    run_dir = tmp_path / "node0"
+    args = [
+        *DP4,
+        *BASE,
+        f"data.cache_dir={cache}",
+        "train.timeout_s=5",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=2",
+    ]
+    started = time.monotonic()
+    ran = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", *args, f"train.run_dir={run_dir}", "--node-rank", "0"]
+        + ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    print(f"node alone: ended {took:.1f} s after its start (train.timeout_s=5)")
+    assert ran.returncode == 1 and "Traceback" not in ran.stdout + ran.stderr
+    assert "node 0 waited 5 s" in ran.stdout and "for 2 nodes to join; only this node joined" in ran.stdout
+    assert workers_of_run(run_dir) == []
