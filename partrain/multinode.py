@@ -64,7 +64,7 @@ def rendezvous_of(v: ValidatedRun) -> Optional[Rendezvous]:
     if problems:
         raise ConfigError(problems)
     run_id = "partrain-" + re.sub(r"[^A-Za-z0-9]", "-", c.rdzv_endpoint)
-    return Rendezvous(c.nodes, c.node_rank, c.rdzv_endpoint, run_id, join_timeout_s=int(v.run.train.timeout_s))
+    return Rendezvous(c.nodes, c.node_rank, c.rdzv_endpoint, run_id, timeout_s=int(v.run.train.timeout_s))
 
 
 def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Optional[tuple]:
@@ -85,7 +85,7 @@ def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Opti
         # The join times out below cluster.nodes participants; with two nodes that means this one alone.
         joined = "only this node joined" if rdzv.nodes == 2 else f"fewer than {rdzv.nodes} joined"
         return 1, (
-            f"error: node {rdzv.node_rank} waited {rdzv.join_timeout_s} s (train.timeout_s) at {rdzv.endpoint} "
+            f"error: node {rdzv.node_rank} waited {rdzv.timeout_s} s (train.timeout_s) at {rdzv.endpoint} "
             f"for {rdzv.nodes} nodes to join; {joined}. Start `partrain train ... --node-rank K "
             f"--rdzv-endpoint {rdzv.endpoint}` on every node within train.timeout_s"
         )

@@ -209,3 +209,23 @@ def test_node_alone_times_out_with_a_clear_line(tmp_path, cache):
     assert ran.returncode == 1 and "Traceback" not in ran.stdout + ran.stderr
     assert "node 0 waited 5 s" in ran.stdout and "for 2 nodes to join; only this node joined" in ran.stdout
     assert workers_of_run(run_dir) == []
+
+
+def test_node_that_dies_stops_the_other_within_timeout(tmp_path, cache):
+    """SIGKILL to node 1's launcher mid-run: node 0 ends within train.timeout_s, no process left anywhere."""
+    common = [*DP4, *BASE, f"data.cache_dir={cache}", "train.timeout_s=20", "train.steps=300"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    procs = [start_node(k, common, dirs[k], endpoint) for k in (0, 1)]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not any((d / "metrics.jsonl").exists() for d in dirs):
+        time.sleep(0.2)
+    killed = time.monotonic()
+    procs[1].kill()
+    out, err = procs[0].communicate(timeout=60)
+    took = time.monotonic() - killed
+    procs[1].wait(timeout=10)
+    print(f"node 1 killed: node 0 ended {took:.1f} s later (train.timeout_s=20), code {procs[0].returncode}")
+    assert took < 20 and procs[0].returncode != 0 and "Traceback" not in out + err, (out[-2000:], err[-2000:])
+    time.sleep(1)  # the killed node's workers see their parent die at once; give them a moment to leave
+    assert [workers_of_run(d) for d in dirs] == [[], []]

@@ -23,8 +23,8 @@ class Rendezvous:
     """HOST:PORT; node 0 hosts the store there (is_host), the others connect to it."""
     run_id: str
     """Names the rendezvous: every node of one run passes the same id."""
-    join_timeout_s: int
-    """How long a node waits for the others to join before torchrun gives up."""
+    timeout_s: int
+    """How long a node waits for the others to join, and at the end for the others to finish (train.timeout_s)."""
 
     def args(self) -> List[str]:
         # torchrun ignores --node-rank under c10d (global ranks follow the join order); partrain's node
@@ -35,7 +35,7 @@ class Rendezvous:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf=join_timeout={self.join_timeout_s},is_host={host}",
+            f"--rdzv-conf=join_timeout={self.timeout_s},is_host={host}",
         ]
 
 
@@ -53,8 +53,14 @@ def torchrun_command(
     quiet_other_ranks: ranks other than 0 write their output to files under log_dir only.
     rendezvous: a multi-node run (c10d rendezvous) instead of the standalone one.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
-    cmd += rendezvous.args() if rendezvous else ["--standalone", "--nnodes=1"]
+    if rendezvous:
+        # torchrun itself, its exit barrier bounded by train.timeout_s (see partrain.runtime.elastic_run).
+        # The ranks end together (the run ends with a collective), so a few seconds cover a live peer.
+        barrier_s = min(rendezvous.timeout_s, 10)
+        cmd = [sys.executable, "-m", "partrain.runtime.elastic_run", f"--exit-barrier-timeout={barrier_s}"]
+        cmd += rendezvous.args()
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
     cmd.append(f"--nproc-per-node={nproc_per_node}")
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
