@@ -83,7 +83,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
     if run.cluster.nodes > 1:
-        _check_nodes_agree(v, run_dir, env)
+        _check_nodes_agree(v, run_dir, env, via_launcher)
     mesh = build_mesh(v.layout, device.type)
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
     from partrain import checkpoint  # noqa: F401 - imported before the memory baseline (plan_check)
@@ -271,13 +271,15 @@ class Checkpoints:
         self.ckpt.wait_pending_save()
 
 
-def _check_nodes_agree(v: ValidatedRun, run_dir: Path, env: DistEnv) -> None:
+def _check_nodes_agree(v: ValidatedRun, run_dir: Path, env: DistEnv, via_launcher: bool) -> None:
     """Multi-node: every rank checks that all nodes composed the same run (partrain.runtime.agreement)."""
     from partrain.runtime.agreement import check_nodes_agree
 
     meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
     meta = json.loads(Path(meta_path).read_text())
-    check_nodes_agree(v.run, meta, v.run.cluster.node_rank, env.world_size)
+    # Nodes are named as the user named them (--node-rank); under the user's own torchrun, by rank.
+    node = v.run.cluster.node_rank if via_launcher else env.rank // max(1, env.local_world_size)
+    check_nodes_agree(v.run, meta, node, env.world_size)
 
 
 def _refuse(err, env: DistEnv, via_launcher: bool) -> int:

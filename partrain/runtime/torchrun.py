@@ -56,7 +56,7 @@ def torchrun_command(
     if rendezvous:
         # torchrun itself, its exit barrier bounded by train.timeout_s (see partrain.runtime.elastic_run).
         # The ranks end together (the run ends with a collective), so a few seconds cover a live peer.
-        barrier_s = min(rendezvous.timeout_s, 10)
+        barrier_s = min(rendezvous.timeout_s, 5)
         cmd = [sys.executable, "-m", "partrain.runtime.elastic_run", f"--exit-barrier-timeout={barrier_s}"]
         cmd += rendezvous.args()
     else:
