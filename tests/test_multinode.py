@@ -25,7 +25,7 @@ from partrain.testing.parity import run_training
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 40  # ~0.05 s each here: room for SIGTERM to land mid-run in the test sharing these runs
 BASE = ["train.seq_len=32", "data.max_bytes=200000", "train.timeout_s=60", "train.eval_every=0", "train.eval_batches=0"]
 DP4 = ["recipe=gpt-dp", "parallel.dp=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
 # gpt-3d's 3D layout scaled to 4 processes: tp2 inside each node, the pp2 stages on different nodes.
@@ -158,6 +158,8 @@ def test_sigterm_to_node0_checkpoints_both_nodes_and_resume_matches(tmp_path, ca
     outs2, dirs2 = run_two_nodes([*slow, "checkpoint.resume=auto"], tmp_path / "again")
     assert [c for c, _, _ in outs2] == [0, 0], outs2
     first, rest = losses_of(dirs), losses_of(dirs2)
+    # Stopped mid-run, checkpoint at the step it stopped after, and the resumed run did the rest.
+    assert 0 < len(first) < steps and saved[-1] == f"step-{len(first):08d}" and len(first) + len(rest) == steps
     whole = dp4_runs[1]  # the uninterrupted two-node run
     got = first[: steps - len(rest)] + rest
     diff = max(abs(a - b) for a, b in zip(whole, got))
