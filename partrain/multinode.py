@@ -27,6 +27,15 @@ def rendezvous_of(v: ValidatedRun) -> Optional[Rendezvous]:
     would be written to node-local folders."""
     c = v.run.cluster
     if c.nodes <= 1:
+        if c.node_rank != 0:
+            raise ConfigError(
+                Problem(
+                    "cluster.node_rank",
+                    c.node_rank,
+                    "names a node of a multi-node run, but cluster.nodes=1",
+                    "set cluster.nodes to the number of machines, or leave out --node-rank",
+                )
+            )
         return None
     problems: List[Problem] = []
     if not c.rdzv_endpoint:
