@@ -15,7 +15,7 @@ from typing import Iterator, List, Mapping, Optional
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
-from partrain.multinode import node_outcome, rendezvous_of, torchrun_log_text
+from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
 from partrain.preflight import check_before_launch
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.procs import workers_of_run
@@ -74,7 +74,8 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     if env is not None:
         return _run_as_worker(v, env, environ)
     rendezvous = rendezvous_of(v)  # multi-node: exit 2 here when --rdzv-endpoint or --node-rank is wrong
-    check_before_launch(v)
+    with preparing_data(v) if rendezvous else contextlib.nullcontext():  # nodes sharing a cache take turns
+        check_before_launch(v)
     if v.run.cluster.device == "cuda":
         import torch
 
@@ -200,7 +201,8 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
     if v.run.cluster.nodes > 1 and not v.run.train.run_dir:
         run_dir = run_dir / f"node-{env.rank // max(1, env.local_world_size)}"  # one folder per node
     if env.local_rank == 0:
-        check_before_launch(v)
+        with preparing_data(v) if v.run.cluster.nodes > 1 else contextlib.nullcontext():
+            check_before_launch(v)
         # Local rank 0 of every node prepares its node's folder (another node's may not be shared);
         # checkpoint.dir, one for all nodes, is locked by global rank 0 alone.
         with _claimed(v, run_dir, lock_checkpoint_dir=env.is_main):

@@ -10,9 +10,12 @@ whose lock only node 0 holds. Workers check that all nodes composed the same run
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
@@ -99,6 +102,33 @@ def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Opti
             f"--rdzv-endpoint {rdzv.endpoint}` on every node within train.timeout_s"
         )
     return None
+
+
+PREPARE_LOCK = ".prepare.lock"
+
+
+@contextlib.contextmanager
+def preparing_data(v: ValidatedRun) -> Iterator[None]:
+    """Hold the token cache's preparation lock for the block (waiting for another node to finish).
+
+    Nodes sharing a cache (one host, or a shared file system) would otherwise tokenize the same entry
+    at once, each clearing the other's temporary files; with the lock the second finds the entry
+    built. A cache root this creates is removed again if it ends up holding only the lock file."""
+    from partrain.data.packing import cache_root_for
+
+    root = cache_root_for(v.run.data)
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / PREPARE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+        if created and [p.name for p in root.iterdir()] == [PREPARE_LOCK]:
+            with contextlib.suppress(OSError):
+                (root / PREPARE_LOCK).unlink()
+                root.rmdir()
 
 
 def torchrun_log_text(path: Path) -> str:

@@ -105,9 +105,12 @@ def test_3d_two_nodes_match_one_node(tmp_path, cache):
     assert len(two) == 3 and diff <= 1e-6, (one, two)
 
 
-def test_config_mismatch_refused_on_both_nodes(tmp_path, cache):
-    common = [*DP4, *BASE, f"data.cache_dir={cache}", "train.steps=2"]
-    outs, _ = run_two_nodes([*common, "optim.lr=0.001"], tmp_path, overrides_node1=[*common, "optim.lr=0.002"])
+def test_config_mismatch_refused_on_both_nodes(tmp_path):
+    """Also: both nodes start on an empty shared token cache at once; they take turns preparing it."""
+    common = [*DP4, *BASE, f"data.cache_dir={tmp_path / 'cold-cache'}", "train.steps=2"]
+    outs, dirs = run_two_nodes([*common, "optim.lr=0.001"], tmp_path, overrides_node1=[*common, "optim.lr=0.002"])
+    manifests = {json.loads((d / "data.json").read_text())["meta_path"] for d in dirs}
+    assert len(manifests) == 1 and Path(manifests.pop()).exists()
     for code, out, err in outs:
         assert code == 2, (out[-3000:], err[-3000:])
         text = out + err
