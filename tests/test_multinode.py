@@ -1,10 +1,11 @@
 """Two nodes on one host: two `partrain train --node-rank K --rdzv-endpoint 127.0.0.1:PORT` launchers,
-each starting torchrun with 2 processes, meeting over torchrun's c10d rendezvous on loopback.
+each starting torchrun with 2 (or 4) processes, meeting over torchrun's c10d rendezvous on loopback.
 
-Checked: losses equal the single-node run of the same world size (gpt-dp dp4, and gpt-3d scaled to
-pp2 x tp2 with tp inside a node); a config difference between the nodes makes both refuse with exit 2 naming
-the key; SIGTERM to node 0's launcher stops every rank of both nodes with a checkpoint, and
-resume=auto then continues exactly as the uninterrupted run.
+Checked: losses equal the single-node run of the same world size (gpt-dp dp4 on 2 x 2 processes,
+gpt-3d dp2 x tp2 x pp2 on 2 x 4, tp inside a node); a config difference between the nodes makes
+both refuse with exit 2 naming the key; SIGTERM to node 0's launcher stops every rank of both nodes
+with a checkpoint, and resume=auto then continues exactly as the uninterrupted run; a node alone
+times out with one line; a node that dies stops the other within train.timeout_s; placement.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.slow
 STEPS = 40  # ~0.05 s each here: room for SIGTERM to land mid-run in the test sharing these runs
 BASE = ["train.seq_len=32", "data.max_bytes=200000", "train.timeout_s=60", "train.eval_every=0", "train.eval_batches=0"]
 DP4 = ["recipe=gpt-dp", "parallel.dp=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
-# gpt-3d's 3D layout scaled to 4 processes: tp2 inside each node, the pp2 stages on different nodes.
-PP_TP = ["recipe=gpt-3d", "parallel.dp=1", "parallel.tp=2", "parallel.pp=2", "train.global_batch_size=4"]
 
 
 def free_port() -> int:
@@ -38,8 +37,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(node: int, overrides, run_dir: Path, endpoint: str) -> subprocess.Popen:
-    args = [*overrides, "cluster.nodes=2", "cluster.devices_per_node=2", f"train.run_dir={run_dir}"]
+def start_node(node: int, overrides, run_dir: Path, endpoint: str, procs: int = 2) -> subprocess.Popen:
+    args = [*overrides, "cluster.nodes=2", f"cluster.devices_per_node={procs}", f"train.run_dir={run_dir}"]
     return subprocess.Popen(
         [sys.executable, "-m", "partrain.cli", "train", *args, "--node-rank", str(node), "--rdzv-endpoint", endpoint],
         stdout=subprocess.PIPE,
@@ -49,14 +48,14 @@ def start_node(node: int, overrides, run_dir: Path, endpoint: str) -> subprocess
     )
 
 
-def run_two_nodes(overrides, tmp: Path, overrides_node1=None, timeout_s: int = 240):
+def run_two_nodes(overrides, tmp: Path, overrides_node1=None, timeout_s: int = 240, procs: int = 2):
     """Both nodes to the end; [(exit code, stdout, stderr), ...] and the run folders."""
     endpoint = f"127.0.0.1:{free_port()}"
     dirs = [tmp / "node0", tmp / "node1"]
     per_node = [overrides, overrides_node1 or overrides]
-    procs = [start_node(k, per_node[k], dirs[k], endpoint) for k in (0, 1)]
+    launchers = [start_node(k, per_node[k], dirs[k], endpoint, procs) for k in (0, 1)]
     outs = []
-    for p in procs:
+    for p in launchers:
         out, err = p.communicate(timeout=timeout_s)
         outs.append((p.returncode, out, err))
     return outs, dirs
@@ -74,14 +73,14 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
-def one_and_two_nodes(layout, tmp: Path, cache: Path, steps: int):
-    """The same run on one node of 4 processes and on two nodes of 2; (losses, losses)."""
+def one_and_two_nodes(layout, tmp: Path, cache: Path, steps: int, procs: int = 2):
+    """The same run on one node of 2 x procs processes and on two nodes of procs; (losses, losses)."""
     common = [*layout, *BASE, f"data.cache_dir={cache}"]
-    one = run_training([*common, "cluster.devices_per_node=4"], tmp / "one", steps)
-    outs, dirs = run_two_nodes([*common, f"train.steps={steps}"], tmp / "two")
+    one = run_training([*common, f"cluster.devices_per_node={2 * procs}"], tmp / "one", steps)
+    outs, dirs = run_two_nodes([*common, f"train.steps={steps}"], tmp / "two", procs=procs)
     for code, out, err in outs:
         assert code == 0, (out[-3000:], err[-3000:])
-    assert "(node 0 of 2: 2 here)" in outs[0][1] and "(node 1 of 2: 2 here)" in outs[1][1]
+    assert f"(node 0 of 2: {procs} here)" in outs[0][1] and f"(node 1 of 2: {procs} here)" in outs[1][1]
     return one.losses, losses_of(dirs)
 
 
@@ -98,11 +97,12 @@ def test_gpt_dp_two_nodes_match_one_node(dp4_runs):
     assert len(two) == STEPS and diff <= 1e-6, (one, two)
 
 
-def test_3d_two_nodes_match_one_node(tmp_path, cache):
-    one, two = one_and_two_nodes(PP_TP, tmp_path, cache, 3)
+def test_gpt_3d_two_nodes_match_one_node(tmp_path, cache):
+    """gpt-3d as shipped (dp2 x tp2 x pp2, 8 processes): 2 nodes x 4, tp inside a node, pp across."""
+    one, two = one_and_two_nodes(["recipe=gpt-3d"], tmp_path, cache, 2, procs=4)
     diff = max(abs(a - b) for a, b in zip(one, two))
-    print(f"gpt-3d pp2 x tp2: max |loss difference| two nodes vs one node {diff:.2e}")
-    assert len(two) == 3 and diff <= 1e-6, (one, two)
+    print(f"gpt-3d dp2 x tp2 x pp2: max |loss difference| two nodes vs one node {diff:.2e}")
+    assert len(two) == 2 and diff <= 1e-6, (one, two)
 
 
 def test_config_mismatch_refused_on_both_nodes(tmp_path):
