@@ -135,11 +135,13 @@ def test_missing_endpoint_is_a_config_error(tmp_path):
         [sys.executable, "-m", "partrain.cli", "train", *alone], capture_output=True, text=True, timeout=120
     )
     assert ran.returncode == 2 and "cluster.node_rank=1" in ran.stderr and not (tmp_path / "r").exists()
-    bad = [*DP4, "cluster.nodes=2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:99999"]
+    # The flags win over the keys (cluster.node_rank=7 is replaced by --node-rank 2).
+    bad = [*DP4, "cluster.nodes=2", "cluster.node_rank=7", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:99999"]
     ran = subprocess.run(
         [sys.executable, "-m", "partrain.cli", "train", *bad], capture_output=True, text=True, timeout=120
     )
     assert ran.returncode == 2 and "cluster.node_rank=2" in ran.stderr and "cluster.rdzv_endpoint" in ran.stderr
+    assert "node_rank=7" not in ran.stderr
 
 
 def test_sigterm_to_node0_checkpoints_both_nodes_and_resume_matches(tmp_path, cache, dp4_runs):
