@@ -15,13 +15,14 @@ from typing import Iterator, List, Mapping, Optional
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
+from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
 from partrain.preflight import check_before_launch
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.slurm import check_allocation
-from partrain.runtime.torchrun import torchrun_command
+from partrain.runtime.torchrun import Rendezvous, torchrun_command
 from partrain.train.metrics import parse_event
 from partrain.worker import DATA_MANIFEST
 
@@ -56,37 +57,36 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
     return run_dir
 
 
-def worker_command(v: ValidatedRun, run_dir: Path) -> list:
+def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvous] = None) -> list:
     """torchrun starting `partrain.worker RUN_DIR` in every process of this machine."""
     return torchrun_command(
-        v.world_size,
+        v.run.cluster.devices_per_node if rendezvous else v.world_size,
         ["-m", "partrain.worker", run_dir],
         max_restarts=v.run.train.max_restarts,
         log_dir=run_dir / "torchrun",
         quiet_other_ranks=True,
+        rendezvous=rendezvous,
     )
 
 
 def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     """Returns the exit code for the CLI."""
-    check_allocation(environ, v.run.cluster.nodes, v.run.cluster.devices_per_node)  # srun's tasks vs the layout
+    if v.run.cluster.rdzv_endpoint:
+        # A node's launcher (`--rdzv-endpoint`; under srun: one task per node): SLURM's task variables
+        # describe the launchers, not the workers, so they are not read as this process's rank.
+        environ = {k: value for k, value in environ.items() if not k.startswith("SLURM_")}
+    else:
+        check_allocation(environ, v.run.cluster.nodes, v.run.cluster.devices_per_node)  # srun's tasks vs the layout
     env = from_environ(environ)
     if env is not None:
         return _run_as_worker(v, env, environ)
-    check_before_launch(v)
-    if v.run.cluster.nodes > 1:
-        raise_config(
-            Problem(
-                "cluster.nodes",
-                v.run.cluster.nodes,
-                "a multi-node run needs a launcher on every node",
-                "start `partrain train ...` under torchrun (--nnodes, --rdzv-endpoint) or srun on each node",
-            )
-        )
+    rendezvous = rendezvous_of(v)  # multi-node: exit 2 here when --rdzv-endpoint or --node-rank is wrong
+    with preparing_data(v) if rendezvous else contextlib.nullcontext():  # nodes sharing a cache take turns
+        check_before_launch(v)
     if v.run.cluster.device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < v.world_size:
+        if torch.cuda.device_count() < (v.run.cluster.devices_per_node if rendezvous else v.world_size):
             raise_config(
                 Problem(
                     "cluster.device",
@@ -103,23 +103,27 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
                 run_dir = prepare_run_dir(v, run_dir)
             except ConfigError as err:
                 raise_config(*err.problems)
-            return _start(v, run_dir, console, environ, signals)
+            return _start(v, run_dir, console, environ, signals, rendezvous)
         except Interrupted as stop:
             console.print(f"stopped by {signal_name(stop.signum)} before training started", highlight=False)
             return exit_code(stop.signum)
 
 
-def _start(v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], signals: Forwarder) -> int:
+def _start(
+    v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], signals: Forwarder, rendezvous=None
+) -> int:
     """Start torchrun (own session, dies with this process, output to logs/torchrun.log), follow rank
     0's events until the workers end, then say how the run ended; returns the exit code."""
-    threads = v.run.train.threads_per_process or max(1, cpu_count() // v.world_size)
+    local = v.run.cluster.devices_per_node if rendezvous else v.world_size
+    threads = v.run.train.threads_per_process or max(1, cpu_count() // local)
     child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    console.print(f"[bold]partrain[/bold]: {v.world_size} processes, run folder [cyan]{run_dir}[/cyan]")
+    where = f" (node {rendezvous.node_rank} of {rendezvous.nodes}: {local} here)" if rendezvous else ""
+    console.print(f"[bold]partrain[/bold]: {v.world_size} processes{where}, run folder [cyan]{run_dir}[/cyan]")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "logs" / TORCHRUN_LOG, "a") as torchrun_log:
         with signals.blocked():  # a signal arriving now is handled once torchrun's pid is known
             proc = subprocess.Popen(
-                worker_command(v, run_dir),
+                worker_command(v, run_dir, rendezvous),
                 stdout=subprocess.PIPE,
                 stderr=torchrun_log,
                 text=True,
@@ -130,15 +134,23 @@ def _start(v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], 
             signals.started(proc.pid, run_dir)
         seen = _follow(proc, console, signals.received)
         code = proc.wait()
+    if rendezvous:
+        told = node_outcome(rendezvous, code, seen, torchrun_log_text(run_dir / "logs" / TORCHRUN_LOG))
+        if told:
+            console.print(told[1], markup=False, highlight=False, soft_wrap=True)
+            return told[0]
     return _conclude(run_dir, code, seen, signals.received, console)
 
 
 @contextlib.contextmanager
-def _claimed(v: ValidatedRun, run_dir: Path) -> Iterator[None]:
+def _claimed(v: ValidatedRun, run_dir: Path, lock_checkpoint_dir: Optional[bool] = None) -> Iterator[None]:
     """Lock the run folder (and checkpoint.dir) for the block; exit 2 (ConfigError) if another run
     holds one or workers of an earlier run still run there. Moves an old errors/ aside."""
     folders = [("train.run_dir", run_dir)]
-    if v.run.checkpoint.dir:
+    # Multi-node: all nodes write one checkpoint.dir; node 0 alone holds its lock (see partrain.multinode).
+    if lock_checkpoint_dir is None:
+        lock_checkpoint_dir = v.run.cluster.nodes == 1 or v.run.cluster.node_rank == 0
+    if v.run.checkpoint.dir and lock_checkpoint_dir:
         folders.append(("checkpoint.dir", Path(v.run.checkpoint.dir).expanduser()))
     try:
         with hold_folders([folder for _, folder in folders]):
@@ -193,17 +205,21 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
     stop = StopWatch(f"rank {env.rank}", hard_exit_after_s=v.run.train.timeout_s).start()
     job = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "job"
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v, job_id=job)
-    if env.is_main:
-        check_before_launch(v)
-        # Global rank 0 alone holds the folder lock (one lock file, also on a shared file system).
-        with _claimed(v, run_dir):
+    if v.run.cluster.nodes > 1 and not v.run.train.run_dir:
+        run_dir = run_dir / f"node-{env.rank // max(1, env.local_world_size)}"  # one folder per node
+    if env.local_rank == 0:
+        with preparing_data(v) if v.run.cluster.nodes > 1 else contextlib.nullcontext():
+            check_before_launch(v)
+        # Local rank 0 of every node prepares its node's folder (another node's may not be shared);
+        # checkpoint.dir, one for all nodes, is locked by global rank 0 alone.
+        with _claimed(v, run_dir, lock_checkpoint_dir=env.is_main):
             prepare_run_dir(v, run_dir)
             leave(worker.main(run_dir, env, v, stop=stop))
     else:
         deadline = time.monotonic() + v.run.train.timeout_s
         while not (run_dir / DATA_MANIFEST).exists():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0 did not prepare {run_dir} within train.timeout_s")
+                raise RuntimeError(f"local rank 0 did not prepare {run_dir} within train.timeout_s")
             time.sleep(0.2)
     leave(worker.main(run_dir, env, v, stop=stop))
 
@@ -247,7 +263,7 @@ def _follow(proc: subprocess.Popen, console, signals: Optional[List[int]] = None
                 progress.console.print(line.rstrip("\n"), highlight=False, markup=False)
                 continue
             kind = event["event"]
-            if kind in ("start", "summary", "stopped"):
+            if kind in ("start", "summary", "stopped", "refused"):
                 seen[kind] = event
             if kind == "start":
                 task = progress.add_task(

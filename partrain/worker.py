@@ -18,6 +18,7 @@ from typing import Optional
 
 from partrain.blueprint.config.compose import load_resolved
 from partrain.blueprint.validate import ValidatedRun, validate
+from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.train.metrics import emit
 
@@ -81,6 +82,8 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     run = v.run
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
+    if run.cluster.nodes > 1:
+        _check_nodes_agree(v, run_dir, env, via_launcher)
     mesh = build_mesh(v.layout, device.type)
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
     from partrain import checkpoint  # noqa: F401 - imported before the memory baseline (plan_check)
@@ -171,7 +174,8 @@ def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Opt
     """One line saying where the stopped run ended and how to continue it (rank 0); the exit code."""
     from partrain.runtime.signals import PARENT_DEATH_SIGNAL, exit_code, signal_name
 
-    if env.is_main:
+    # Every node's launcher reports the stop: local rank 0 of each node says it too (multi-node).
+    if env.is_main or (via_launcher and env.local_rank == 0):
         who = (
             "because its launcher died," if state.stopped == PARENT_DEATH_SIGNAL else f"by {signal_name(state.stopped)}"
         )
@@ -267,6 +271,28 @@ class Checkpoints:
         self.ckpt.wait_pending_save()
 
 
+def _check_nodes_agree(v: ValidatedRun, run_dir: Path, env: DistEnv, via_launcher: bool) -> None:
+    """Multi-node: every rank checks that all nodes composed the same run (partrain.runtime.agreement)."""
+    from partrain.runtime.agreement import check_nodes_agree
+
+    meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
+    meta = json.loads(Path(meta_path).read_text())
+    # Nodes are named as the user named them (--node-rank); under the user's own torchrun, by rank.
+    node = v.run.cluster.node_rank if via_launcher else env.rank // max(1, env.local_world_size)
+    check_nodes_agree(v.run, meta, node, env.world_size)
+
+
+def _refuse(err, env: DistEnv, via_launcher: bool) -> int:
+    """The nodes disagree: local rank 0 of every node tells its launcher (event) or the terminal; exit 2."""
+    log.error("%s", err)
+    if env.local_rank == 0:
+        if via_launcher:
+            emit("refused", lines=err.lines)
+        else:
+            print("\n".join(f"error: nodes disagree on {line}" for line in err.lines), file=sys.stderr, flush=True)
+    return 0 if via_launcher else 2
+
+
 def _restart_store(env: DistEnv, timeout):
     """After an elastic restart, a store namespace of this attempt's own.
 
@@ -317,6 +343,8 @@ def main(
                 )
             code = train_process(v, env, run_dir, stop, via_launcher)
         return code
+    except Disagreement as err:
+        return _refuse(err, env, via_launcher)
     except BaseException as exc:  # noqa: BLE001 - any failure must end this rank with its message recorded
         text = f"rank {env.rank}: {type(exc).__name__}: {exc}"
         log.error("%s\n%s", text, traceback.format_exc())

@@ -166,10 +166,22 @@ def train(
     all_ranks: bool = typer.Option(False, "--all-ranks", help="Show every rank and group in the terminal tables."),
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
     check: bool = CHECK,
+    node_rank: Optional[int] = typer.Option(
+        None, "--node-rank", help="Multi-node: this machine's node, 0..cluster.nodes-1 (sets cluster.node_rank)."
+    ),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None,
+        "--rdzv-endpoint",
+        help="Multi-node: HOST:PORT of the c10d rendezvous on node 0, the same on every node "
+        "(sets cluster.rdzv_endpoint).",
+    ),
 ) -> None:
     """Compose, validate and train (launches workers with torchrun)."""
     if check and not dry_run:
         fail(ConfigError(Problem("--check", True, "only goes with --dry-run", "add --dry-run")), as_json)
+    # The flags win over the keys: Hydra applies the last override of a key.
+    overrides = [*(overrides or []), *([f"cluster.node_rank={node_rank}"] if node_rank is not None else [])]
+    overrides += [f"cluster.rdzv_endpoint={rdzv_endpoint}"] if rdzv_endpoint is not None else []
     validated = _validated(overrides, recipes, as_json)
     if dry_run:
         report = _print_layout(validated, as_json, all_ranks, schedule_svg)

@@ -1,15 +1,42 @@
 """The one place that builds a torchrun command line (`python -m torch.distributed.run`).
 
 Single machine: the standalone rendezvous (a free port on localhost, no endpoint to configure).
-Multi-node runs start partrain under the user's own torchrun or srun instead (see README).
+Several machines: torchrun's c10d rendezvous at a HOST:PORT every node is given (`Rendezvous`).
 No torch import here: the CLI builds the command before any heavy import.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the nodes of a multi-node run meet (torchrun's c10d backend)."""
+
+    nodes: int
+    node_rank: int
+    endpoint: str
+    """HOST:PORT; node 0 hosts the store there (is_host), the others connect to it."""
+    run_id: str
+    """Names the rendezvous: every node of one run passes the same id."""
+    timeout_s: int
+    """How long a node waits for the others to join, and at the end for the others to finish (train.timeout_s)."""
+
+    def args(self) -> List[str]:
+        # torchrun ignores --node-rank under c10d (global ranks follow the join order); partrain's node
+        # rank picks the store host, so two nodes on one host never both try to serve the port.
+        host = "true" if self.node_rank == 0 else "false"
+        return [
+            f"--nnodes={self.nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=join_timeout={self.timeout_s},is_host={host}",
+        ]
 
 
 def torchrun_command(
@@ -18,20 +45,23 @@ def torchrun_command(
     max_restarts: int = 0,
     log_dir: Optional[Path] = None,
     quiet_other_ranks: bool = False,
+    rendezvous: Optional[Rendezvous] = None,
 ) -> List[str]:
     """`python -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=N ... TARGET`.
 
     target: what each process runs, e.g. ["-m", "partrain.worker", RUN_DIR] or [script, args...].
     quiet_other_ranks: ranks other than 0 write their output to files under log_dir only.
+    rendezvous: a multi-node run (c10d rendezvous) instead of the standalone one.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc_per_node}",
-    ]
+    if rendezvous:
+        # torchrun itself, its exit barrier bounded by train.timeout_s (see partrain.runtime.elastic_run).
+        # The ranks end together (the run ends with a collective), so a few seconds cover a live peer.
+        barrier_s = min(rendezvous.timeout_s, 5)
+        cmd = [sys.executable, "-m", "partrain.runtime.elastic_run", f"--exit-barrier-timeout={barrier_s}"]
+        cmd += rendezvous.args()
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    cmd.append(f"--nproc-per-node={nproc_per_node}")
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     if log_dir is not None:

@@ -68,6 +68,13 @@ class ClusterConfig:
     fitted to its layer measurements) instead of peak_tflops x a constant efficiency."""
     allow_tp_across_nodes: bool = False
     """Permit a tensor-parallel group to span nodes (normally a mistake: TP talks every layer)."""
+    node_rank: int = 0
+    """This machine's place in a multi-node run (0..nodes-1; `partrain train --node-rank`). Node 0 hosts
+    the rendezvous store and holds checkpoint.dir's lock; torchrun's c10d rendezvous orders global ranks.
+    Node-local: left out of the config agreement between nodes."""
+    rdzv_endpoint: str = ""
+    """HOST:PORT of the c10d rendezvous for a multi-node run (`partrain train --rdzv-endpoint`): node 0's
+    address and a free port, the same on every node. Required when nodes > 1."""
 
 
 @dataclass
