@@ -22,6 +22,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     timeout = 300.0
     if args and args[0].startswith(FLAG):
         timeout = float(args.pop(0)[len(FLAG) :])
+    import inspect
+
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.run import main as torchrun_main
 
@@ -32,7 +34,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         kw.setdefault("exit_barrier_timeout", timeout)
         original_init(self, *a, **kw)
 
-    LocalElasticAgent.__init__ = init_with_timeout
+    # A torch whose agent no longer takes the argument runs as plain torchrun (its own barrier).
+    if "exit_barrier_timeout" in inspect.signature(original_init).parameters:
+        LocalElasticAgent.__init__ = init_with_timeout
     torchrun_main(args)
 
 
