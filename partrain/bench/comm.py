@@ -238,7 +238,7 @@ def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:
             )
         if s.device == "cuda":
             torch.cuda.set_device(env.local_rank)
-        with joined_group(s.backend, env.rank, env.world_size, s.timeout_s):
+        with joined_group(s.backend, env.rank, env.world_size, s.timeout_s, init_method=env.init_method):
             profile = measure(s, env, progress)
             if env.is_main:
                 write_profile(s.out, profile)
