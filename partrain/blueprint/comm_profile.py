@@ -41,13 +41,14 @@ planner then times it at that link's measured all-reduce bandwidth.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import re
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
+
+from partrain.blueprint.json_file import load_checked_json
 
 FORMAT = "partrain-comm-profile"
 VERSION = 1
@@ -182,26 +183,7 @@ def check_profile(data) -> dict:
 
 def load_profile(path: Path | str) -> dict:
     """Read and check a profile; ProfileError says what is wrong (missing, unreadable, not a profile)."""
-    p = Path(path).expanduser()
-    try:
-        stat = p.stat()
-    except OSError:
-        raise ProfileError("no such file") from None
-    if not p.is_file():
-        raise ProfileError("is not a file")
-    return _load(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _load(path: str, mtime_ns: int, size: int) -> dict:
-    # Keyed by mtime and size: re-read when the file changes, not on every planner call.
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"cannot be read ({exc.__class__.__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"is not JSON ({exc.msg} at line {exc.lineno})") from None
-    return check_profile(data)
+    return load_checked_json(path, ProfileError, check_profile)
 
 
 def planner_bandwidths(path: Path | str) -> Tuple[Tuple[str, float], ...]:

@@ -27,13 +27,14 @@ kernel rate, effective bandwidth, per-op host overhead).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
+
+from partrain.blueprint.json_file import load_checked_json
 
 FORMAT = "partrain-compute-profile"
 VERSION = 1
@@ -82,26 +83,7 @@ def check_profile(data) -> dict:
 
 def load_profile(path: Path | str) -> dict:
     """Read and check a profile; ComputeProfileError says what is wrong (missing, unreadable, not a profile)."""
-    p = Path(path).expanduser()
-    try:
-        stat = p.stat()
-    except OSError:
-        raise ComputeProfileError("no such file") from None
-    if not p.is_file():
-        raise ComputeProfileError("is not a file")
-    return _load(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _load(path: str, mtime_ns: int, size: int) -> dict:
-    # Keyed by mtime and size: re-read when the file changes, not on every planner call.
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ComputeProfileError(f"cannot be read ({exc.__class__.__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise ComputeProfileError(f"is not JSON ({exc.msg} at line {exc.lineno})") from None
-    return check_profile(data)
+    return load_checked_json(path, ComputeProfileError, check_profile)
 
 
 def profile_key(path: Path | str) -> Tuple[str, int, int]:
