@@ -28,7 +28,9 @@ from partrain.blueprint.planner.spec import GB, cluster_spec
 CPU_CLUSTER = {"name": "local-cpu", "nodes": 1, "devices_per_node": 2, "backend": "gloo", "device": "cpu"}
 
 
-def synthetic(path: Path, gbps: dict, links=("intra",), cluster=CPU_CLUSTER, unsupported=()) -> Path:
+def synthetic(
+    path: Path, gbps: dict, links=("intra",), cluster=CPU_CLUSTER, unsupported=(), latency_s: float = 0.0
+) -> Path:
     """A profile whose busbw at the largest size is gbps[op] (GB/s) on each link class, written
     through profile.py as `bench comm` writes it."""
     entries = {}
@@ -40,7 +42,8 @@ def synthetic(path: Path, gbps: dict, links=("intra",), cluster=CPU_CLUSTER, uns
                 ops[op] = {"supported": False, "torch_op": op, "bus_factor": factor, "results": [], "error": "no"}
                 continue
             big = 1 << 24
-            rows = [result(4096, 1e-3, factor), result(big, big * factor / (gbps[op] * GB), factor)]
+            # Both sizes at the same bus bandwidth: no fixed cost per call (latency tests add one).
+            rows = [result(n, n * factor / (gbps[op] * GB) + latency_s, factor) for n in (4096, big)]
             ops[op] = {"supported": True, "torch_op": op, "bus_factor": factor, "results": rows}
         entries[link] = {"group_size": 2, "groups": [[0, 1]], "ops": ops}
     return write_profile(
@@ -260,3 +263,25 @@ def test_plan_with_a_profile_does_not_import_torch(tmp_path):
         """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_measured_fixed_cost_per_call_is_charged_per_collective(cli, tmp_path):
+    """alpha-beta: the smallest message's time beyond its bytes at the largest message's bus bandwidth
+    is a fixed cost per call, charged to each TP all-reduce and pipeline send of a microbatch (the
+    many small per-layer collectives; on 8 gloo processes sharing 2 cores a 1 KiB all-reduce takes
+    about 15 ms, far above its bytes)."""
+    from partrain.blueprint.comm_profile import planner_latencies
+
+    ops = {op: 1.0 for op in OPS}
+    paths = {ms: synthetic(tmp_path / f"lat{ms}.json", ops, latency_s=ms * 1e-3) for ms in (0, 1, 2)}
+    assert all(a == pytest.approx(0.0, abs=1e-12) for _, a in planner_latencies(paths[0]))
+    assert dict(planner_latencies(paths[2]))["intra/all_reduce"] == pytest.approx(2e-3, rel=1e-3)
+    t = {
+        ms: _estimate(cli, "recipe=gpt-3d", f"cluster.comm_profile={p}")["time_breakdown_s"] for ms, p in paths.items()
+    }
+    for family in ("tp", "pp"):
+        one, two = t[1][family] - t[0][family], t[2][family] - t[0][family]
+        assert one > 0 and two == pytest.approx(2 * one, rel=1e-3)
+    # gpt-3d, the busiest pipeline rank: 2 microbatches x (2 layers x 4 all-reduces + the embedding's or head's 1)
+    # (the bandwidth is a little lower too: the fixed cost is also in the largest message's time)
+    assert t[1]["tp"] - t[0]["tp"] == pytest.approx(2 * 9 * 1e-3, rel=0.02)

@@ -200,6 +200,29 @@ def planner_bandwidths(path: Path | str) -> Tuple[Tuple[str, float], ...]:
     )
 
 
+def planner_latencies(path: Path | str) -> Tuple[Tuple[str, float], ...]:
+    """(("intra/all_reduce", seconds), ...): the fixed cost of each op on each link class the planner
+    knows, per ring step: what the smallest measured message took beyond its bytes at the bus
+    bandwidth of the largest (the alpha of an alpha-beta model; 0 when it took no longer), divided by
+    the n - 1 steps a collective over the measured group of n ranks takes (a send/recv is one step).
+    The planner multiplies it back by its own groups' steps."""
+    profile = load_profile(path)
+    out = []
+    for link in PLANNER_LINKS:
+        entry = profile["links"].get(link, {})
+        ops, steps = entry.get("ops", {}), max(1, int(entry.get("group_size", 2)) - 1)
+        for op in OPS:
+            rows = [r for r in ops.get(op, {}).get("results", []) if r.get("time_s")]
+            busbw = profile["summary"].get(link, {}).get(op)
+            if not rows or not busbw:
+                continue
+            small = min(rows, key=lambda r: r["bytes"])
+            factor = ops[op].get("bus_factor", 1.0)
+            alpha = max(0.0, small["time_s"] - small["bytes"] * factor / (busbw * GB))
+            out.append((f"{link}/{op}", alpha if op == "send_recv" else alpha / steps))
+    return tuple(sorted(out))
+
+
 def mismatch(profile: dict, backend: str, device: str) -> Optional[str]:
     """Why a profile does not describe a cluster with this backend and device (None if it does)."""
     measured = profile["cluster"]

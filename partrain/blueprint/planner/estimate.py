@@ -40,7 +40,10 @@ Step-time model (documented in every report's "assumptions"):
   `partrain bench comm` measured for each op on that link class: TP all-reduce (Megatron-SP:
   all-gather + reduce-scatter), Ulysses and EP all-to-all, ring attention and PP send/recv, DP
   all-reduce / all-gather / reduce-scatter by ZeRO stage (one bandwidth per step, weighted by the
-  collectives' rough volume shares). "bandwidth_source" in the report says which.
+  collectives' rough volume shares). "bandwidth_source" in the report says which. A comm profile also
+  gives a fixed cost per call (alpha: its smallest message's time beyond its bytes, per ring step,
+  times the group's n - 1 steps) charged to every TP collective, Ulysses and EP all-to-all and
+  pipeline send of a microbatch; DP's few large bucket calls are timed by bandwidth alone.
 
 Reported communication (`comm_bytes_per_step`) is the volume one rank moves per step in each group
 family (ring volumes, see comm.py), for the busiest pipeline rank; "dp" includes ZeRO/FSDP traffic.

@@ -64,7 +64,11 @@ def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
         per_moe += 0.5
     n_ar = (r.layers - r.sparse) * per_layer + r.sparse * per_moe + (1 if r.first else 0) + (1 if r.last else 0)
     out.tp = n_ar * all_reduce_bytes(s.ar_size, spec.tp)
-    out.t_tp = out.tp / s.tp_bw if out.tp else 0.0
+    # Calls: an all-reduce each, or under Megatron-SP an all-gather and a reduce-scatter in its place.
+    per_call = (s.alpha.get("tp/all_gather", 0.0) + s.alpha.get("tp/reduce_scatter", 0.0)) / 2 if spec.tp_sp else 0.0
+    calls = n_ar * (2 if spec.tp_sp else 1)
+    alpha = per_call if spec.tp_sp else s.alpha.get("tp/all_reduce", 0.0)
+    out.t_tp = (out.tp / s.tp_bw if out.tp else 0.0) + calls * alpha
 
 
 def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_flops: float, out: RankTraffic) -> None:
@@ -92,7 +96,7 @@ def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_fl
     if spec.sp_mode == "ulysses":
         per_pass = all_to_all_bytes((2 * qt + 2 * kvt) * s.act_bytes, sp)
         out.sp = r.layers * per_pass * (forwards + 1)
-        out.t_sp = out.sp / s.bw["sp/all_to_all"]
+        out.t_sp = out.sp / s.bw["sp/all_to_all"] + r.layers * 4 * (forwards + 1) * s.alpha.get("sp/all_to_all", 0.0)
         return
     link = s.bw["sp/send_recv"]
     kv, dkv = 2 * kvt * s.act_bytes, 2 * kvt * 4
@@ -108,7 +112,8 @@ def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
         return
     rec = s.passes_extra if spec.recompute == "full" else 0.0
     out.ep = r.sparse * all_to_all_layer_bytes(spec, s.tokens, s.act_bytes, rec)["total"]
-    out.t_ep = out.ep / s.bw["ep/all_to_all"]
+    calls = r.sparse * (4 + 2 * rec)  # dispatch and combine, forward and backward (and the recomputed forward)
+    out.t_ep = out.ep / s.bw["ep/all_to_all"] + calls * s.alpha.get("ep/all_to_all", 0.0)
 
 
 def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
@@ -116,7 +121,7 @@ def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
         return
     sends = sum((0 if c == r.n_chunks - 1 else 1) + (0 if c == 0 else 1) for c in r.chunks)
     out.pp = sends * s.ar_size / spec.tp
-    out.t_pp = out.pp / s.bw["pp/send_recv"]
+    out.t_pp = out.pp / s.bw["pp/send_recv"] + sends * s.alpha.get("pp/send_recv", 0.0)
 
 
 def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, out: RankTraffic) -> None:

@@ -136,11 +136,20 @@ class ClusterSpec:
     "intra/all_gather"); empty = nominal link speeds. See `bw`."""
     bandwidth_source: str = "nominal"
     """Where the bandwidths come from: "nominal" (the cluster config) or "profile:<path>"."""
+    latencies: Tuple[Tuple[str, float], ...] = ()
+    """Seconds per call of each op, keyed "link/op", from the comm profile (comm_profile.planner_latencies)."""
     compute_profile: str = ""
     """A compute profile written by `partrain bench compute` (compute_model.py times compute from it);
     empty = FLOPs / (peak x efficiency)."""
     compute_source: str = "nominal"
     """Where compute time comes from: "nominal" (peak x efficiency) or "profile:<path>"."""
+
+    def alpha(self, link: str, op: str = "all_reduce") -> float:
+        """Seconds of fixed cost per call of `op` on a link class: measured with a comm profile, else 0."""
+        for key, value in self.latencies:
+            if key == f"{link}/{op}":
+                return value
+        return 0.0
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
@@ -226,13 +235,15 @@ class PlanSpec:
 def cluster_spec(cl) -> ClusterSpec:
     intra, inter = cl.intra_node_gbps * GB, cl.inter_node_gbps * GB
     measured: Tuple[Tuple[str, float], ...] = ()
+    latencies: Tuple[Tuple[str, float], ...] = ()
     source = "nominal"
     if getattr(cl, "comm_profile", ""):
         # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
         # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
-        from partrain.blueprint.comm_profile import planner_bandwidths
+        from partrain.blueprint.comm_profile import planner_bandwidths, planner_latencies
 
         measured = planner_bandwidths(cl.comm_profile)
+        latencies = planner_latencies(cl.comm_profile)
         by_key = dict(measured)
         intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
         source = f"profile:{cl.comm_profile}"
@@ -246,6 +257,7 @@ def cluster_spec(cl) -> ClusterSpec:
         inter_bw=inter,
         measured=measured,
         bandwidth_source=source,
+        latencies=latencies,
         compute_profile=getattr(cl, "compute_profile", "") or "",
         compute_source=f"profile:{cl.compute_profile}" if getattr(cl, "compute_profile", "") else "nominal",
     )

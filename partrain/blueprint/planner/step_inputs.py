@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups
+from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups, link_of
 from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
 from partrain.blueprint.planner.compute_time import matmul_rate
 from partrain.blueprint.planner.flops import layer_forward_flops
@@ -71,6 +71,20 @@ def group_bandwidths(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def group_latencies(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
+    """Seconds of fixed cost per call, "tp/<op>" etc. for every family and op (0 without a comm profile):
+    the profile's cost per ring step times the group's n - 1 steps (one for a send/recv)."""
+    if not cl.latencies:
+        return {}
+    groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
+    return {
+        f"{name}/{op}": cl.alpha(link_of(cl, members), op) * (1 if op == "send_recv" else max(1, len(members) - 1))
+        for name, members in groups.items()
+        for op in COMM_OPS
+    }
+
+
 def mixed_bandwidth(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
     """Bandwidth of traffic split over ops in these volume proportions: total / sum(volume / bw)."""
     rates = {op: bw[f"{family}/{op}"] for op in volumes}
@@ -98,6 +112,8 @@ class StepInputs:
     rate: float
     """Achieved FLOP/s of one device."""
     bw: Dict[str, float]
+    alpha: Dict[str, float]
+    """Seconds of fixed cost per call by "family/op" (empty: none known, 0)."""
     tp_bw: float
     dp_ops: Dict[str, float]
     acts: Dict[bool, Tuple[float, float]]
@@ -130,6 +146,9 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         tokens=tokens,
         rate=matmul_rate(model, spec, tokens) if model else spec.cluster.peak_flops * matmul_efficiency(spec),
         bw=bw,
+        alpha=group_latencies(
+            spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
+        ),
         tp_bw=tp_bw,
         dp_ops=dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32"),
         acts=acts,
