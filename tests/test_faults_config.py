@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -440,6 +441,12 @@ def test_user_started_torchrun_rank0_checks_before_preparing(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("")
     v = validate(compose([*TINY, f"train.run_dir={blocker / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]))
-    with pytest.raises(ConfigError) as err:
-        launch(v, console=None, environ={"RANK": "0", "WORLD_SIZE": "1"})
+    # As a worker, launch() blocks SIGINT/SIGTERM in this thread for its stop watcher; every process
+    # this test session starts afterwards would inherit that mask (a bash trap then never fires).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        with pytest.raises(ConfigError) as err:
+            launch(v, console=None, environ={"RANK": "0", "WORLD_SIZE": "1"})
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert [p.key for p in err.value.problems] == ["train.run_dir"]
