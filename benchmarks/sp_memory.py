@@ -25,35 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from recompute import CONFIGS  # the same small models as benchmarks/recompute.py (this folder)
 
 from partrain.blueprint.config.schema import ModelConfig
 from partrain.testing.multiproc import run_spawned
-
-CONFIGS = {
-    "llama": dict(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        bos_token_id=0,
-        eos_token_id=0,
-    ),
-    "gpt2": dict(
-        vocab_size=256,
-        n_embd=256,
-        n_layer=4,
-        n_head=8,
-        n_positions=1024,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    ),
-}
 
 
 def _measure(rank: int, world: int, arch: str, mode: str, recompute: str, seq: int, micro: int, steps: int) -> dict:
