@@ -27,6 +27,11 @@ IMPLEMENTED = {
 }
 
 
+def zero1_with_tp_unsupported(zero_stage: int, tp: int) -> bool:
+    """ZeRO-1's flat sharded optimizer does not take tensor-parallel DTensors yet (the search asks too)."""
+    return zero_stage == 1 and tp > 1 and not IMPLEMENTED["zero1-tp"]
+
+
 def unsupported_features(v: ValidatedRun) -> List[str]:
     layout, p = v.layout, v.run.parallel
     wanted = {
@@ -37,7 +42,7 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "recompute": (p.recompute != "none", f"parallel.recompute={p.recompute}"),
         "fp16": (v.run.train.precision == "fp16", "train.precision=fp16 (loss scaling; use bf16)"),
         "zero1-tp": (
-            p.zero_stage == 1 and layout.tp > 1,
+            zero1_with_tp_unsupported(p.zero_stage, layout.tp),
             "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)",
         ),
         "tp-sp-learned-positions": (

@@ -59,9 +59,9 @@ class SearchSpace:
 def _trainable(spec: PlanSpec) -> bool:
     """The spec-level part of `partrain.blueprint.trainable.unsupported_features` for the choices the
     search makes (the rest: model, sp and checkpoint settings, are the same for every candidate)."""
-    from partrain.blueprint.trainable import IMPLEMENTED
+    from partrain.blueprint.trainable import zero1_with_tp_unsupported
 
-    return not (spec.zero_stage == 1 and spec.tp > 1 and not IMPLEMENTED["zero1-tp"])
+    return not zero1_with_tp_unsupported(spec.zero_stage, spec.tp)
 
 
 def _tp_options(spec: PlanSpec, world: int, allow_across: bool, space: SearchSpace) -> List[int]:
