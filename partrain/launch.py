@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, List, Mapping, Optional
 
 from partrain.blueprint.config.compose import to_yaml
+from partrain.blueprint.planner.auto import RECORD_FILE as AUTO_RECORD_FILE
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
@@ -44,7 +45,7 @@ def _unique(path: Path) -> Path:
     return candidate
 
 
-def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
+def prepare_run_dir(v: ValidatedRun, run_dir: Path, auto_choice: Optional[dict] = None) -> Path:
     """Write the run folder: resolved config.yaml and data.json. The data is tokenized and checked
     by `partrain.preflight.check_before_launch` first; here it is found in the cache."""
     from partrain.data import prepare_tokens
@@ -54,6 +55,8 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path) -> Path:
     v.run.train.run_dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(v.run))
     (run_dir / DATA_MANIFEST).write_text(json.dumps({"meta_path": str(packed.meta_path)}))
+    if auto_choice is not None:  # the planner's choice, which rank 0 compares with what it measures
+        (run_dir / AUTO_RECORD_FILE).write_text(json.dumps(auto_choice, indent=1, default=str))
     return run_dir
 
 
@@ -69,8 +72,8 @@ def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvo
     )
 
 
-def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
-    """Returns the exit code for the CLI."""
+def launch(v: ValidatedRun, console, environ: Mapping[str, str], auto_choice: Optional[dict] = None) -> int:
+    """Returns the exit code for the CLI. `auto_choice`: the record of a `parallel=auto` choice."""
     if v.run.cluster.rdzv_endpoint:
         # A node's launcher (`--rdzv-endpoint`; under srun: one task per node): SLURM's task variables
         # describe the launchers, not the workers, so they are not read as this process's rank.
@@ -79,7 +82,7 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
         check_allocation(environ, v.run.cluster.nodes, v.run.cluster.devices_per_node)  # srun's tasks vs the layout
     env = from_environ(environ)
     if env is not None:
-        return _run_as_worker(v, env, environ)
+        return _run_as_worker(v, env, environ, auto_choice)
     rendezvous = rendezvous_of(v)  # multi-node: exit 2 here when --rdzv-endpoint or --node-rank is wrong
     with preparing_data(v) if rendezvous else contextlib.nullcontext():  # nodes sharing a cache take turns
         check_before_launch(v)
@@ -100,7 +103,7 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str]) -> int:
     with _claimed(v, run_dir), Forwarder() as signals:
         try:
             try:
-                run_dir = prepare_run_dir(v, run_dir)
+                run_dir = prepare_run_dir(v, run_dir, auto_choice)
             except ConfigError as err:
                 raise_config(*err.problems)
             return _start(v, run_dir, console, environ, signals, rendezvous)
@@ -196,7 +199,7 @@ def raise_config(*problems: Problem) -> None:
     raise ConfigError(list(problems))
 
 
-def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) -> int:
+def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str], auto_choice=None) -> int:
     from partrain import worker
     from partrain.runtime.lifecycle import leave
     from partrain.runtime.signals import StopWatch
@@ -213,7 +216,7 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str]) ->
         # Local rank 0 of every node prepares its node's folder (another node's may not be shared);
         # checkpoint.dir, one for all nodes, is locked by global rank 0 alone.
         with _claimed(v, run_dir, lock_checkpoint_dir=env.is_main):
-            prepare_run_dir(v, run_dir)
+            prepare_run_dir(v, run_dir, auto_choice)
             leave(worker.main(run_dir, env, v, stop=stop))
     else:
         deadline = time.monotonic() + v.run.train.timeout_s

@@ -100,7 +100,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
     pp_rank = mesh.local("pp")
-    plan = Plan.of(v) if env.is_main else None  # once, before the loop: measured beside planned
+    plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
     if env.is_main:
         metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank)
     trainer = Trainer(

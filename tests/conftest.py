@@ -64,7 +64,9 @@ def run_partrain(tmp_path):
     def run(*args: str, env: dict | None = None, timeout: float = 60, program: str = str(PARTRAIN)) -> Ran:
         cwd, home, log = _sandbox(tmp_path)
         full_env = {k: v for k, v in os.environ.items() if k != "PARTRAIN_RECIPES"}
-        full_env.update(HOME=str(home), PYTHONPATH=str(guard), PARTRAIN_TEST_SPAWN_LOG=str(log), COLUMNS="200")
+        # The guard first; the caller's PYTHONPATH (a worktree tested with the venv of another checkout) after it.
+        path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH", "")) if p)
+        full_env.update(HOME=str(home), PYTHONPATH=path, PARTRAIN_TEST_SPAWN_LOG=str(log), COLUMNS="200")
         full_env.update(env or {})
         proc = subprocess.run([program, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
         spawned = log.read_text().splitlines() if log.exists() else []

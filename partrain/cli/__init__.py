@@ -30,12 +30,17 @@ app = typer.Typer(
 
 
 def _validated(overrides, recipes, as_json: bool):
+    return _resolved(overrides, recipes, as_json)[0]
+
+
+def _resolved(overrides, recipes, as_json: bool):
+    """(ValidatedRun, record of the `parallel=auto` choice or None). With parallel=auto the layout the
+    recipe states is only a starting point: the planner chooses (partrain.blueprint.planner.auto)."""
     from partrain.blueprint.config.compose import compose
-    from partrain.blueprint.validate import validate
+    from partrain.blueprint.planner.auto import resolve_layout
 
     try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
-        return validate(run)
+        return resolve_layout(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))), overrides or [])
     except ConfigError as err:
         fail(err, as_json)
 
@@ -97,6 +102,7 @@ def _print_layout(
     simulate_ranks: Optional[List[int]] = None,
     mixed: str = "autocast",
     include_unsupported: bool = False,
+    auto_choice: Optional[dict] = None,
 ) -> dict:
     from partrain.blueprint.planner import estimate, search
     from partrain.blueprint.report.estimate import (
@@ -114,6 +120,8 @@ def _print_layout(
     report = layout_report(validated)
     report["estimate"] = estimate(validated, mixed=mixed)
     conclude(report)
+    if auto_choice is not None:
+        report["auto"] = auto_choice
     if search_top:
         try:
             report["candidates"] = search(
@@ -137,6 +145,7 @@ def _print_layout(
     if as_json:
         print(json.dumps(report, default=str))
     else:
+        _print_choice(auto_choice)
         picture = None
         if drawable:
             from partrain.blueprint.report.schedule import render_text
@@ -182,9 +191,9 @@ def train(
     # The flags win over the keys: Hydra applies the last override of a key.
     overrides = [*(overrides or []), *([f"cluster.node_rank={node_rank}"] if node_rank is not None else [])]
     overrides += [f"cluster.rdzv_endpoint={rdzv_endpoint}"] if rdzv_endpoint is not None else []
-    validated = _validated(overrides, recipes, as_json)
+    validated, choice = _resolved(overrides, recipes, as_json)
     if dry_run:
-        report = _print_layout(validated, as_json, all_ranks, schedule_svg)
+        report = _print_layout(validated, as_json, all_ranks, schedule_svg, auto_choice=choice)
         _exit_for_check(report, check)
         return
     from partrain.blueprint.trainable import unsupported_features
@@ -192,14 +201,25 @@ def train(
     missing = unsupported_features(validated)
     if missing:
         fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
+    _print_choice(choice)
     _warn_if_predicted_not_to_fit(validated)
     from partrain.launch import launch
 
     try:
-        code = launch(validated, console=stdout_console(), environ=dict(os.environ))
+        code = launch(validated, console=stdout_console(), environ=dict(os.environ), auto_choice=choice)
     except ConfigError as err:
         fail(err, as_json)
     raise typer.Exit(code)
+
+
+def _print_choice(choice: Optional[dict]) -> None:
+    """The `parallel=auto` choice, before the layout report or the launch."""
+    if choice is None:
+        return
+    from partrain.blueprint.planner.auto import choice_lines
+
+    for line in choice_lines(choice):
+        stdout_console().print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _warn_if_predicted_not_to_fit(validated) -> None:
@@ -310,13 +330,14 @@ def plan(
     search keeps only the model, cluster, sequence length, sp and global batch."""
     mixed = _mixed_style(accounting, as_json)
     simulate_ranks = list(simulate_rank or []) if (simulate or simulate_rank) else None
+    choice = None
     if search_layouts:
         validated, run, ignored = _search_start(overrides, recipes, as_json)
         if validated is None:
             _search_only(run, ignored, top, mixed, include_unsupported, as_json)
             return
     else:
-        validated = _validated(overrides, recipes, as_json)
+        validated, choice = _resolved(overrides, recipes, as_json)
     report = _print_layout(
         validated,
         as_json,
@@ -326,6 +347,7 @@ def plan(
         simulate_ranks=simulate_ranks,
         mixed=mixed,
         include_unsupported=include_unsupported,
+        auto_choice=None if search_layouts else choice,
     )
     if search_layouts and not report.get("candidates"):
         raise typer.Exit(2)

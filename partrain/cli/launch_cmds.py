@@ -71,10 +71,10 @@ def slurm_cmd(
 def _trainable(overrides: List[str], recipes):
     """The validated run, refused (ConfigError) exactly as `partrain train` refuses it."""
     from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.planner.auto import resolve_layout
     from partrain.blueprint.trainable import unsupported_features
-    from partrain.blueprint.validate import validate
 
-    validated = validate(compose(overrides, recipe_dirs(recipes, dict(os.environ))))
+    validated, _ = resolve_layout(compose(overrides, recipe_dirs(recipes, dict(os.environ))), overrides)
     missing = unsupported_features(validated)
     if missing:
         problems = []

@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from partrain.train.auto_check import EARLY_CHECK_AFTER_WARMUP, auto_verdict, read_auto_record
+
 log = logging.getLogger("partrain")
 
 TOLERANCE = 0.2
@@ -115,18 +117,21 @@ class Plan:
     """pp rank -> the planner's memory terms (params, grads, optimizer, activations, transient, total)."""
     tokens_per_s: float = 0.0
     error: Optional[str] = None
+    auto: Optional[dict] = None
+    """The record of a `parallel=auto` choice (auto_layout.json in the run folder), else None."""
 
     @classmethod
-    def of(cls, v) -> "Plan":
+    def of(cls, v, run_dir=None) -> "Plan":
+        auto = read_auto_record(run_dir)
         try:
             from partrain.blueprint.planner import estimate
 
             est = estimate(v, mixed=ACCOUNTING)
             stages = {int(s["pp_rank"]): {k: s[k] for k in _TERMS if k in s} for s in est["memory_bytes_per_stage"]}
-            return cls(stages, float(est["tokens_per_s"]))
+            return cls(stages, float(est["tokens_per_s"]), auto=auto)
         except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
             log.warning("plan check: the planner could not estimate this layout: %s: %s", type(exc).__name__, exc)
-            return cls(error=f"the planner could not estimate this layout: {type(exc).__name__}: {exc}")
+            return cls(error=f"the planner could not estimate this layout: {type(exc).__name__}: {exc}", auto=auto)
 
     def bytes_for(self, pp_rank: int) -> int:
         stage = self.stage_bytes.get(pp_rank)
@@ -190,6 +195,9 @@ def _block(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device
         "tokens_per_s": {**tokens, "warmup_steps_skipped": warmup_steps(len(step_times))},
         "warnings": [] if plan.error else _warnings(memory, tokens, worst, device_type),
     }
+    if plan.auto is not None:
+        block["auto"] = auto_verdict(plan.auto, memory["measured"], tokens["measured"])
+        block["warnings"] += block["auto"]["warnings"]
     for text in block["warnings"]:
         log.warning("planned vs measured: %s", text)
     return block
@@ -209,12 +217,29 @@ class PlanCheckMetrics:
     def write(self, record: dict) -> None:
         if "step_time_s" in record:
             self.step_times.append(record["step_time_s"])
+            if self.plan.auto is not None and len(self.step_times) == self.early_check_at():
+                self.check_auto_early()
             if record["step"] == self.last_step:
                 try:
                     record = {**record, **self.fields()}
                 except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
                     log.warning("plan check failed: %s: %s", type(exc).__name__, exc)
         self.inner.write(record)
+
+    def early_check_at(self) -> int:
+        """The number of steps this run times before the early `parallel=auto` check."""
+        return min(self.last_step, warmup_steps(self.last_step) + EARLY_CHECK_AFTER_WARMUP)
+
+    def check_auto_early(self) -> None:
+        try:
+            measured = measured_memory(self.device, self.baseline)["measured_memory_bytes"]
+            tokens = steady_tokens_per_s(self.step_times, self.v.tokens_per_step)
+            for text in auto_verdict(self.plan.auto, measured, tokens)["warnings"]:
+                log.warning("after %d steps: %s", len(self.step_times), text)
+                # A plain line on rank 0's stdout reaches the launcher's console (or the user's torchrun) now.
+                print(f"warning: after {len(self.step_times)} steps: {text}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
+            log.warning("parallel=auto check failed: %s: %s", type(exc).__name__, exc)
 
     def fields(self) -> Dict[str, Any]:
         measured = measured_memory(self.device, self.baseline)["measured_memory_bytes"]

@@ -125,6 +125,14 @@ class ParallelConfig:
     """Activation recompute: none, selective (attention core) or full (whole decoder blocks)."""
     recompute_every: int = 1
     """Recompute only every k-th decoder block (1 = all of them)."""
+    auto: bool = False
+    """Let the planner choose the layout (`parallel=auto`): the search over layouts `train` can run for this
+    model, cluster, sequence length, sp and global batch picks the fastest predicted to fit within
+    auto_memory_margin. Degrees and choices given on the command line (parallel.tp=1, train.micro_batch_size=2,
+    ...) stay fixed; the recipe's own degrees are replaced."""
+    auto_memory_margin: float = 0.1
+    """parallel=auto only: fraction of device memory kept free: the chosen layout's predicted peak must be at
+    most (1 - margin) x cluster.device_memory_gib. A run whose measured memory enters the margin says so."""
 
 
 @dataclass
