@@ -65,6 +65,8 @@ def test_degrees_fixed_on_the_command_line_are_honoured():
     assert record["fixed"] == {"parallel.tp": 2, "train.micro_batch_size": 2}
     validated, _ = _choose("recipe=gpt-3d", "parallel.pp=2", "parallel.zero_stage=0")
     assert validated.layout.pp == 2 and validated.run.parallel.zero_stage == 0
+    validated, _ = _choose("recipe=gpt-3d", "parallel.tp_sequence_parallel=true")
+    assert validated.layout.tp > 1 and validated.run.parallel.tp_sequence_parallel
     # The recipe's own degrees (dp2 x tp2 x pp2) are only a starting point: on 4 processes they are invalid.
     validated, record = _choose("recipe=gpt-3d", "cluster.devices_per_node=4")
     assert validated.world_size == 4 and record["fixed"] == {}

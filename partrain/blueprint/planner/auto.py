@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence
 
+from partrain.blueprint.layout import divisors
 from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION
 from partrain.blueprint.planner.search import SearchSpace, search
 from partrain.blueprint.planner.spec import GIB
@@ -107,11 +108,14 @@ def _value(run, dotted: str):
     return getattr(getattr(run, group), name)
 
 
-def _space(fixed: Dict[str, object]) -> SearchSpace:
+def _space(fixed: Dict[str, object], world: int) -> SearchSpace:
     """Narrow the search to the fixed values where it has a knob for them (the rest is filtered after)."""
     one = lambda key: (fixed[key],) if key in fixed else None  # noqa: E731
+    tp = one("parallel.tp")
+    if tp is None and fixed.get("parallel.tp_sequence_parallel") is True:
+        tp = tuple(d for d in divisors(world) if d > 1)  # Megatron-SP lives inside a TP group
     space = SearchSpace(
-        tp=one("parallel.tp"),
+        tp=tp,
         pp=one("parallel.pp"),
         dp=one("parallel.dp"),
         micro_batch_sizes=one("train.micro_batch_size"),
@@ -172,7 +176,11 @@ def choose_layout(run, overrides: Sequence[str], mixed: str = "autocast"):
         run.cluster, device_memory_gib=run.cluster.device_memory_gib * usable / USABLE_MEMORY_FRACTION
     )
     candidates = search(
-        dataclasses.replace(run, cluster=scaled), top_k=8, mixed=mixed, space=_space(fixed), runnable_only=True
+        dataclasses.replace(run, cluster=scaled),
+        top_k=8,
+        mixed=mixed,
+        space=_space(fixed, run.cluster.nodes * run.cluster.devices_per_node),
+        runnable_only=True,
     )
     candidates = [c for c in candidates if _honours(c, fixed)]
     if not candidates:
