@@ -32,8 +32,8 @@ DROPOUT = ["model.config.resid_pdrop=0.1", "model.config.embd_pdrop=0.1"]
 """Dropout in GPT-2's sequence-parallel regions (embedding, residual): SequenceDropout keeps the unsplit masks."""
 
 # Llama tp2 + SP without recompute is tests/test_tensor_parallel.py's "llama-tp2-sp" (same runtime).
+# GPT-2 tp2 + SP without recompute or dropout is the dropout case's runtime with p = 0: left to it.
 LAYOUTS = {
-    "gpt2-tp2-sp": GPT_TP2,
     "gpt2-tp2-sp-selective": GPT_TP2 + SELECTIVE,
     # gpt-3d (dp2 x tp2 x pp2) with SP, with and without selective recompute in one run:
     # recompute_every=2, so layers 0 and 2 recompute their attention core and layers 1 and 3 keep it.
