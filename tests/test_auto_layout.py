@@ -146,7 +146,9 @@ def test_auto_runs_train_and_resume_on_fewer_processes_with_a_new_layout(tmp_pat
     assert chosen4["dp"] * chosen4["tp"] * chosen4["pp"] == 4 and chosen4 != chosen8
     before, after = _losses(tmp_path / "eight"), _losses(tmp_path / "four")
     assert sorted(after) == [4, 5, 6]
-    assert max_relative_difference([before[s] for s in after], [after[s] for s in after]) <= 1e-5
+    diff = max_relative_difference([before[s] for s in after], [after[s] for s in after])
+    print(f"parallel=auto: 8 processes {chosen8} -> 4 processes {chosen4}: max relative loss difference {diff:.2e}")
+    assert diff <= 1e-5
     config = (tmp_path / "four" / "config.yaml").read_text()
     assert f"dp: {chosen4['dp']}" in config and "auto: true" in config
 
