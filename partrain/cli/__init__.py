@@ -192,17 +192,22 @@ def train(
     missing = unsupported_features(validated)
     if missing:
         fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
-    _warn_if_predicted_not_to_fit(validated)
+    from partrain.train.display import Display
+
+    # Decided once, here: a live display on a terminal, plain lines into a file or pipe, and with
+    # --json nothing but the summary object on stdout (human text on stderr).
+    display = Display.choose(as_json, sys.stdout.isatty())
+    _warn_if_predicted_not_to_fit(validated, display.console)
     from partrain.launch import launch
 
     try:
-        code = launch(validated, console=stdout_console(), environ=dict(os.environ))
+        code = launch(validated, console=display.console, environ=dict(os.environ), display=display)
     except ConfigError as err:
         fail(err, as_json)
     raise typer.Exit(code)
 
 
-def _warn_if_predicted_not_to_fit(validated) -> None:
+def _warn_if_predicted_not_to_fit(validated, console) -> None:
     """The planner's verdict before a launch: a warning, not a refusal (a measured run decides)."""
     from partrain.blueprint.planner import estimate
     from partrain.blueprint.report.estimate import verdict_text
@@ -214,7 +219,7 @@ def _warn_if_predicted_not_to_fit(validated) -> None:
     est = estimate(validated)
     if not est["fits"]:
         text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
-        stdout_console().print(text, markup=False)
+        console.print(text, markup=False)
 
 
 def _unsupported_problem(text: str):

@@ -22,7 +22,7 @@ from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
 from partrain.train.lr_schedule import lr_at, set_lr
-from partrain.train.metrics import MetricsWriter, emit, log
+from partrain.train.metrics import Events, MetricsWriter, log
 
 
 @dataclass
@@ -119,8 +119,14 @@ class Trainer:
         on_step_end: Callable[[int], None] = lambda step: None,
         loss_scale: Optional[DynamicLossScale] = None,
         stop=None,
+        events: Optional[Events] = None,
+        restart: int = 0,
     ) -> None:
         self.on_step_end = on_step_end
+        self.events = events or Events()
+        """Rank 0's progress events (launcher JSON lines or plain lines); the base class drops them."""
+        self.restart = restart
+        """torchrun's restart count: said in the start event, so the log shows the restart."""
         self.stop = stop
         """A StopWatch (partrain.runtime.signals): its `signum` is polled between steps; None = never stop."""
         # A gloo group of its own for the stop flag (also under NCCL: a CPU int, no device sync).
@@ -195,12 +201,13 @@ class Trainer:
         train = self.cfg.train
         started, first_step = time.perf_counter(), self.state.step
         if self.is_main:
-            emit(
+            self.events(
                 "start",
                 steps=train.steps,
                 first_step=first_step,
                 world_size=self.v.world_size,
                 tokens_per_step=self.v.tokens_per_step,
+                restart=self.restart,
             )
         while self.state.step < train.steps:
             if self._stop_agreed():
@@ -222,9 +229,10 @@ class Trainer:
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             self.metrics.write(record)
-            self.on_step_end(result.step)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):
-                emit("step", eta_s=eta, total_steps=train.steps, **record)
+                memory = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
+                self.events("step", eta_s=eta, total_steps=train.steps, memory_bytes=memory, **record)
+            self.on_step_end(result.step)
             at_eval = train.eval_every and result.step % train.eval_every == 0 and result.step < train.steps
             if at_eval:
                 self._eval_and_log(result.step)
@@ -249,9 +257,16 @@ class Trainer:
         self.state.eval_loss = value
         self.metrics.write({"step": step, "eval_loss": value})
         if self.is_main:
-            emit("eval", step=step, eval_loss=value)
+            self.events("eval", step=step, eval_loss=value)
         log.info("step %d eval loss %.4f", step, value)
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: allocated device memory on GPUs, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()

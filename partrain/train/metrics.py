@@ -1,7 +1,9 @@
-"""Where a run's numbers go: metrics.jsonl, TensorBoard, and progress events for the launcher.
+"""Where a run's numbers go: metrics.jsonl, TensorBoard, and progress events.
 
-Only rank 0 writes. Events are JSON lines on stdout behind a fixed prefix; the `partrain train`
-process that started torchrun turns them into the live progress display and the summary.
+Only rank 0 writes. Under partrain's launcher, events are JSON lines on stdout behind a fixed prefix;
+the `partrain train` process that started torchrun turns them into the live progress display (or plain
+lines) and the summary. Without it (srun, the user's own torchrun) rank 0 prints plain lines itself.
+Which of the two is decided once, by the worker's entry point, and handed down as an `Events`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,45 @@ def emit(event: str, stream: TextIO = sys.stdout, **fields) -> None:
         stream.flush()
     except BrokenPipeError:  # the launcher reading the events was killed: the run goes on (or stops) without it
         pass
+
+
+class Events:
+    """Where rank 0's progress events go; this base class drops them (every other rank)."""
+
+    def __call__(self, event: str, **fields) -> None:
+        pass
+
+
+class LauncherEvents(Events):
+    """JSON event lines for `partrain train`, which started torchrun and reads rank 0's stdout."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, **fields) -> None:
+        emit(event, self.stream or sys.stdout, **fields)
+
+
+class PlainEvents(Events):
+    """Plain text lines on stdout: rank 0 started by srun or the user's torchrun, whose stdout is the
+    log a person reads (SLURM output file, CI log, a pipe)."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, **fields) -> None:
+        from partrain.train.progress_text import event_line, summary_lines
+
+        record = {"event": event, **fields}
+        lines = summary_lines(record) if event == "summary" else [event_line(record)]
+        stream = self.stream or sys.stdout
+        try:
+            for line in lines:
+                if line:
+                    stream.write(line + "\n")
+            stream.flush()
+        except BrokenPipeError:
+            pass
 
 
 def parse_event(line: str) -> Optional[dict]:
