@@ -76,6 +76,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     from partrain.train.assemble import build_engine
     from partrain.train.loop import Trainer, peak_rss_bytes
     from partrain.train.loss_scale import DynamicLossScale
+    from partrain.train.lr_schedule import LRSchedule
     from partrain.train.metrics import MetricsWriter
     from partrain.train.plan_check import Plan, PlanCheckMetrics, measured_memory, memory_baseline
 
@@ -99,9 +100,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
 
     batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
     loss_scale = DynamicLossScale.for_run(run.train)
-    checkpoints = Checkpoints(
-        v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale, events=events
-    )
+    schedule = LRSchedule(run.optim, run.train.steps)
+    restarted = env.restart_count > 0
+    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
     start_step = checkpoints.resume()
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
     pp_rank = mesh.local("pp")
@@ -121,6 +122,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         stop=stop,
         events=events,
         restart=env.restart_count,
+        schedule=schedule,
     )
     trainer.state.step = start_step
     state = trainer.run()
@@ -217,12 +219,22 @@ class Checkpoints:
     """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
 
     def __init__(
-        self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, loss_scale=None, events=None
+        self,
+        v: ValidatedRun,
+        run_dir: Path,
+        engine,
+        batches,
+        restarted: bool,
+        loss_scale=None,
+        events=None,
+        schedule=None,
     ) -> None:
         from partrain import checkpoint as ckpt
 
         self.events = events or Events()
         """Rank 0 says each save and resume in the log (the other ranks' Events drop it)."""
+        self.schedule = schedule
+        """The run's LRSchedule (partrain.train.lr_schedule): saved with the data position, resumed exactly."""
         self.ckpt = ckpt
         self.loss_scale = loss_scale
         """fp16's DynamicLossScale (saved and restored with the data position), or None."""
@@ -253,6 +265,8 @@ class Checkpoints:
         )
         if self.loss_scale is not None and "loss_scale" in extra:
             self.loss_scale.load_state_dict(extra["loss_scale"])
+        if self.schedule is not None:
+            self.schedule.load(extra.get("lr_schedule"), int(extra["data"]["step"]))
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
         self.events("resumed", step=int(extra["data"]["step"]), path=str(path))
         self.last = (int(extra["data"]["step"]), Path(path))
@@ -274,6 +288,8 @@ class Checkpoints:
         extra = {"data": {**self.batches.state_dict(), "step": step}}
         if self.loss_scale is not None:
             extra["loss_scale"] = self.loss_scale.state_dict()
+        if self.schedule is not None:
+            extra["lr_schedule"] = self.schedule.state_dict()
         path = self.ckpt.save_checkpoint(
             self.root,
             step,

@@ -101,21 +101,35 @@ def test_plain_display_follows_events_and_passes_other_output_through():
     assert json.loads(as_json.out.getvalue()) == {"exit_code": 1, "message": "training failed: x"}
 
 
-@pytest.fixture(scope="module")
-def json_run(tmp_path_factory):
-    """One 2-process DDP run, 4 steps, --json, stdout and stderr to files (not a terminal)."""
-    folder = tmp_path_factory.mktemp("json-run")
-    overrides = ["recipe=gpt-dp", "train.steps=4", "train.log_every=2", "train.eval_every=2"]
-    overrides += ["checkpoint.every_steps=2", f"train.run_dir={folder / 'run'}"]
+RUN = ["recipe=gpt-dp", "train.steps=4", "train.log_every=2", "train.eval_every=2", "checkpoint.every_steps=2"]
+RUN += ["optim=sgd", "parallel.zero_stage=3", "optim.implementation=foreach", "optim.schedule=wsd"]
+RUN += ["optim.warmup_steps=1", "optim.decay_fraction=0.5"]
+"""SGD with momentum under FSDP (zero_stage 3), a wsd schedule that changes lr at every step after step 2."""
+
+
+def _train(folder, *extra):
     with open(folder / "out.json", "w") as out, open(folder / "log.txt", "w") as err:
         proc = subprocess.run(
-            [sys.executable, "-m", "partrain.cli", "train", *overrides, "--json"],
+            [sys.executable, "-m", "partrain.cli", "train", *RUN, f"train.run_dir={folder / 'run'}", *extra],
             stdout=out,
             stderr=err,
-            timeout=300,
+            timeout=400,
             env={**os.environ, "COLUMNS": "80"},
         )
     return proc.returncode, (folder / "out.json").read_text(), (folder / "log.txt").read_text(), folder / "run"
+
+
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory):
+    """One 2-process run, 4 steps, --json, stdout and stderr to files (not a terminal)."""
+    return _train(tmp_path_factory.mktemp("json-run"), "--json")
+
+
+@pytest.fixture(scope="module")
+def resumed_run(json_run, tmp_path_factory):
+    """The same run resumed from its step-2 checkpoint in another folder, stdout to a file (plain lines)."""
+    step2 = json_run[3] / "checkpoints" / "step-00000002"
+    return _train(tmp_path_factory.mktemp("resumed-run"), f"checkpoint.resume={step2}")
 
 
 def test_json_stdout_is_one_object_and_the_log_one_line_per_logged_step(json_run):
@@ -129,3 +143,23 @@ def test_json_stdout_is_one_object_and_the_log_one_line_per_logged_step(json_run
     assert all(" | lr " in s and " tok/s | mem " in s and " | eta " in s for s in steps)
     assert "eval step 2: loss " in log and f"checkpoint saved: step 4 at {run_dir / 'checkpoints'}" in log
     assert "@@partrain" not in log and "\x1b[" not in log  # no event JSON, no terminal escapes
+
+
+def _metrics(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+
+
+def test_a_resumed_run_continues_the_exact_lr_sequence_and_losses(json_run, resumed_run):
+    code, stdout, log, run_dir = resumed_run
+    assert code == 0, log[-3000:] + stdout[-3000:]
+    lines = stdout.splitlines()
+    assert lines[1] == f"resumed from {json_run[3] / 'checkpoints' / 'step-00000002'} at step 2", stdout
+    assert [ln.split(" |")[0] for ln in lines if ln.startswith("step ")] == ["step 4/4"]
+    assert lines[-1].startswith("planned vs measured:") or any(ln.startswith("summary: steps 4") for ln in lines)
+    straight, resumed = _metrics(json_run[3]), _metrics(run_dir)
+    assert sorted(resumed) == [3, 4]
+    assert [straight[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([0.1, 0.1, 0.055, 0.01])  # wsd: stable, decay
+    for step in (3, 4):  # bit-identical: the scheduler state, SGD momentum and data position all resumed
+        assert (resumed[step]["lr"], resumed[step]["loss"]) == (straight[step]["lr"], straight[step]["loss"])
+    record = json.loads((json_run[3] / "checkpoints" / "step-00000002" / "partrain.json").read_text())
+    assert '"lr_schedule"' in json.dumps(record) and '"last_epoch": 3' in json.dumps(record)

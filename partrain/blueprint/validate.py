@@ -19,6 +19,9 @@ from partrain.blueprint.config.schema import (
     BACKENDS,
     DEVICES,
     FSDP_GRAD_SYNC,
+    LR_SCHEDULES,
+    OPTIMIZER_IMPLEMENTATIONS,
+    OPTIMIZERS,
     PP_SCHEDULES,
     PRECISIONS,
     RECOMPUTE,
@@ -72,7 +75,9 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         ("train.precision", t.precision, PRECISIONS),
         ("cluster.device", cl.device, DEVICES),
         ("cluster.backend", cl.backend, BACKENDS),
-        ("optim.name", run.optim.name, ("adamw",)),
+        ("optim.name", run.optim.name, OPTIMIZERS),
+        ("optim.schedule", run.optim.schedule, LR_SCHEDULES),
+        ("optim.implementation", run.optim.implementation, OPTIMIZER_IMPLEMENTATIONS),
     ]
     for key, value, allowed in choices:
         c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", f"set {key}={allowed[0]}")
@@ -97,6 +102,36 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
             cl.backend,
             "nccl needs cluster.device=cuda",
             "use backend gloo on CPU",
+        )
+
+
+def _check_optimizer(c: ProblemCollector, run: RunConfig) -> None:
+    """The optimizer and schedule keys that depend on each other or on the layout."""
+    o, steps = run.optim, run.train.steps
+    c.check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be within [0, 1)", "e.g. optim.momentum=0.9")
+    c.check(
+        0 < o.decay_fraction <= 1,
+        "optim.decay_fraction",
+        o.decay_fraction,
+        "must be within (0, 1] (the fraction of train.steps the wsd schedule decays over)",
+        "e.g. optim.decay_fraction=0.2",
+    )
+    if o.schedule == "wsd" and 0 < o.decay_fraction <= 1 and o.warmup_steps >= 0:
+        decay = max(1, round(o.decay_fraction * steps))
+        c.check(
+            o.warmup_steps + decay <= steps,
+            "optim.warmup_steps",
+            o.warmup_steps,
+            f"wsd: warmup {o.warmup_steps} + decay {decay} (decay_fraction x train.steps) exceed train.steps={steps}",
+            f"use optim.warmup_steps <= {max(0, steps - decay)} or a smaller optim.decay_fraction",
+        )
+    if o.name == "sgd":
+        c.check(
+            run.parallel.zero_stage != 1,
+            "optim.name",
+            o.name,
+            "parallel.zero_stage=1 shards AdamW's state only (its flat buffers and checkpoints hold AdamW's moments)",
+            "use optim.name=adamw, or parallel.zero_stage=0, 2 or 3 with sgd",
         )
 
 
@@ -286,6 +321,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     c = ProblemCollector()
     _check_choices(c, run)
     _check_ranges(c, run)
+    _check_optimizer(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

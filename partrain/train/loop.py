@@ -21,7 +21,7 @@ from partrain.data import EvalBatches, TokenBatches
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
-from partrain.train.lr_schedule import lr_at, set_lr
+from partrain.train.lr_schedule import LRSchedule, set_lr
 from partrain.train.metrics import Events, MetricsWriter, log
 
 
@@ -121,7 +121,10 @@ class Trainer:
         stop=None,
         events: Optional[Events] = None,
         restart: int = 0,
+        schedule: Optional[LRSchedule] = None,
     ) -> None:
+        self.schedule = schedule or LRSchedule(validated.run.optim, validated.run.train.steps)
+        """The learning rate of each step; the worker shares it with the checkpoints (saved, resumed)."""
         self.on_step_end = on_step_end
         self.events = events or Events()
         """Rank 0's progress events (launcher JSON lines or plain lines); the base class drops them."""
@@ -151,7 +154,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         step, optimizer = self.state.step, self.engine.optimizer
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        lr = self.schedule.lr()
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
@@ -165,6 +168,7 @@ class Trainer:
         stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
         if stepped:
             optimizer.step()
+        self.schedule.step()  # also after a skipped fp16 step: the schedule follows the step count
         loss_value = loss_mean()
         if not self.state.model_state_bytes and stepped:
             # Optimizer state exists only after the first step: measure with it.

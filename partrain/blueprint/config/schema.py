@@ -21,6 +21,9 @@ FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 
 
 @dataclass
@@ -147,21 +150,35 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer; adamw is supported."""
+    """Optimizer: adamw (torch.optim.AdamW) or sgd (torch.optim.SGD with momentum; not with zero_stage=1,
+    whose sharded state and checkpoints hold AdamW's moments)."""
+    implementation: str = "for_loop"
+    """The optimizer's kernel: for_loop (one tensor at a time: bit-identical updates whatever the layout shards,
+    the parity tests' choice), foreach (batched over tensors, faster) or fused (one fused kernel, fastest)."""
     lr: float = 1e-3
     """Peak learning rate."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after the linear warmup (transformers' schedule functions): cosine (to min_lr_ratio),
+    linear (to min_lr_ratio), constant, or wsd (warmup-stable-decay: constant, then a linear decay to
+    min_lr_ratio over the last decay_fraction of the steps)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine decay as a fraction of lr."""
+    """Final learning rate of the cosine, linear and wsd decays as a fraction of lr."""
     warmup_steps: int = 10
-    """Linear warmup steps before the cosine decay."""
+    """Linear warmup steps up to lr: optimizer step s (0-based) runs at lr x (s+1)/warmup_steps (linear and wsd,
+    transformers' get_wsd_schedule, start the warmup from min_lr_ratio x lr)."""
+    decay_fraction: float = 0.2
+    """wsd only: fraction of train.steps spent in the final decay (warmup + decay must fit in train.steps)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (not applied to biases and norms)."""
+    """Weight decay on matrices and embeddings, not on biases and norms (AdamW: decoupled; sgd: L2 added to
+    the gradient, torch's SGD semantics)."""
+    momentum: float = 0.9
+    """sgd only: momentum factor (0 = plain SGD)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """adamw only: beta1."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """adamw only: beta2."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """adamw only: epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
 
