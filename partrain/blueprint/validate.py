@@ -14,20 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from partrain.blueprint.config.schema import (
-    AXES,
-    BACKENDS,
-    DEVICES,
-    FSDP_GRAD_SYNC,
-    LR_SCHEDULES,
-    OPTIMIZER_IMPLEMENTATIONS,
-    OPTIMIZERS,
-    PP_SCHEDULES,
-    PRECISIONS,
-    RECOMPUTE,
-    SP_MODES,
-    RunConfig,
-)
+from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, RunConfig
 from partrain.blueprint.degree_rules import (
     degree_problems,
     dp_shard_degree,
@@ -65,29 +52,32 @@ class ValidatedRun:
         return self.global_batch_size * self.run.train.seq_len
 
 
+def _choice_fix(key: str, value, allowed) -> str:
+    """The nearest valid choice: the same letters in another case first (`1F1B` -> 1f1b), then the
+    closest spelling, else the first choice."""
+    import difflib
+
+    names = [str(a) for a in allowed]
+    same = [a for a in names if a.lower() == str(value).lower()]
+    close = same or difflib.get_close_matches(str(value).lower(), names, n=1)
+    return f"did you mean {key}={close[0]}?" if close else f"set {key}={names[0]}"
+
+
 def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
-    p, t, cl = run.parallel, run.train, run.cluster
-    choices = [
-        ("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES),
-        ("parallel.sp_mode", p.sp_mode, SP_MODES),
-        ("parallel.recompute", p.recompute, RECOMPUTE),
-        ("parallel.fsdp_grad_sync", p.fsdp_grad_sync, FSDP_GRAD_SYNC),
-        ("train.precision", t.precision, PRECISIONS),
-        ("cluster.device", cl.device, DEVICES),
-        ("cluster.backend", cl.backend, BACKENDS),
-        ("optim.name", run.optim.name, OPTIMIZERS),
-        ("optim.schedule", run.optim.schedule, LR_SCHEDULES),
-        ("optim.implementation", run.optim.implementation, OPTIMIZER_IMPLEMENTATIONS),
-    ]
-    for key, value, allowed in choices:
-        c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", f"set {key}={allowed[0]}")
-    c.check(
-        p.zero_stage in (0, 1, 2, 3),
-        "parallel.zero_stage",
-        p.zero_stage,
-        "must be 0, 1, 2 or 3",
-        "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP",
-    )
+    p, cl = run.parallel, run.cluster
+    for key, allowed in CHOICES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(run, section), name)
+        if key == "parallel.zero_stage":
+            c.check(
+                value in allowed,
+                key,
+                value,
+                "must be 0, 1, 2 or 3",
+                "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP",
+            )
+            continue
+        c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", _choice_fix(key, value, allowed))
     c.check(
         sorted(p.order) == sorted(AXES),
         "parallel.order",
@@ -136,30 +126,10 @@ def _check_optimizer(c: ProblemCollector, run: RunConfig) -> None:
 
 
 def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
-    t, o, ck, d, p, cl = run.train, run.optim, run.checkpoint, run.data, run.parallel, run.cluster
-    at_least = [
-        ("cluster.nodes", cl.nodes, 1),
-        ("cluster.devices_per_node", cl.devices_per_node, 1),
-        ("train.seq_len", t.seq_len, 1),
-        ("train.micro_batch_size", t.micro_batch_size, 1),
-        ("train.steps", t.steps, 1),
-        ("train.global_batch_size", t.global_batch_size, 0),
-        ("train.microbatches", t.microbatches, 0),
-        ("train.eval_every", t.eval_every, 0),
-        ("train.eval_batches", t.eval_batches, 0),
-        ("train.log_every", t.log_every, 1),
-        ("train.threads_per_process", t.threads_per_process, 0),
-        ("train.max_restarts", t.max_restarts, 0),
-        ("train.timeout_s", t.timeout_s, 1),
-        ("checkpoint.every_steps", ck.every_steps, 0),
-        ("checkpoint.keep_last", ck.keep_last, 0),
-        ("optim.warmup_steps", o.warmup_steps, 0),
-        ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
-        ("parallel.recompute_every", p.recompute_every, 1),
-        ("data.max_bytes", d.max_bytes, 0),
-        ("train.loss_scale_window", t.loss_scale_window, 1),
-    ]
-    for key, value, low in at_least:
+    t, o, ck, d = run.train, run.optim, run.checkpoint, run.data
+    for key, low in AT_LEAST.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(run, section), name)
         c.check(value >= low, key, value, f"must be >= {low}", f"set {key} to {low} or more")
     c.check(o.lr > 0, "optim.lr", o.lr, "must be > 0", "e.g. optim.lr=3e-4")
     c.check(

@@ -29,6 +29,33 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from partrain import __version__
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    # Read from the installed metadata: importing torch would take seconds.
+    print(f"partrain {__version__} (torch {of('torch')}, transformers {of('transformers')})")
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
+    """Declarative parallel training of Hugging Face language models (DP/ZeRO, TP, PP, EP, SP)."""
+
+
 def _validated(overrides, recipes, as_json: bool):
     from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
@@ -374,6 +401,12 @@ def show(
     explain: bool = typer.Option(
         False, "--explain", help="List every config key with its type, value and documentation."
     ),
+    diff: bool = typer.Option(
+        False, "--diff", help="Show only the keys that differ from the defaults (or from the recipe --against names)."
+    ),
+    against: Optional[str] = typer.Option(
+        None, "--against", help="With --diff: compare with this recipe instead of the defaults."
+    ),
 ) -> None:
     """Print the composed, resolved config (YAML), as a worker would read it."""
     from partrain.blueprint.config.compose import compose, to_yaml
@@ -382,6 +415,11 @@ def show(
         run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
     except ConfigError as err:
         fail(err, as_json)
+    if against is not None and not diff:
+        fail(ConfigError(Problem("--against", against, "only goes with --diff", "add --diff")), as_json)
+    if diff:
+        _show_diff(run, against, recipes, as_json)
+        return
     if explain:
         from partrain.blueprint.config.docs import explain_rows
 
@@ -404,6 +442,30 @@ def show(
         print(json.dumps(asdict(run), default=str))
     else:
         print(to_yaml(run), end="")
+
+
+def _show_diff(run, against: Optional[str], recipes, as_json: bool) -> None:
+    """`show --diff`: one line per key that differs from the defaults or from a recipe."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.config.docs import config_diff
+
+    try:
+        base = compose([f"recipe={against}"] if against else [], recipe_dirs(recipes, dict(os.environ)))
+    except ConfigError as err:
+        if against:  # the recipe is named by --against, not by an override
+            err = ConfigError([Problem("--against", against, p.rule, p.fix) for p in err.problems])
+        fail(err, as_json)
+    rows = config_diff(run, base)
+    if as_json:
+        print(json.dumps({"against": against or "defaults", "differences": rows}, default=str))
+        return
+    print(f"# differences from {f'recipe {against}' if against else 'the defaults'}: {len(rows)} keys")
+    for row in rows:
+        print(f"{row['key']}: {_yaml_value(row['value'])}  # {against or 'default'}: {_yaml_value(row['base'])}")
+
+
+def _yaml_value(value) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) or value == "" else str(value)
 
 
 @app.command("recipes")
@@ -450,10 +512,29 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(launch_app, name="launch")
 
 
+def command():
+    """The click command of `app`, boolean flags shown without a type (typer writes `<bool>` beside
+    flags that take no value, which reads as if they did)."""
+    from typer import _click
+    from typer.main import get_command
+
+    root = get_command(app)
+
+    def plain_flags(cmd) -> None:
+        for param in cmd.get_params(_click.Context(cmd, info_name=cmd.name)):
+            if getattr(param, "is_bool_flag", False):
+                param.metavar = ""
+        for sub in getattr(cmd, "commands", {}).values():
+            plain_flags(sub)
+
+    plain_flags(root)
+    return root
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Console-script entry point."""
     try:
-        app(args=argv, prog_name="partrain", standalone_mode=True)
+        command().main(args=argv, prog_name="partrain", standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -24,6 +24,61 @@ BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
+ZERO_STAGES = (0, 1, 2, 3)
+
+CHOICES = {
+    "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.sp_mode": SP_MODES,
+    "parallel.recompute": RECOMPUTE,
+    "parallel.fsdp_grad_sync": FSDP_GRAD_SYNC,
+    "train.precision": PRECISIONS,
+    "cluster.device": DEVICES,
+    "cluster.backend": BACKENDS,
+    "optim.name": OPTIMIZERS,
+    "optim.schedule": LR_SCHEDULES,
+    "optim.implementation": OPTIMIZER_IMPLEMENTATIONS,
+    "parallel.zero_stage": ZERO_STAGES,
+}
+"""Keys whose value is one of a fixed list: validation refuses others, and a value of the wrong type
+(`parallel.zero_stage=two`) is answered with the list."""
+
+AT_LEAST = {
+    "cluster.nodes": 1,
+    "cluster.devices_per_node": 1,
+    "train.seq_len": 1,
+    "train.micro_batch_size": 1,
+    "train.steps": 1,
+    "train.global_batch_size": 0,
+    "train.microbatches": 0,
+    "train.eval_every": 0,
+    "train.eval_batches": 0,
+    "train.log_every": 1,
+    "train.threads_per_process": 0,
+    "train.max_restarts": 0,
+    "train.timeout_s": 1,
+    "checkpoint.every_steps": 0,
+    "checkpoint.keep_last": 0,
+    "optim.warmup_steps": 0,
+    "parallel.pp_virtual_stages": 1,
+    "parallel.recompute_every": 1,
+    "data.max_bytes": 0,
+    "train.loss_scale_window": 1,
+}
+"""Integer keys with a lower bound (validation's range rule and the type errors' hint)."""
+
+
+def valid_values(key: str, type_name: str) -> str:
+    """What a key accepts, in words: its choices, its range, or its type."""
+    if key in CHOICES:
+        values = [str(v) for v in CHOICES[key]]
+        if all(isinstance(v, int) for v in CHOICES[key]) and len(values) > 2:
+            return f"an integer {values[0]}..{values[-1]}"
+        return "one of " + ", ".join(values)
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+    text = words.get(type_name, f"a value of type {type_name}")
+    if key in AT_LEAST:
+        text += f" >= {AT_LEAST[key]}"
+    return text
 
 
 @dataclass
