@@ -104,7 +104,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     restarted = env.restart_count > 0
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
     start_step = checkpoints.resume()
-    metrics = MetricsWriter(run_dir, enabled=env.is_main)
+    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run)
     pp_rank = mesh.local("pp")
     plan = Plan.of(v) if env.is_main else None  # once, before the loop: measured beside planned
     if env.is_main:

@@ -107,14 +107,14 @@ RUN += ["optim.warmup_steps=1", "optim.decay_fraction=0.5"]
 """SGD with momentum under FSDP (zero_stage 3), a wsd schedule that changes lr at every step after step 2."""
 
 
-def _train(folder, *extra):
+def _train(folder, *extra, env=None):
     with open(folder / "out.json", "w") as out, open(folder / "log.txt", "w") as err:
         proc = subprocess.run(
             [sys.executable, "-m", "partrain.cli", "train", *RUN, f"train.run_dir={folder / 'run'}", *extra],
             stdout=out,
             stderr=err,
             timeout=400,
-            env={**os.environ, "COLUMNS": "80"},
+            env={**os.environ, "COLUMNS": "80", **(env or {})},
         )
     return proc.returncode, (folder / "out.json").read_text(), (folder / "log.txt").read_text(), folder / "run"
 
@@ -127,9 +127,14 @@ def json_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed_run(json_run, tmp_path_factory):
-    """The same run resumed from its step-2 checkpoint in another folder, stdout to a file (plain lines)."""
+    """The same run resumed from its step-2 checkpoint in another folder, stdout to a file (plain lines),
+    logging to all three trackers: wandb offline, mlflow in a local file store, nothing on the network."""
     step2 = json_run[3] / "checkpoints" / "step-00000002"
-    return _train(tmp_path_factory.mktemp("resumed-run"), f"checkpoint.resume={step2}")
+    folder = tmp_path_factory.mktemp("resumed-run")
+    trackers = ["train.loggers=[tensorboard,wandb,mlflow]", f"train.mlflow_tracking_uri=file:{folder / 'mlruns'}"]
+    env = {"WANDB_MODE": "offline", "MLFLOW_ALLOW_FILE_STORE": "true"}  # mlflow 3 keeps file stores opt-in
+    env.update({k: str(folder / "wandb-home") for k in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")})
+    return _train(folder, f"checkpoint.resume={step2}", *trackers, "train.tracker_run_name=resumed", env=env)
 
 
 def test_json_stdout_is_one_object_and_the_log_one_line_per_logged_step(json_run):
@@ -163,3 +168,66 @@ def test_a_resumed_run_continues_the_exact_lr_sequence_and_losses(json_run, resu
         assert (resumed[step]["lr"], resumed[step]["loss"]) == (straight[step]["lr"], straight[step]["loss"])
     record = json.loads((json_run[3] / "checkpoints" / "step-00000002" / "partrain.json").read_text())
     assert '"lr_schedule"' in json.dumps(record) and '"last_epoch": 3' in json.dumps(record)
+
+
+def test_trackers_get_namespaced_metrics_and_the_config(resumed_run, monkeypatch):
+    code, _, log, run_dir = resumed_run
+    assert code == 0, log[-3000:]
+    (offline,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data = offline.read_bytes()  # wandb's offline record log (protobuf records; no reader ships with wandb)
+    for name in (b"train/loss", b"train/lr", b"perf/tokens_per_s", b"memory/peak_bytes", b"optim.name"):
+        assert name in data, name
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"file:{run_dir.parent / 'mlruns'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("partrain").experiment_id])
+    assert found.info.run_name == "resumed" and found.info.status == "FINISHED"
+    assert found.data.params["optim.name"] == "sgd" and found.data.params["parallel.zero_stage"] == "3"
+    losses = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "train/loss")}
+    assert losses == {s: r["loss"] for s, r in _metrics(run_dir).items()}
+    assert {"eval/loss", "perf/tokens_per_s", "memory/peak_bytes", "train/lr"} <= set(found.data.metrics)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [s.step for s in events.Scalars("train/loss")] == [3, 4]
+
+
+def test_namespaced_scalars():
+    from partrain.train.trackers import namespaced
+
+    record = {"step": 3, "loss": 2.0, "lr": 0.1, "eval_loss": 1.5, "tokens_per_s": 9.0, "memory_bytes": 7}
+    record.update(moe_tokens_per_expert=[4, 5], skipped=False, memory_measured_over_planned=1.1)
+    assert namespaced(record) == {
+        "train/loss": 2.0,
+        "train/lr": 0.1,
+        "eval/loss": 1.5,
+        "perf/tokens_per_s": 9.0,
+        "memory/peak_bytes": 7,
+        "moe/tokens_per_expert/0": 4,
+        "moe/tokens_per_expert/1": 5,
+        "train/skipped": 0.0,
+        "plan/memory_measured_over_planned": 1.1,
+    }
+
+
+def test_a_tracker_not_installed_is_refused_before_launch_naming_its_extra(monkeypatch):
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.errors import ConfigError
+    from partrain.preflight import check_before_launch
+    from partrain.train import trackers
+
+    monkeypatch.setattr(trackers, "module_installed", lambda module: module not in ("wandb", "mlflow"))
+    v = validate(compose(["recipe=gpt-dp", "train.loggers=[tensorboard,wandb,mlflow]", "data.max_bytes=100000"]))
+    with pytest.raises(ConfigError) as err:
+        check_before_launch(v)
+    problems = [p for p in err.value.problems if p.key == "train.loggers"]
+    assert [p.rule for p in problems] == ["wandb is not installed", "mlflow is not installed"]
+    assert "pip install 'partrain[wandb]'" in problems[0].fix and "partrain[mlflow]" in problems[1].fix
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["recipe=gpt-dp", "train.loggers=[tensorboard,WandB,tensorboard]"]))
+    assert [p.fix for p in err.value.problems] == [
+        "write wandb instead of WandB",
+        "list each tracker once, e.g. train.loggers=[tensorboard,wandb]",
+    ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, RunConfig
+from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, TRACKERS, RunConfig
 from partrain.blueprint.degree_rules import (
     degree_problems,
     dp_shard_degree,
@@ -52,15 +52,21 @@ class ValidatedRun:
         return self.global_batch_size * self.run.train.seq_len
 
 
-def _choice_fix(key: str, value, allowed) -> str:
+def _nearest(value, allowed) -> Optional[str]:
     """The nearest valid choice: the same letters in another case first (`1F1B` -> 1f1b), then the
-    closest spelling, else the first choice."""
+    closest spelling; None when nothing is close."""
     import difflib
 
     names = [str(a) for a in allowed]
-    same = [a for a in names if a.lower() == str(value).lower()]
-    close = same or difflib.get_close_matches(str(value).lower(), names, n=1)
-    return f"did you mean {key}={close[0]}?" if close else f"set {key}={names[0]}"
+    close = [a for a in names if a.lower() == str(value).lower()] or difflib.get_close_matches(
+        str(value).lower(), names, n=1
+    )
+    return close[0] if close else None
+
+
+def _choice_fix(key: str, value, allowed) -> str:
+    near = _nearest(value, allowed)
+    return f"did you mean {key}={near}?" if near else f"set {key}={allowed[0]}"
 
 
 def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
@@ -93,6 +99,26 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
             "nccl needs cluster.device=cuda",
             "use backend gloo on CPU",
         )
+
+
+def _check_loggers(c: ProblemCollector, run: RunConfig) -> None:
+    loggers = list(run.train.loggers)
+    for name in loggers:
+        near = _nearest(name, TRACKERS)
+        c.check(
+            name in TRACKERS,
+            "train.loggers",
+            loggers,
+            f"{name!r} is not a tracker partrain logs to: choose among {', '.join(TRACKERS)}",
+            f"write {near} instead of {name}" if near else "remove it, or name one of those",
+        )
+    c.check(
+        len(set(loggers)) == len(loggers),
+        "train.loggers",
+        loggers,
+        "names a tracker twice",
+        "list each tracker once, e.g. train.loggers=[tensorboard,wandb]",
+    )
 
 
 def _check_optimizer(c: ProblemCollector, run: RunConfig) -> None:
@@ -292,6 +318,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _check_choices(c, run)
     _check_ranges(c, run)
     _check_optimizer(c, run)
+    _check_loggers(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

@@ -232,10 +232,11 @@ class Trainer:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
+            if self.is_main:  # rank 0's peak memory: metrics.jsonl, the trackers (memory/peak_bytes), the log line
+                record["memory_bytes"] = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
             self.metrics.write(record)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):
-                memory = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
-                self.events("step", eta_s=eta, total_steps=train.steps, memory_bytes=memory, **record)
+                self.events("step", eta_s=eta, total_steps=train.steps, **record)
             self.on_step_end(result.step)
             at_eval = train.eval_every and result.step % train.eval_every == 0 and result.step < train.steps
             if at_eval:

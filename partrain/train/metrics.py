@@ -76,37 +76,34 @@ def parse_event(line: str) -> Optional[dict]:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object a line, every step) and TensorBoard scalars when available."""
+    """metrics.jsonl (one object a line, every step) and the trackers of train.loggers (namespaced scalars)."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, run=None) -> None:
         self.enabled = enabled
         self.file = None
-        self.tb = None
+        self.trackers: list = []
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if run is not None:
+            from partrain.train.trackers import open_trackers
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        except ImportError:
-            log.warning("tensorboard is not installed; metrics go to metrics.jsonl only (pip install tensorboard)")
+            self.trackers = open_trackers(run_dir, run)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record, default=float) + "\n")
-        if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, step)
-                elif isinstance(value, list):  # per-expert values: one curve each
-                    for i, item in enumerate(value):
-                        self.tb.add_scalar(f"{key}/{i}", item, step)
+        if self.trackers:
+            from partrain.train.trackers import namespaced
+
+            scalars = namespaced(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, record["step"])
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        from partrain.train.trackers import close_all
+
+        close_all(self.trackers)

@@ -25,6 +25,7 @@ OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -274,6 +275,17 @@ class TrainConfig:
     """fp16 only: steps in a row without overflow before the loss scale doubles."""
     timeout_s: int = 120
     """Collective timeout in seconds: a hung or dead rank fails the job after this long."""
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 logs to, any of tensorboard, wandb, mlflow (wandb and mlflow: pip install
+    partrain[wandb] / partrain[mlflow]); metrics are namespaced (train/loss, eval/loss, perf/tokens_per_s,
+    memory/peak_bytes) and the resolved config is logged as hyperparameters. metrics.jsonl is always written."""
+    tracker_project: str = "partrain"
+    """wandb project and mlflow experiment the run is logged under."""
+    tracker_run_name: str = ""
+    """The run's name in wandb and mlflow; empty = the run folder's name."""
+    mlflow_tracking_uri: str = ""
+    """Where mlflow logs (a server URL, or file:/path for a local store); empty = mlflow's own default
+    (MLFLOW_TRACKING_URI, else ./mlruns)."""
 
 
 @dataclass
