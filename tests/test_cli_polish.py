@@ -49,6 +49,10 @@ def test_choices_are_suggested_whatever_the_case():
     assert problem_of("optim.schedule=Cosine").fix == "did you mean optim.schedule=cosine?"
     assert problem_of("train.precision=bf61").fix == "did you mean train.precision=bf16?"
     assert problem_of("cluster.backend=mpi").fix == "set cluster.backend=gloo"
+    for override, hint in (("model=GPT2-Tiny", "did you mean model=gpt2-tiny?"), ("recipe=GPT-DP", "recipe=gpt-dp?")):
+        with pytest.raises(ConfigError) as err:
+            compose([override])
+        assert hint in err.value.problems[0].fix
 
 
 def test_type_errors_say_the_valid_values():

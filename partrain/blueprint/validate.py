@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, TRACKERS, RunConfig
 from partrain.blueprint.degree_rules import (
     degree_problems,
@@ -52,20 +53,8 @@ class ValidatedRun:
         return self.global_batch_size * self.run.train.seq_len
 
 
-def _nearest(value, allowed) -> Optional[str]:
-    """The nearest valid choice: the same letters in another case first (`1F1B` -> 1f1b), then the
-    closest spelling; None when nothing is close."""
-    import difflib
-
-    names = [str(a) for a in allowed]
-    close = [a for a in names if a.lower() == str(value).lower()] or difflib.get_close_matches(
-        str(value).lower(), names, n=1
-    )
-    return close[0] if close else None
-
-
 def _choice_fix(key: str, value, allowed) -> str:
-    near = _nearest(value, allowed)
+    near = nearest_name(value, allowed)
     return f"did you mean {key}={near}?" if near else f"set {key}={allowed[0]}"
 
 
@@ -104,7 +93,7 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
 def _check_loggers(c: ProblemCollector, run: RunConfig) -> None:
     loggers = list(run.train.loggers)
     for name in loggers:
-        near = _nearest(name, TRACKERS)
+        near = nearest_name(name, TRACKERS)
         c.check(
             name in TRACKERS,
             "train.loggers",

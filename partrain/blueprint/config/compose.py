@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.paths import conf_dir
 from partrain.blueprint.config.recipes import find_recipe
 from partrain.blueprint.config.schema import RunConfig, valid_values
@@ -210,8 +211,8 @@ def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
         if group in GROUPS and f"{group}/" in text or f"'{group}'" in text:
             options = _group_options(group)
             value = ov.value()
-            close = difflib.get_close_matches(str(value), options, n=1)
-            hint = f"did you mean {group}={close[0]}? " if close else ""
+            close = nearest_name(value, options)
+            hint = f"did you mean {group}={close}? " if close else ""
             return Problem(group, value, f"no {group} config of that name", f"{hint}choose one of {', '.join(options)}")
     if recipe_name:
         return Problem(
