@@ -24,7 +24,7 @@ from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holde
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.slurm import check_allocation
 from partrain.runtime.torchrun import Rendezvous, torchrun_command
-from partrain.train.metrics import parse_event
+from partrain.train.display import Display
 from partrain.worker import DATA_MANIFEST
 
 TORCHRUN_LOG = "torchrun.log"
@@ -72,8 +72,16 @@ def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvo
     )
 
 
-def launch(v: ValidatedRun, console, environ: Mapping[str, str], auto_choice: Optional[dict] = None) -> int:
-    """Returns the exit code for the CLI. `auto_choice`: the record of a `parallel=auto` choice."""
+def launch(
+    v: ValidatedRun,
+    console,
+    environ: Mapping[str, str],
+    display: Optional[Display] = None,
+    auto_choice: Optional[dict] = None,
+) -> int:
+    """Returns the exit code for the CLI. display: how the run is shown (the CLI chooses it once:
+    terminal, plain lines or --json); default the rich terminal display on `console`. auto_choice:
+    the record of a `parallel=auto` choice, written into the run folder."""
     if v.run.cluster.rdzv_endpoint:
         # A node's launcher (`--rdzv-endpoint`; under srun: one task per node): SLURM's task variables
         # describe the launchers, not the workers, so they are not read as this process's rank.
@@ -98,6 +106,7 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str], auto_choice: Op
                     "use cluster=local-cpu, or a smaller layout",
                 )
             )
+    display = display or Display("rich", console)
     run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else _unique(default_run_dir(v))
     # One run per folder, held until the run ends; SIGINT/SIGTERM from here on stop the run cleanly.
     with _claimed(v, run_dir), Forwarder() as signals:
@@ -106,14 +115,16 @@ def launch(v: ValidatedRun, console, environ: Mapping[str, str], auto_choice: Op
                 run_dir = prepare_run_dir(v, run_dir, auto_choice)
             except ConfigError as err:
                 raise_config(*err.problems)
-            return _start(v, run_dir, console, environ, signals, rendezvous)
+            return _start(v, run_dir, display, environ, signals, rendezvous)
         except Interrupted as stop:
-            console.print(f"stopped by {signal_name(stop.signum)} before training started", highlight=False)
+            text = f"stopped by {signal_name(stop.signum)} before training started"
+            display.say(text)
+            display.result(exit_code(stop.signum), message=text)
             return exit_code(stop.signum)
 
 
 def _start(
-    v: ValidatedRun, run_dir: Path, console, environ: Mapping[str, str], signals: Forwarder, rendezvous=None
+    v: ValidatedRun, run_dir: Path, display: Display, environ: Mapping[str, str], signals: Forwarder, rendezvous=None
 ) -> int:
     """Start torchrun (own session, dies with this process, output to logs/torchrun.log), follow rank
     0's events until the workers end, then say how the run ended; returns the exit code."""
@@ -121,7 +132,12 @@ def _start(
     threads = v.run.train.threads_per_process or max(1, cpu_count() // local)
     child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     where = f" (node {rendezvous.node_rank} of {rendezvous.nodes}: {local} here)" if rendezvous else ""
-    console.print(f"[bold]partrain[/bold]: {v.world_size} processes{where}, run folder [cyan]{run_dir}[/cyan]")
+    if display.plain:
+        display.say(f"partrain: {v.world_size} processes{where}, run folder {run_dir}")
+    else:
+        display.console.print(
+            f"[bold]partrain[/bold]: {v.world_size} processes{where}, run folder [cyan]{run_dir}[/cyan]"
+        )
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     with open(run_dir / "logs" / TORCHRUN_LOG, "a") as torchrun_log:
         with signals.blocked():  # a signal arriving now is handled once torchrun's pid is known
@@ -135,14 +151,15 @@ def _start(
                 **signals.popen_options(),
             )
             signals.started(proc.pid, run_dir)
-        seen = _follow(proc, console, signals.received)
+        seen = display.follow(proc.stdout, signals.received)
         code = proc.wait()
     if rendezvous:
         told = node_outcome(rendezvous, code, seen, torchrun_log_text(run_dir / "logs" / TORCHRUN_LOG))
         if told:
-            console.print(told[1], markup=False, highlight=False, soft_wrap=True)
+            display.say(told[1])
+            display.result(told[0], message=told[1])
             return told[0]
-    return _conclude(run_dir, code, seen, signals.received, console)
+    return _conclude(run_dir, code, seen, signals.received, display)
 
 
 @contextlib.contextmanager
@@ -227,79 +244,33 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str], au
     leave(worker.main(run_dir, env, v, stop=stop))
 
 
-def _follow(proc: subprocess.Popen, console, signals: Optional[List[int]] = None) -> dict:
-    """Render rank 0's events as a live progress bar; pass other output through.
-
-    Returns the events that decide the outcome: {"start": ..., "summary": ..., "stopped": ...}.
-    signals: the stop signals received so far (announced once each, between lines).
-    """
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    seen: dict = {}
-    signals = signals if signals is not None else []
-    announced = 0
-    progress = Progress(
-        TextColumn("step {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-        auto_refresh=False,  # no refresh thread: see partrain.runtime.signals on the parent-death signal
-    )
-    task = None
-    with progress:
-        for line in proc.stdout:
-            if len(signals) > announced:
-                announced = len(signals)
-                progress.console.print(_stopping_text(signals), markup=False, highlight=False)
-            event = parse_event(line)
-            if event is None:
-                progress.console.print(line.rstrip("\n"), highlight=False, markup=False)
-                continue
-            kind = event["event"]
-            if kind in ("start", "summary", "stopped", "refused"):
-                seen[kind] = event
-            if kind == "start":
-                task = progress.add_task(
-                    "train", total=event["steps"], completed=event.get("first_step", 0), info="starting"
-                )
-            elif kind == "step" and task is not None:
-                info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
-                progress.update(task, completed=event["step"], info=info, refresh=True)
-            elif kind == "eval":
-                progress.console.print(f"step {event['step']}: eval loss {event['eval_loss']:.4f}", markup=False)
-    return seen
+def _conclude(run_dir: Path, code: int, seen: dict, signals: List[int], display: Display) -> int:
+    """Say how the run ended; returns the exit code (README "Stopping a run" lists them). With --json
+    the same outcome is also the one JSON object on stdout."""
+    summary = seen.get("summary")
+    ended, message = _outcome(run_dir, code, seen, signals, display)
+    display.result(ended, summary if code == 0 and not seen.get("stopped") else None, message)
+    return ended
 
 
-def _stopping_text(signals: List[int]) -> str:
-    name = signal_name(signals[-1])
-    if len(signals) == 1:
-        return f"{name}: stopping after the current step (again to stop at once, without saving)"
-    return f"{name} again: stopping at once"
-
-
-def _conclude(run_dir: Path, code: int, seen: dict, signals: List[int], console) -> int:
-    """Say how the run ended; returns the exit code (README "Stopping a run" lists them)."""
+def _outcome(run_dir: Path, code: int, seen: dict, signals: List[int], display: Display) -> tuple:
+    console = display.console
     if seen.get("stopped"):
-        console.print(seen["stopped"]["message"], markup=False, highlight=False, soft_wrap=True)
-        return exit_code(seen["stopped"]["signal"])
+        display.say(seen["stopped"]["message"])
+        return exit_code(seen["stopped"]["signal"]), seen["stopped"]["message"]
     summary = seen.get("summary")
     if code == 0 and summary:
-        _print_summary(summary, console)
+        display.summary(summary)
+        if summary.get("moe"):
+            from partrain.blueprint.report.expert_load import expert_load_table
+
+            console.print(expert_load_table(summary["moe"]))
+        _print_plan_check(summary.get("planned_vs_measured"), console)
         if summary.get("problem"):
             console.print("[bold red]training did not work[/bold red]: ", end="", highlight=False)
             console.print(summary["problem"], markup=False, highlight=False, soft_wrap=True)
-            return 1
-        return 0
+            return 1, f"training did not work: {summary['problem']}"
+        return 0, None
     if signals:
         name = signal_name(signals[-1])
         if "start" not in seen:
@@ -308,15 +279,13 @@ def _conclude(run_dir: Path, code: int, seen: dict, signals: List[int], console)
             how = "at once (second signal): the step in progress was not saved"
         else:
             how = "but the workers ended without a clean stop"
-        console.print(
-            f"stopped by {name} {how}; logs: {run_dir / 'logs'}", markup=False, highlight=False, soft_wrap=True
-        )
-        return exit_code(signals[-1])
-    _report_failure(run_dir, code, console)
-    return 1
+        text = f"stopped by {name} {how}; logs: {run_dir / 'logs'}"
+        display.say(text)
+        return exit_code(signals[-1]), text
+    return 1, _report_failure(run_dir, code, console)
 
 
-def _report_failure(run_dir: Path, code: int, console) -> None:
+def _report_failure(run_dir: Path, code: int, console) -> str:
     errors = (
         sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
         if (run_dir / "errors").exists()
@@ -327,39 +296,14 @@ def _report_failure(run_dir: Path, code: int, console) -> None:
         console.print("[bold red]training failed[/bold red]: ", end="", highlight=False)
         console.print(first, markup=False, highlight=False, soft_wrap=True)
         console.print(f"traceback: {errors[0]}; logs: {run_dir / 'logs'}", markup=False, highlight=False)
-    else:
-        how = f"torchrun was killed by {signal_name(-code)}" if code < 0 else f"torchrun exit code {code}"
-        console.print(
-            f"[bold red]training failed[/bold red] ({how}); torchrun's report: {run_dir / 'logs' / TORCHRUN_LOG}",
-            highlight=False,
-        )
-
-
-def _print_summary(summary: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title="run summary", show_header=False, title_justify="left")
-    table.add_row("steps", str(summary["steps"]))
-    table.add_row("final train loss", f"{summary['final_loss']:.4f}")
-    if summary.get("eval_loss") is not None:
-        table.add_row("final eval loss", f"{summary['eval_loss']:.4f}")
-    table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
-    if summary.get("skipped_steps"):
-        table.add_row("skipped steps", f"{summary['skipped_steps']} (fp16 overflow)")
-    for r in summary["ranks"]:
-        experts = f", expert params {r['expert_param_bytes'] / 2**20:.2f} MiB" if "expert_param_bytes" in r else ""
-        table.add_row(
-            f"rank {r['rank']} memory",
-            f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS "
-            f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
-        )
-    table.add_row("run folder", summary["run_dir"])
-    console.print(table)
-    if summary.get("moe"):
-        from partrain.blueprint.report.expert_load import expert_load_table
-
-        console.print(expert_load_table(summary["moe"]))
-    _print_plan_check(summary.get("planned_vs_measured"), console)
+        return f"training failed: {first}"
+    how = f"torchrun was killed by {signal_name(-code)}" if code < 0 else f"torchrun exit code {code}"
+    text = f"training failed ({how}); torchrun's report: {run_dir / 'logs' / TORCHRUN_LOG}"
+    console.print(
+        f"[bold red]training failed[/bold red] ({how}); torchrun's report: {run_dir / 'logs' / TORCHRUN_LOG}",
+        highlight=False,
+    )
+    return text
 
 
 def _print_plan_check(block: Optional[dict], console) -> None:

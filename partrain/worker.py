@@ -20,7 +20,7 @@ from partrain.blueprint.config.compose import load_resolved
 from partrain.blueprint.validate import ValidatedRun, validate
 from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
-from partrain.train.metrics import emit
+from partrain.train.metrics import Events, LauncherEvents, PlainEvents, emit
 
 log = logging.getLogger("partrain")
 
@@ -76,10 +76,14 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     from partrain.train.assemble import build_engine
     from partrain.train.loop import Trainer, peak_rss_bytes
     from partrain.train.loss_scale import DynamicLossScale
+    from partrain.train.lr_schedule import LRSchedule
     from partrain.train.metrics import MetricsWriter
     from partrain.train.plan_check import Plan, PlanCheckMetrics, measured_memory, memory_baseline
 
     run = v.run
+    # Decided once here: rank 0 under partrain's launcher speaks to it in JSON events; started by
+    # srun or the user's torchrun its stdout is the log a person reads, so it writes plain lines.
+    events = (LauncherEvents() if via_launcher else PlainEvents()) if env.is_main else Events()
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
     if run.cluster.nodes > 1:
@@ -96,9 +100,11 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
 
     batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
     loss_scale = DynamicLossScale.for_run(run.train)
-    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
+    schedule = LRSchedule(run.optim, run.train.steps)
+    restarted = env.restart_count > 0
+    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
     start_step = checkpoints.resume()
-    metrics = MetricsWriter(run_dir, enabled=env.is_main)
+    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run)
     pp_rank = mesh.local("pp")
     plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
     if env.is_main:
@@ -114,6 +120,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         on_step_end=checkpoints.maybe_save,
         loss_scale=loss_scale,
         stop=stop,
+        events=events,
+        restart=env.restart_count,
+        schedule=schedule,
     )
     trainer.state.step = start_step
     state = trainer.run()
@@ -132,11 +141,20 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     dist.gather_object(mine, gathered, dst=0)
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events)
 
 
 def _report_summary(
-    v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool, plan=None, device_type="cpu"
+    v: ValidatedRun,
+    env: DistEnv,
+    run_dir: Path,
+    state,
+    gathered,
+    moe,
+    via_launcher: bool,
+    plan=None,
+    device_type="cpu",
+    events: Optional[Events] = None,
 ) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
@@ -161,7 +179,7 @@ def _report_summary(
             steps = [r.step_time_s for r in state.history]
             summary["planned_vs_measured"] = planned_vs_measured(plan, gathered, steps, v, device_type)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        emit("summary", **summary)
+        (events or Events())("summary", **summary)
         if summary["problem"]:
             log.error("%s", summary["problem"])
             if not via_launcher:
@@ -200,9 +218,23 @@ def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Opt
 class Checkpoints:
     """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
 
-    def __init__(self, v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, loss_scale=None) -> None:
+    def __init__(
+        self,
+        v: ValidatedRun,
+        run_dir: Path,
+        engine,
+        batches,
+        restarted: bool,
+        loss_scale=None,
+        events=None,
+        schedule=None,
+    ) -> None:
         from partrain import checkpoint as ckpt
 
+        self.events = events or Events()
+        """Rank 0 says each save and resume in the log (the other ranks' Events drop it)."""
+        self.schedule = schedule
+        """The run's LRSchedule (partrain.train.lr_schedule): saved with the data position, resumed exactly."""
         self.ckpt = ckpt
         self.loss_scale = loss_scale
         """fp16's DynamicLossScale (saved and restored with the data position), or None."""
@@ -233,7 +265,10 @@ class Checkpoints:
         )
         if self.loss_scale is not None and "loss_scale" in extra:
             self.loss_scale.load_state_dict(extra["loss_scale"])
+        if self.schedule is not None:
+            self.schedule.load(extra.get("lr_schedule"), int(extra["data"]["step"]))
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
+        self.events("resumed", step=int(extra["data"]["step"]), path=str(path))
         self.last = (int(extra["data"]["step"]), Path(path))
         return int(extra["data"]["step"])
 
@@ -253,6 +288,8 @@ class Checkpoints:
         extra = {"data": {**self.batches.state_dict(), "step": step}}
         if self.loss_scale is not None:
             extra["loss_scale"] = self.loss_scale.state_dict()
+        if self.schedule is not None:
+            extra["lr_schedule"] = self.schedule.state_dict()
         path = self.ckpt.save_checkpoint(
             self.root,
             step,
@@ -264,6 +301,7 @@ class Checkpoints:
             self.cfg.async_save,
         )
         log.info("saved checkpoint %s", path)
+        self.events("checkpoint", step=step, path=str(path))
         self.last = (step, Path(path))
         return Path(path)
 

@@ -215,11 +215,11 @@ def saved(tmp_path_factory):
 def _plain(arch: str, seed: int = 99):
     from partrain.models.build import build_meta_model
     from partrain.models.materialize import materialize
-    from partrain.parallel.optimizer import make_adamw, param_groups
+    from partrain.parallel.optimizer import make_torch_optimizer, param_groups
 
     mc = _model_cfg(arch)
     model = materialize(build_meta_model(mc), mc, seed=seed, device="cpu")
-    return mc, model, make_adamw(param_groups(model, OptimConfig().weight_decay), OptimConfig())
+    return mc, model, make_torch_optimizer(param_groups(model, OptimConfig().weight_decay), OptimConfig())
 
 
 # ---- (a) resharding ---------------------------------------------------------------------------------

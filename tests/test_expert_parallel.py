@@ -221,7 +221,7 @@ def test_export_of_an_ep_checkpoint_is_the_full_hf_model(mixtral_ep2, tmp_path):
     from partrain.checkpoint.record import model_record
     from partrain.models.build import build_meta_model
     from partrain.models.materialize import materialize
-    from partrain.parallel.optimizer import make_adamw, param_groups
+    from partrain.parallel.optimizer import make_torch_optimizer, param_groups
 
     ckpt = mixtral_ep2.run_dir / "checkpoints" / "step-00000003"
     hf = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "hf"), local_files_only=True)
@@ -230,7 +230,7 @@ def test_export_of_an_ep_checkpoint_is_the_full_hf_model(mixtral_ep2, tmp_path):
     load_checkpoint(
         ckpt,
         [model],
-        make_adamw(param_groups(model, run.optim.weight_decay), run.optim),
+        make_torch_optimizer(param_groups(model, run.optim.weight_decay), run.optim),
         {"model": model_record(run.model)},
     )
     for name, value in model.state_dict().items():

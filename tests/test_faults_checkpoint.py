@@ -47,11 +47,11 @@ GPT2 = dict(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_
 def _model(seed: int):
     from partrain.models.build import build_meta_model
     from partrain.models.materialize import materialize
-    from partrain.parallel.optimizer import make_adamw, param_groups
+    from partrain.parallel.optimizer import make_torch_optimizer, param_groups
 
     mc = ModelConfig(arch="gpt2", config=dict(GPT2))
     model = materialize(build_meta_model(mc), mc, seed=seed, device="cpu")
-    opt = make_adamw(param_groups(model, OptimConfig().weight_decay), OptimConfig())
+    opt = make_torch_optimizer(param_groups(model, OptimConfig().weight_decay), OptimConfig())
     x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(seed))
     model(input_ids=x[:, :-1], labels=x[:, 1:]).loss.backward()
     opt.step()

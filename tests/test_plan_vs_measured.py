@@ -118,7 +118,7 @@ def test_last_metrics_record_and_tensorboard_carry_the_plan_check(gpt_dp):
 
     events = EventAccumulator(str(gpt_dp.run_dir / "tensorboard")).Reload()
     for tag in ("memory_measured_over_planned", "tokens_per_s_measured_over_planned"):
-        (scalar,) = events.Scalars(tag)
+        (scalar,) = events.Scalars(f"plan/{tag}")  # the trackers' namespace (partrain.train.trackers)
         assert scalar.step == 4 and scalar.value == pytest.approx(last[tag], rel=1e-6)
 
 

@@ -262,10 +262,18 @@ def _srun_tasks(tmp_path: Path, args: list, env: dict, job: str, name: str) -> l
     return tasks
 
 
-def _steps_seen(path: Path) -> dict:
-    """step -> (loss, grad_norm) from rank 0's event lines (`@@partrain {...}`)."""
-    events = [json.loads(line.split(" ", 1)[1]) for line in path.read_text().splitlines() if line.startswith("@@")]
-    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events if e["event"] == "step"}
+def _steps_seen(metrics: Path, skip: int = 0) -> dict:
+    """step -> (loss, grad_norm) from rank 0's metrics.jsonl, after its first `skip` lines (rank 0's
+    stdout, the SLURM log, holds rounded plain lines)."""
+    seen = {}
+    for line in (metrics.read_text().splitlines() if metrics.exists() else [])[skip:]:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if "loss" in record:
+            seen[record["step"]] = (record["loss"], record["grad_norm"])
+    return seen
 
 
 def test_two_srun_tasks_train_stop_on_sigterm_and_resume_like_torchrun(tmp_path):
@@ -283,7 +291,8 @@ def test_two_srun_tasks_train_stop_on_sigterm_and_resume_like_torchrun(tmp_path)
     job = _job_id_with_a_free_port()
     first = _srun_tasks(tmp_path, args, env, job, "first")
     deadline = time.monotonic() + 150
-    while 2 not in _steps_seen(tmp_path / "first-0.out"):
+    metrics = tmp_path / "slurm-run" / "metrics.jsonl"
+    while 2 not in _steps_seen(metrics):
         assert time.monotonic() < deadline and first[0].poll() is None, (tmp_path / "first-0.out").read_text()
         time.sleep(0.05)
     signalled = time.monotonic()
@@ -296,11 +305,16 @@ def test_two_srun_tasks_train_stop_on_sigterm_and_resume_like_torchrun(tmp_path)
     assert len(saved) == 1 and saved[0].startswith("step-"), saved
     stopped_at = int(saved[0].removeprefix("step-"))
     assert 2 <= stopped_at < steps
+    first_lines = len(metrics.read_text().splitlines())
     second = _srun_tasks(tmp_path, args, env, job, "second")
     codes = [task.wait(timeout=150) for task in second]
     assert codes == [0, 0], [(tmp_path / f"second-{r}.out").read_text()[-2000:] for r in range(2)]
-    seen = _steps_seen(tmp_path / "first-0.out")
-    resumed = _steps_seen(tmp_path / "second-0.out")
+    seen = _steps_seen(metrics)
+    resumed = _steps_seen(metrics, skip=first_lines)
+    # The SLURM output file is a log a person reads: plain lines, no event JSON.
+    log_first, log_second = (tmp_path / "first-0.out").read_text(), (tmp_path / "second-0.out").read_text()
+    assert "step 2/8 | loss " in log_first and "@@partrain" not in log_first + log_second, log_first
+    assert f"resumed from {tmp_path / 'slurm-run' / 'checkpoints'}" in log_second, log_second
     assert min(resumed) == stopped_at + 1
     seen = {**{k: v for k, v in seen.items() if k <= stopped_at}, **resumed}
     assert sorted(seen) == list(range(1, steps + 1))

@@ -14,17 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from partrain.blueprint.config.schema import (
-    AXES,
-    BACKENDS,
-    DEVICES,
-    FSDP_GRAD_SYNC,
-    PP_SCHEDULES,
-    PRECISIONS,
-    RECOMPUTE,
-    SP_MODES,
-    RunConfig,
-)
+from partrain.blueprint.config.names import nearest_name
+from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, TRACKERS, RunConfig
 from partrain.blueprint.degree_rules import (
     degree_problems,
     dp_shard_degree,
@@ -62,27 +53,26 @@ class ValidatedRun:
         return self.global_batch_size * self.run.train.seq_len
 
 
+def _choice_fix(key: str, value, allowed) -> str:
+    near = nearest_name(value, allowed)
+    return f"did you mean {key}={near}?" if near else f"set {key}={allowed[0]}"
+
+
 def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
-    p, t, cl = run.parallel, run.train, run.cluster
-    choices = [
-        ("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES),
-        ("parallel.sp_mode", p.sp_mode, SP_MODES),
-        ("parallel.recompute", p.recompute, RECOMPUTE),
-        ("parallel.fsdp_grad_sync", p.fsdp_grad_sync, FSDP_GRAD_SYNC),
-        ("train.precision", t.precision, PRECISIONS),
-        ("cluster.device", cl.device, DEVICES),
-        ("cluster.backend", cl.backend, BACKENDS),
-        ("optim.name", run.optim.name, ("adamw",)),
-    ]
-    for key, value, allowed in choices:
-        c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", f"set {key}={allowed[0]}")
-    c.check(
-        p.zero_stage in (0, 1, 2, 3),
-        "parallel.zero_stage",
-        p.zero_stage,
-        "must be 0, 1, 2 or 3",
-        "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP",
-    )
+    p, cl = run.parallel, run.cluster
+    for key, allowed in CHOICES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(run, section), name)
+        if key == "parallel.zero_stage":
+            c.check(
+                value in allowed,
+                key,
+                value,
+                "must be 0, 1, 2 or 3",
+                "0 = DDP, 1 = sharded optimizer, 2/3 = FSDP",
+            )
+            continue
+        c.check(value in allowed, key, value, f"must be one of {', '.join(allowed)}", _choice_fix(key, value, allowed))
     c.check(
         sorted(p.order) == sorted(AXES),
         "parallel.order",
@@ -100,31 +90,61 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         )
 
 
+def _check_loggers(c: ProblemCollector, run: RunConfig) -> None:
+    loggers = list(run.train.loggers)
+    for name in loggers:
+        near = nearest_name(name, TRACKERS)
+        c.check(
+            name in TRACKERS,
+            "train.loggers",
+            loggers,
+            f"{name!r} is not a tracker partrain logs to: choose among {', '.join(TRACKERS)}",
+            f"write {near} instead of {name}" if near else "remove it, or name one of those",
+        )
+    c.check(
+        len(set(loggers)) == len(loggers),
+        "train.loggers",
+        loggers,
+        "names a tracker twice",
+        "list each tracker once, e.g. train.loggers=[tensorboard,wandb]",
+    )
+
+
+def _check_optimizer(c: ProblemCollector, run: RunConfig) -> None:
+    """The optimizer and schedule keys that depend on each other or on the layout."""
+    o, steps = run.optim, run.train.steps
+    c.check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be within [0, 1)", "e.g. optim.momentum=0.9")
+    c.check(
+        0 < o.decay_fraction <= 1,
+        "optim.decay_fraction",
+        o.decay_fraction,
+        "must be within (0, 1] (the fraction of train.steps the wsd schedule decays over)",
+        "e.g. optim.decay_fraction=0.2",
+    )
+    if o.schedule == "wsd" and 0 < o.decay_fraction <= 1 and o.warmup_steps >= 0:
+        decay = max(1, round(o.decay_fraction * steps))
+        c.check(
+            o.warmup_steps + decay <= steps,
+            "optim.warmup_steps",
+            o.warmup_steps,
+            f"wsd: warmup {o.warmup_steps} + decay {decay} (decay_fraction x train.steps) exceed train.steps={steps}",
+            f"use optim.warmup_steps <= {max(0, steps - decay)} or a smaller optim.decay_fraction",
+        )
+    if o.name == "sgd":
+        c.check(
+            run.parallel.zero_stage != 1,
+            "optim.name",
+            o.name,
+            "parallel.zero_stage=1 shards AdamW's state only (its flat buffers and checkpoints hold AdamW's moments)",
+            "use optim.name=adamw, or parallel.zero_stage=0, 2 or 3 with sgd",
+        )
+
+
 def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
-    t, o, ck, d, p, cl = run.train, run.optim, run.checkpoint, run.data, run.parallel, run.cluster
-    at_least = [
-        ("cluster.nodes", cl.nodes, 1),
-        ("cluster.devices_per_node", cl.devices_per_node, 1),
-        ("train.seq_len", t.seq_len, 1),
-        ("train.micro_batch_size", t.micro_batch_size, 1),
-        ("train.steps", t.steps, 1),
-        ("train.global_batch_size", t.global_batch_size, 0),
-        ("train.microbatches", t.microbatches, 0),
-        ("train.eval_every", t.eval_every, 0),
-        ("train.eval_batches", t.eval_batches, 0),
-        ("train.log_every", t.log_every, 1),
-        ("train.threads_per_process", t.threads_per_process, 0),
-        ("train.max_restarts", t.max_restarts, 0),
-        ("train.timeout_s", t.timeout_s, 1),
-        ("checkpoint.every_steps", ck.every_steps, 0),
-        ("checkpoint.keep_last", ck.keep_last, 0),
-        ("optim.warmup_steps", o.warmup_steps, 0),
-        ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1),
-        ("parallel.recompute_every", p.recompute_every, 1),
-        ("data.max_bytes", d.max_bytes, 0),
-        ("train.loss_scale_window", t.loss_scale_window, 1),
-    ]
-    for key, value, low in at_least:
+    t, o, ck, d = run.train, run.optim, run.checkpoint, run.data
+    for key, low in AT_LEAST.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(run, section), name)
         c.check(value >= low, key, value, f"must be >= {low}", f"set {key} to {low} or more")
     c.check(o.lr > 0, "optim.lr", o.lr, "must be > 0", "e.g. optim.lr=3e-4")
     c.check(
@@ -286,6 +306,8 @@ def validate(run: RunConfig) -> ValidatedRun:
     c = ProblemCollector()
     _check_choices(c, run)
     _check_ranges(c, run)
+    _check_optimizer(c, run)
+    _check_loggers(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

@@ -147,8 +147,10 @@ def _groups_by_fqn(
 
 @torch.no_grad()
 def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter AdamW state before its first step: zero moments and step 0, exactly
-    what AdamW creates lazily, so the next real step computes the same update.
+    """Give every parameter its optimizer state before its first step, exactly what the optimizer
+    creates lazily, so the next real step computes the same update: AdamW's zero moments and step 0;
+    SGD's zero momentum buffer (its first step then gives grad, as torch's clone of the gradient does,
+    dampening being 0); nothing for SGD without momentum.
 
     torch's `_init_optim_state` instead runs a step with zero gradients and lr 0, which leaves
     step = 1 (changing Adam's bias correction) and does nothing while gradients exist: a
@@ -156,15 +158,19 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     the optimizer keys a resume asks for."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad and not optimizer.state.get(p):
-                state = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                optimizer.state[p] = state
+            if not p.requires_grad or optimizer.state.get(p):
+                continue
+            zeros = lambda p=p: torch.zeros_like(p, memory_format=torch.preserve_format)
+            if isinstance(optimizer, torch.optim.SGD):
+                if group.get("momentum"):
+                    optimizer.state[p] = {"momentum_buffer": zeros()}
+                continue
+            # fused AdamW keeps its step counter on the parameter's device.
+            step_device = p.device if group.get("fused") or group.get("capturable") else "cpu"
+            state = {"step": torch.tensor(0.0, device=step_device), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = zeros()
+            optimizer.state[p] = state
 
 
 def _optimizer_state_by_fqn(parts: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

@@ -18,6 +18,7 @@ import typer
 from partrain.cli.bench_cmds import bench_app
 from partrain.cli.checkpoint_cmds import checkpoint_app
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.config_cmds import list_recipes_cmd, show
 from partrain.cli.launch_cmds import launch_app
 from partrain.errors import ConfigError, Problem
 
@@ -27,6 +28,33 @@ app = typer.Typer(
     rich_markup_mode="rich",
     help="Declarative parallel training of Hugging Face language models (DP/ZeRO, TP, PP, EP, SP).",
 )
+
+
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from partrain import __version__
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    # Read from the installed metadata: importing torch would take seconds.
+    print(f"partrain {__version__} (torch {of('torch')}, transformers {of('transformers')})")
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
+    """Declarative parallel training of Hugging Face language models (DP/ZeRO, TP, PP, EP, SP)."""
 
 
 def _validated(overrides, recipes, as_json: bool):
@@ -145,7 +173,7 @@ def _print_layout(
     if as_json:
         print(json.dumps(report, default=str))
     else:
-        _print_choice(auto_choice)
+        _print_choice(auto_choice, stdout_console())
         picture = None
         if drawable:
             from partrain.blueprint.report.schedule import render_text
@@ -201,28 +229,35 @@ def train(
     missing = unsupported_features(validated)
     if missing:
         fail(ConfigError([_unsupported_problem(text) for text in missing]), as_json)
-    _print_choice(choice)
-    _warn_if_predicted_not_to_fit(validated)
+    from partrain.train.display import Display
+
+    # Decided once, here: a live display on a terminal, plain lines into a file or pipe, and with
+    # --json nothing but the summary object on stdout (human text on stderr).
+    display = Display.choose(as_json, sys.stdout.isatty())
+    _print_choice(choice, display.console)
+    _warn_if_predicted_not_to_fit(validated, display.console)
     from partrain.launch import launch
 
     try:
-        code = launch(validated, console=stdout_console(), environ=dict(os.environ), auto_choice=choice)
+        code = launch(
+            validated, console=display.console, environ=dict(os.environ), display=display, auto_choice=choice
+        )
     except ConfigError as err:
         fail(err, as_json)
     raise typer.Exit(code)
 
 
-def _print_choice(choice: Optional[dict]) -> None:
+def _print_choice(choice: Optional[dict], console) -> None:
     """The `parallel=auto` choice, before the layout report or the launch."""
     if choice is None:
         return
     from partrain.blueprint.planner.auto import choice_lines
 
     for line in choice_lines(choice):
-        stdout_console().print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _warn_if_predicted_not_to_fit(validated) -> None:
+def _warn_if_predicted_not_to_fit(validated, console) -> None:
     """The planner's verdict before a launch: a warning, not a refusal (a measured run decides)."""
     from partrain.blueprint.planner import estimate
     from partrain.blueprint.report.estimate import verdict_text
@@ -234,7 +269,7 @@ def _warn_if_predicted_not_to_fit(validated) -> None:
     est = estimate(validated)
     if not est["fits"]:
         text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
-        stdout_console().print(text, markup=False)
+        console.print(text, markup=False)
 
 
 def _unsupported_problem(text: str):
@@ -383,83 +418,8 @@ def _search_only(run, ignored, top: int, mixed: str, include_unsupported: bool, 
         raise typer.Exit(2)
 
 
-@app.command()
-def show(
-    overrides: Optional[List[str]] = OVERRIDES,
-    as_json: bool = JSON,
-    recipes: Optional[List[Path]] = RECIPES,
-    explain: bool = typer.Option(
-        False, "--explain", help="List every config key with its type, value and documentation."
-    ),
-) -> None:
-    """Print the composed, resolved config (YAML), as a worker would read it."""
-    from partrain.blueprint.config.compose import compose, to_yaml
-
-    try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
-    except ConfigError as err:
-        fail(err, as_json)
-    if explain:
-        from partrain.blueprint.config.docs import explain_rows
-
-        rows = explain_rows(run)
-        if as_json:
-            print(json.dumps(rows, default=str))
-            return
-        from rich.table import Table
-
-        table = Table(title="config keys")
-        for col in ("key", "type", "value", "meaning"):
-            table.add_column(col, overflow="fold")
-        for row in rows:
-            table.add_row(row["key"], row["type"], repr(row["value"]), row["doc"])
-        stdout_console().print(table)
-        return
-    if as_json:
-        from dataclasses import asdict
-
-        print(json.dumps(asdict(run), default=str))
-    else:
-        print(to_yaml(run), end="")
-
-
-@app.command("recipes")
-def list_recipes_cmd(as_json: bool = JSON, recipes: Optional[List[Path]] = RECIPES) -> None:
-    """List the recipes, one line each (user folders first; shadowed shipped recipes are marked)."""
-    from partrain.blueprint.config.recipes import list_recipes
-
-    try:
-        found = list_recipes(recipe_dirs(recipes, dict(os.environ)))
-    except ConfigError as err:
-        fail(err, as_json)
-    if as_json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "name": r.name,
-                        "description": r.description,
-                        "path": str(r.path),
-                        "shipped": r.shipped,
-                        "shadows": str(r.shadows) if r.shadows else None,
-                    }
-                    for r in found.values()
-                ]
-            )
-        )
-        return
-    from rich.table import Table
-
-    table = Table(title="recipes (partrain train recipe=NAME)", title_justify="left")
-    table.add_column("name", style="bold")
-    table.add_column("description")
-    table.add_column("source")
-    for r in found.values():
-        source = "shipped" if r.shipped else str(r.path.parent)
-        if r.shadows:
-            source += f" (overrides {r.shadows})"
-        table.add_row(r.name, r.description, source)
-    stdout_console().print(table)
+app.command()(show)
+app.command("recipes")(list_recipes_cmd)
 
 
 app.add_typer(checkpoint_app, name="checkpoint")
@@ -467,10 +427,29 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(launch_app, name="launch")
 
 
+def command():
+    """The click command of `app`, boolean flags shown without a type (typer writes `<bool>` beside
+    flags that take no value, which reads as if they did)."""
+    from typer import _click
+    from typer.main import get_command
+
+    root = get_command(app)
+
+    def plain_flags(cmd) -> None:
+        for param in cmd.get_params(_click.Context(cmd, info_name=cmd.name)):
+            if getattr(param, "is_bool_flag", False):
+                param.metavar = ""
+        for sub in getattr(cmd, "commands", {}).values():
+            plain_flags(sub)
+
+    plain_flags(root)
+    return root
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Console-script entry point."""
     try:
-        app(args=argv, prog_name="partrain", standalone_mode=True)
+        command().main(args=argv, prog_name="partrain", standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from partrain.blueprint.config.schema import FSDP_GRAD_SYNC, OptimConfig
 from partrain.models.adapters import Adapter
-from partrain.parallel.optimizer import make_adamw, make_optimizer, param_groups
+from partrain.parallel.optimizer import make_optimizer, make_torch_optimizer, param_groups
 from partrain.parallel.precision import mixed_precision_policy
 from partrain.runtime.mesh import ParallelMesh
 
@@ -137,7 +137,7 @@ def wrap(
         microbatch = lambda last: contextlib.nullcontext()
         if fsdp_grad_sync == "last_microbatch":
             microbatch = lambda last: _fsdp_sync_only_if(model, last)
-        return DataParallelModel(model, model, make_adamw(groups, optim_cfg), microbatch)
+        return DataParallelModel(model, model, make_torch_optimizer(groups, optim_cfg), microbatch)
     # The sharded optimizer re-homes parameters into its flat buffers: build it before DDP.
     optimizer = make_optimizer(groups, mesh, zero_stage, optim_cfg)
     module: nn.Module = model

@@ -9,7 +9,8 @@ folder was made. Every problem found is collected into one ConfigError:
 - checkpoint.resume: the checkpoint is complete and of the same model (no tensor is read: the
   load itself verifies the files);
 - model.pretrained: the safetensors headers parse and every parameter is there with its shape;
-- the data: tokenized (or found in the cache) and long enough for one global batch, eval included.
+- the data: tokenized (or found in the cache) and long enough for one global batch, eval included;
+- train.loggers: the trackers' packages are installed.
 """
 
 from __future__ import annotations
@@ -47,8 +48,24 @@ def check_before_launch(v: ValidatedRun) -> None:
     problems += resume_problems(v, ckpt_root)
     problems += weight_problems(run.model)
     problems += data_problems(v)
+    problems += tracker_problems(run.train.loggers)
     if problems:
         raise ConfigError(problems)
+
+
+def tracker_problems(loggers, installed=None) -> List[Problem]:
+    """train.loggers: each tracker's package is installed (wandb and mlflow are optional extras)."""
+    from partrain.train.trackers import missing_trackers
+
+    return [
+        Problem(
+            "train.loggers",
+            list(loggers),
+            f"{name} is not installed",
+            f"pip install 'partrain[{extra}]' (or {extra}), or remove {name} from train.loggers",
+        )
+        for name, extra in missing_trackers(loggers, installed)
+    ]
 
 
 def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:

@@ -21,8 +21,8 @@ from partrain.data import EvalBatches, TokenBatches
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
-from partrain.train.lr_schedule import lr_at, set_lr
-from partrain.train.metrics import MetricsWriter, emit, log
+from partrain.train.lr_schedule import LRSchedule, set_lr
+from partrain.train.metrics import Events, MetricsWriter, log
 
 
 @dataclass
@@ -119,8 +119,17 @@ class Trainer:
         on_step_end: Callable[[int], None] = lambda step: None,
         loss_scale: Optional[DynamicLossScale] = None,
         stop=None,
+        events: Optional[Events] = None,
+        restart: int = 0,
+        schedule: Optional[LRSchedule] = None,
     ) -> None:
+        self.schedule = schedule or LRSchedule(validated.run.optim, validated.run.train.steps)
+        """The learning rate of each step; the worker shares it with the checkpoints (saved, resumed)."""
         self.on_step_end = on_step_end
+        self.events = events or Events()
+        """Rank 0's progress events (launcher JSON lines or plain lines); the base class drops them."""
+        self.restart = restart
+        """torchrun's restart count: said in the start event, so the log shows the restart."""
         self.stop = stop
         """A StopWatch (partrain.runtime.signals): its `signum` is polled between steps; None = never stop."""
         # A gloo group of its own for the stop flag (also under NCCL: a CPU int, no device sync).
@@ -145,7 +154,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         step, optimizer = self.state.step, self.engine.optimizer
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        lr = self.schedule.lr()
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
@@ -159,6 +168,7 @@ class Trainer:
         stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
         if stepped:
             optimizer.step()
+        self.schedule.step()  # also after a skipped fp16 step: the schedule follows the step count
         loss_value = loss_mean()
         if not self.state.model_state_bytes and stepped:
             # Optimizer state exists only after the first step: measure with it.
@@ -195,12 +205,13 @@ class Trainer:
         train = self.cfg.train
         started, first_step = time.perf_counter(), self.state.step
         if self.is_main:
-            emit(
+            self.events(
                 "start",
                 steps=train.steps,
                 first_step=first_step,
                 world_size=self.v.world_size,
                 tokens_per_step=self.v.tokens_per_step,
+                restart=self.restart,
             )
         while self.state.step < train.steps:
             if self._stop_agreed():
@@ -221,10 +232,12 @@ class Trainer:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
+            if self.is_main:  # rank 0's peak memory: metrics.jsonl, the trackers (memory/peak_bytes), the log line
+                record["memory_bytes"] = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
             self.metrics.write(record)
-            self.on_step_end(result.step)
             if self.is_main and (result.step % train.log_every == 0 or result.step == train.steps):
-                emit("step", eta_s=eta, total_steps=train.steps, **record)
+                self.events("step", eta_s=eta, total_steps=train.steps, **record)
+            self.on_step_end(result.step)
             at_eval = train.eval_every and result.step % train.eval_every == 0 and result.step < train.steps
             if at_eval:
                 self._eval_and_log(result.step)
@@ -249,9 +262,16 @@ class Trainer:
         self.state.eval_loss = value
         self.metrics.write({"step": step, "eval_loss": value})
         if self.is_main:
-            emit("eval", step=step, eval_loss=value)
+            self.events("eval", step=step, eval_loss=value)
         log.info("step %d eval loss %.4f", step, value)
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: allocated device memory on GPUs, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()

@@ -1,7 +1,9 @@
-"""Where a run's numbers go: metrics.jsonl, TensorBoard, and progress events for the launcher.
+"""Where a run's numbers go: metrics.jsonl, TensorBoard, and progress events.
 
-Only rank 0 writes. Events are JSON lines on stdout behind a fixed prefix; the `partrain train`
-process that started torchrun turns them into the live progress display and the summary.
+Only rank 0 writes. Under partrain's launcher, events are JSON lines on stdout behind a fixed prefix;
+the `partrain train` process that started torchrun turns them into the live progress display (or plain
+lines) and the summary. Without it (srun, the user's own torchrun) rank 0 prints plain lines itself.
+Which of the two is decided once, by the worker's entry point, and handed down as an `Events`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,45 @@ def emit(event: str, stream: TextIO = sys.stdout, **fields) -> None:
         pass
 
 
+class Events:
+    """Where rank 0's progress events go; this base class drops them (every other rank)."""
+
+    def __call__(self, event: str, **fields) -> None:
+        pass
+
+
+class LauncherEvents(Events):
+    """JSON event lines for `partrain train`, which started torchrun and reads rank 0's stdout."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, **fields) -> None:
+        emit(event, self.stream or sys.stdout, **fields)
+
+
+class PlainEvents(Events):
+    """Plain text lines on stdout: rank 0 started by srun or the user's torchrun, whose stdout is the
+    log a person reads (SLURM output file, CI log, a pipe)."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream
+
+    def __call__(self, event: str, **fields) -> None:
+        from partrain.train.progress_text import event_line, summary_lines
+
+        record = {"event": event, **fields}
+        lines = summary_lines(record) if event == "summary" else [event_line(record)]
+        stream = self.stream or sys.stdout
+        try:
+            for line in lines:
+                if line:
+                    stream.write(line + "\n")
+            stream.flush()
+        except BrokenPipeError:
+            pass
+
+
 def parse_event(line: str) -> Optional[dict]:
     if not line.startswith(EVENT_PREFIX):
         return None
@@ -35,37 +76,34 @@ def parse_event(line: str) -> Optional[dict]:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object a line, every step) and TensorBoard scalars when available."""
+    """metrics.jsonl (one object a line, every step) and the trackers of train.loggers (namespaced scalars)."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, run=None) -> None:
         self.enabled = enabled
         self.file = None
-        self.tb = None
+        self.trackers: list = []
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if run is not None:
+            from partrain.train.trackers import open_trackers
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        except ImportError:
-            log.warning("tensorboard is not installed; metrics go to metrics.jsonl only (pip install tensorboard)")
+            self.trackers = open_trackers(run_dir, run)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record, default=float) + "\n")
-        if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, step)
-                elif isinstance(value, list):  # per-expert values: one curve each
-                    for i, item in enumerate(value):
-                        self.tb.add_scalar(f"{key}/{i}", item, step)
+        if self.trackers:
+            from partrain.train.trackers import namespaced
+
+            scalars = namespaced(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, record["step"])
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        from partrain.train.trackers import close_all
+
+        close_all(self.trackers)

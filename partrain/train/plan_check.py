@@ -62,11 +62,15 @@ def _warm_imports(v, with_tensorboard: bool) -> None:
         AutoModelForCausalLM._model_mapping[type(hf_config(v.run.model))]  # imports the modeling module
     except Exception as exc:  # noqa: BLE001 - a custom model: the baseline is only a little lower
         log.info("plan check: the model's module was not imported before the baseline (%s)", exc)
-    if with_tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            pass
+    if with_tensorboard:  # rank 0's trackers (train.loggers)
+        import importlib
+
+        modules = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow.tracking"}
+        for logger in v.run.train.loggers:
+            try:
+                importlib.import_module(modules.get(logger, logger))
+            except ImportError:
+                pass
 
 
 def memory_baseline(v, device: torch.device, is_main: bool) -> int:

@@ -14,9 +14,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.paths import conf_dir
 from partrain.blueprint.config.recipes import find_recipe
-from partrain.blueprint.config.schema import RunConfig
+from partrain.blueprint.config.schema import RunConfig, valid_values
 from partrain.errors import ConfigError, Problem
 
 GROUPS = ("model", "cluster", "parallel", "data", "optim", "train", "checkpoint")
@@ -210,8 +211,8 @@ def _missing_option_problem(exc, parsed, recipe_name: str) -> Problem:
         if group in GROUPS and f"{group}/" in text or f"'{group}'" in text:
             options = _group_options(group)
             value = ov.value()
-            close = difflib.get_close_matches(str(value), options, n=1)
-            hint = f"did you mean {group}={close[0]}? " if close else ""
+            close = nearest_name(value, options)
+            hint = f"did you mean {group}={close}? " if close else ""
             return Problem(group, value, f"no {group} config of that name", f"{hint}choose one of {', '.join(options)}")
     if recipe_name:
         return Problem(
@@ -285,13 +286,26 @@ def _typed(cfg: DictConfig, recipe_name: str) -> RunConfig:
             Problem(
                 key,
                 value,
-                f"wrong type ({expected})",
+                f"wrong type ({expected}); {key} takes {valid_values(key, _field_type(key))}",
                 "give a value of the documented type (see `partrain show --explain`)",
             )
         )
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or "config"
         raise ConfigError(Problem(key, _lookup(raw, key), str(exc).splitlines()[0], "see `partrain show --explain`"))
+
+
+def _field_type(dotted: str) -> str:
+    """The schema's type name of a dotted key ('int', 'float', ...; '' when it is not a schema field)."""
+    node: object = RunConfig()
+    found = ""
+    for part in dotted.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return ""
+        found = str(fields[part].type)  # the schema's annotations are strings (postponed evaluation)
+        node = getattr(node, part)
+    return found
 
 
 def _lookup(raw: dict, dotted: str):

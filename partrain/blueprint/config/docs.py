@@ -31,3 +31,32 @@ def explain_rows(run, prefix: str = "") -> List[dict]:
         else:
             rows.append({"key": f"{prefix}{f.name}", "type": str(f.type), "value": value, "doc": docs.get(f.name, "")})
     return rows
+
+
+def flat_values(run, prefix: str = "") -> Dict[str, object]:
+    """{dotted key: value} of every leaf, free-form dicts (model.config) included key by key."""
+
+    def walk(node, at: str, out: Dict[str, object]) -> None:
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name), f"{at}{f.name}.", out)
+        elif isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{at}{k}.", out)
+        else:
+            out[at[:-1]] = node
+
+    out: Dict[str, object] = {}
+    walk(run, prefix, out)
+    return out
+
+
+def config_diff(run, base) -> List[dict]:
+    """The keys whose value differs from `base` (a key only one side has counts, as None on the other)."""
+    mine, theirs = flat_values(run), flat_values(base)
+    keys = list(mine) + [k for k in theirs if k not in mine]
+    return [
+        {"key": k, "value": mine.get(k), "base": theirs.get(k)}
+        for k in keys
+        if mine.get(k) != theirs.get(k) and k != "recipe"
+    ]

@@ -15,13 +15,13 @@ name. Shadowing is reported by `partrain recipes`, never silent.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 import yaml
 
+from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.paths import shipped_recipes_dir
 from partrain.errors import ConfigError, Problem
 
@@ -78,8 +78,8 @@ def list_recipes(user_dirs: Sequence[str | Path]) -> Dict[str, Recipe]:
 def find_recipe(name: str, user_dirs: Sequence[str | Path]) -> Recipe:
     recipes = list_recipes(user_dirs)
     if name not in recipes:
-        close = difflib.get_close_matches(name, list(recipes), n=1)
-        hint = f"did you mean recipe={close[0]}? " if close else ""
+        close = nearest_name(name, recipes)
+        hint = f"did you mean recipe={close}? " if close else ""
         raise ConfigError(
             Problem(
                 "recipe",

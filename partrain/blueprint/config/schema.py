@@ -21,6 +21,65 @@ FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
+ZERO_STAGES = (0, 1, 2, 3)
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+CHOICES = {
+    "parallel.pp_schedule": PP_SCHEDULES,
+    "parallel.sp_mode": SP_MODES,
+    "parallel.recompute": RECOMPUTE,
+    "parallel.fsdp_grad_sync": FSDP_GRAD_SYNC,
+    "train.precision": PRECISIONS,
+    "cluster.device": DEVICES,
+    "cluster.backend": BACKENDS,
+    "optim.name": OPTIMIZERS,
+    "optim.schedule": LR_SCHEDULES,
+    "optim.implementation": OPTIMIZER_IMPLEMENTATIONS,
+    "parallel.zero_stage": ZERO_STAGES,
+}
+"""Keys whose value is one of a fixed list: validation refuses others, and a value of the wrong type
+(`parallel.zero_stage=two`) is answered with the list."""
+
+AT_LEAST = {
+    "cluster.nodes": 1,
+    "cluster.devices_per_node": 1,
+    "train.seq_len": 1,
+    "train.micro_batch_size": 1,
+    "train.steps": 1,
+    "train.global_batch_size": 0,
+    "train.microbatches": 0,
+    "train.eval_every": 0,
+    "train.eval_batches": 0,
+    "train.log_every": 1,
+    "train.threads_per_process": 0,
+    "train.max_restarts": 0,
+    "train.timeout_s": 1,
+    "checkpoint.every_steps": 0,
+    "checkpoint.keep_last": 0,
+    "optim.warmup_steps": 0,
+    "parallel.pp_virtual_stages": 1,
+    "parallel.recompute_every": 1,
+    "data.max_bytes": 0,
+    "train.loss_scale_window": 1,
+}
+"""Integer keys with a lower bound (validation's range rule and the type errors' hint)."""
+
+
+def valid_values(key: str, type_name: str) -> str:
+    """What a key accepts, in words: its choices, its range, or its type."""
+    if key in CHOICES:
+        values = [str(v) for v in CHOICES[key]]
+        if all(isinstance(v, int) for v in CHOICES[key]) and len(values) > 2:
+            return f"an integer {values[0]}..{values[-1]}"
+        return "one of " + ", ".join(values)
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+    text = words.get(type_name, f"a value of type {type_name}")
+    if key in AT_LEAST:
+        text += f" >= {AT_LEAST[key]}"
+    return text
 
 
 @dataclass
@@ -155,21 +214,35 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer; adamw is supported."""
+    """Optimizer: adamw (torch.optim.AdamW) or sgd (torch.optim.SGD with momentum; not with zero_stage=1,
+    whose sharded state and checkpoints hold AdamW's moments)."""
+    implementation: str = "for_loop"
+    """The optimizer's kernel: for_loop (one tensor at a time: bit-identical updates whatever the layout shards,
+    the parity tests' choice), foreach (batched over tensors, faster) or fused (one fused kernel, fastest)."""
     lr: float = 1e-3
     """Peak learning rate."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after the linear warmup (transformers' schedule functions): cosine (to min_lr_ratio),
+    linear (to min_lr_ratio), constant, or wsd (warmup-stable-decay: constant, then a linear decay to
+    min_lr_ratio over the last decay_fraction of the steps)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine decay as a fraction of lr."""
+    """Final learning rate of the cosine, linear and wsd decays as a fraction of lr."""
     warmup_steps: int = 10
-    """Linear warmup steps before the cosine decay."""
+    """Linear warmup steps up to lr: optimizer step s (0-based) runs at lr x (s+1)/warmup_steps (linear and wsd,
+    transformers' get_wsd_schedule, start the warmup from min_lr_ratio x lr)."""
+    decay_fraction: float = 0.2
+    """wsd only: fraction of train.steps spent in the final decay (warmup + decay must fit in train.steps)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (not applied to biases and norms)."""
+    """Weight decay on matrices and embeddings, not on biases and norms (AdamW: decoupled; sgd: L2 added to
+    the gradient, torch's SGD semantics)."""
+    momentum: float = 0.9
+    """sgd only: momentum factor (0 = plain SGD)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """adamw only: beta1."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """adamw only: beta2."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """adamw only: epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
 
@@ -210,6 +283,17 @@ class TrainConfig:
     """fp16 only: steps in a row without overflow before the loss scale doubles."""
     timeout_s: int = 120
     """Collective timeout in seconds: a hung or dead rank fails the job after this long."""
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 logs to, any of tensorboard, wandb, mlflow (wandb and mlflow: pip install
+    partrain[wandb] / partrain[mlflow]); metrics are namespaced (train/loss, eval/loss, perf/tokens_per_s,
+    memory/peak_bytes) and the resolved config is logged as hyperparameters. metrics.jsonl is always written."""
+    tracker_project: str = "partrain"
+    """wandb project and mlflow experiment the run is logged under."""
+    tracker_run_name: str = ""
+    """The run's name in wandb and mlflow; empty = the run folder's name."""
+    mlflow_tracking_uri: str = ""
+    """Where mlflow logs (a server URL, or file:/path for a local store); empty = mlflow's own default
+    (MLFLOW_TRACKING_URI, else ./mlruns)."""
 
 
 @dataclass

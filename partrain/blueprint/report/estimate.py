@@ -98,13 +98,21 @@ def _render_memory(est: dict, console) -> None:
         console.print(per)
 
 
+def _count(n: float) -> str:
+    """A parameter count in the unit that reads best: 891,648 -> 0.89 M, 7.2e9 -> 7.2 B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 1e6:.2f} M"
+
+
 def _step_table(est: dict):
     from rich.table import Table
 
     perf = Table(title="estimated step", show_header=False, title_justify="left")
     perf.add_column(style="bold")
     perf.add_column()
-    perf.add_row("parameters", f"{est['params_total']:,} ({est['params_total'] / 1e9:.3g} B)")
+    perf.add_row("parameters", f"{est['params_total']:,} ({_count(est['params_total'])})")
     perf.add_row(
         "FLOPs per step",
         f"{est['flops_per_step']:.3e} model (3 passes), {est['hardware_flops_per_step']:.3e} with recompute",

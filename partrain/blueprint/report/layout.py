@@ -167,7 +167,7 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     console.print(groups)
     if "pipeline" in report:
         pipe = report["pipeline"]
-        line = f"pipeline schedule {pipe['schedule']}: formula bubble {pipe['bubble_fraction_formula']}"
+        line = f"pipeline schedule {pipe['schedule']}: formula bubble {pipe['bubble_fraction_formula']:.3f}"
         if "bubble_fraction_simulated" in pipe:
             line += f", simulated {pipe['bubble_fraction_simulated']:.3f} of the step (unit costs F=1, B=2)"
         console.print(line, markup=False)

@@ -1,0 +1,87 @@
+"""Plain one-line texts for a run's events: what a log file, a SLURM output or a pipe shows.
+
+The same lines come from the launcher (events read from rank 0, stdout not a terminal) and from rank 0
+itself when it runs without partrain's launcher (srun, the user's torchrun). Numbers are rounded for
+reading; metrics.jsonl keeps the full values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.{1 if unit == 'GiB' else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_duration(seconds: Optional[float]) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def step_line(e: dict) -> str:
+    parts = [
+        f"step {e['step']}/{e.get('total_steps', '?')}",
+        f"loss {e['loss']:.4f}",
+        f"lr {e['lr']:.3e}",
+        f"grad_norm {e['grad_norm']:.3f}",
+        f"{e['tokens_per_s']:,.0f} tok/s",
+    ]
+    if e.get("memory_bytes") is not None:
+        parts.append(f"mem {human_bytes(e['memory_bytes'])}")
+    if e.get("skipped"):
+        parts.append("skipped (fp16 overflow)")
+    parts.append(f"eta {human_duration(e.get('eta_s'))}")
+    return " | ".join(parts)
+
+
+def start_line(e: dict) -> str:
+    text = f"training: steps {e.get('first_step', 0) + 1}..{e['steps']}, {e['world_size']} processes, "
+    text += f"{e['tokens_per_step']:,} tokens/step"
+    if e.get("restart"):
+        text = f"restart {e['restart']}: the workers were started again; " + text
+    return text
+
+
+def event_line(e: dict) -> Optional[str]:
+    """The line for one event, or None for events that have no line of their own."""
+    kind = e.get("event")
+    if kind == "step":
+        return step_line(e)
+    if kind == "start":
+        return start_line(e)
+    if kind == "eval":
+        return f"eval step {e['step']}: loss {e['eval_loss']:.4f}"
+    if kind == "checkpoint":
+        return f"checkpoint saved: step {e['step']} at {e['path']}"
+    if kind == "resumed":
+        return f"resumed from {e['path']} at step {e['step']}"
+    if kind in ("stopped",):
+        return e.get("message")
+    return None
+
+
+def summary_lines(s: dict) -> list:
+    """The run summary as `key: value` lines (the terminal shows a table of the same)."""
+    lines = [f"summary: steps {s['steps']}, final train loss {s['final_loss']:.4f}"]
+    if s.get("eval_loss") is not None:
+        lines[0] += f", final eval loss {s['eval_loss']:.4f}"
+    lines[0] += f", {s['tokens_per_s']:,.0f} tokens/s"
+    if s.get("skipped_steps"):
+        lines.append(f"summary: skipped steps {s['skipped_steps']} (fp16 overflow)")
+    for r in s.get("ranks") or []:
+        lines.append(
+            f"summary: rank {r['rank']} model state {human_bytes(r['model_state_bytes'])}, "
+            f"peak RSS {human_bytes(r['peak_rss_bytes'])}"
+        )
+    lines.append(f"summary: run folder {s['run_dir']}")
+    return lines
