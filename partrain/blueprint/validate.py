@@ -70,6 +70,7 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         ("parallel.recompute", p.recompute, RECOMPUTE),
         ("parallel.fsdp_grad_sync", p.fsdp_grad_sync, FSDP_GRAD_SYNC),
         ("train.precision", t.precision, PRECISIONS),
+        ("checkpoint.export_dtype", run.checkpoint.export_dtype, PRECISIONS),
         ("cluster.device", cl.device, DEVICES),
         ("cluster.backend", cl.backend, BACKENDS),
         ("optim.name", run.optim.name, ("adamw",)),

@@ -216,6 +216,13 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints (0 = all)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
+    export_hf: bool = False
+    """At the end of training, also write an HF `save_pretrained` folder to <run_dir>/hf (safetensors
+    shards written in parallel by the training ranks, index, config, tokenizer), from the last step's
+    checkpoint, which is saved for it if checkpoint.every_steps did not land on the last step."""
+    export_dtype: str = "fp32"
+    """Dtype of the weights checkpoint.export_hf writes: fp32, bf16 or fp16 (training keeps fp32
+    master weights; bf16 halves the folder)."""
 
 
 @dataclass
