@@ -88,7 +88,7 @@ def write_shard(job: ShardJob, read_batch_bytes: int = READ_BATCH_BYTES) -> Dict
     if job.verify_files:  # this process's share of the SHA-256 checks: never export changed weights
         check_files(checkpoint, read_record(checkpoint, key="PATH"), key="PATH", files=job.verify_files)
     model = _meta_model(job)
-    rss_before = current_rss_bytes()
+    rss_before, peak_before = current_rss_bytes(), peak_rss_bytes()
     writer = StreamingSafetensors(Path(job.file), [(o.name, o.shape, o.dtype) for o in job.outputs])
     try:
         for batch in _batches(job.sources, read_batch_bytes):
@@ -110,6 +110,7 @@ def write_shard(job: ShardJob, read_batch_bytes: int = READ_BATCH_BYTES) -> Dict
         "bytes": job.nbytes,
         "tensors": len(job.outputs),
         "rss_before_bytes": rss_before,
+        "peak_rss_before_bytes": peak_before,
         "peak_rss_bytes": peak_rss_bytes(),
         "seconds": time.perf_counter() - start,
     }
