@@ -17,7 +17,7 @@ import typer
 
 from partrain.cli.bench_cmds import bench_app
 from partrain.cli.checkpoint_cmds import checkpoint_app
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, recipe_dirs, stdout_console
 from partrain.cli.launch_cmds import launch_app
 from partrain.errors import ConfigError, Problem
 
@@ -30,12 +30,10 @@ app = typer.Typer(
 
 
 def _validated(overrides, recipes, as_json: bool):
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
 
     try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
-        return validate(run)
+        return validate(compose_run(overrides, recipes))
     except ConfigError as err:
         fail(err, as_json)
 
@@ -50,11 +48,10 @@ SEARCHED_KEYS = frozenset(
 
 def _search_start(overrides, recipes, as_json: bool):
     """(ValidatedRun or None, RunConfig, problems of the starting layout the search ignores)."""
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
 
     try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        run = compose_run(overrides, recipes)
         return validate(run), run, []
     except ConfigError as err:
         if any(p.key not in SEARCHED_KEYS for p in err.problems):
