@@ -109,7 +109,7 @@ def snapshot_of(folder: Optional[str]) -> Optional[Dict[str, str]]:
         found = _SNAPSHOT.search(str(Path(folder).expanduser()) + "/")
     if found is None:
         return None
-    kind, name, commit = found.groups()
+    kind, name, commit = found.groups()[:3]
     return {"repo": name.replace("--", "/"), "repo_type": kind[:-1], "commit": commit, "folder": str(folder)}
 
 
