@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,14 +83,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--keep", type=Path, default=None, help="work folder to keep (default: a temporary one)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="export this checkpoint instead of training one")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="partrain-hf-export-"))
-    run_dir = work / "run"
-    t = time.perf_counter()
-    overrides = ["recipe=llama-fsdp-tp", "train.seq_len=32", "data.max_bytes=100000", "checkpoint.every_steps=1"]
-    run_training(overrides + _model_overrides(args.layers) + [f"data.cache_dir={work / 'cache'}"], run_dir, 1)
-    ckpt = run_dir / "checkpoints" / "step-00000001"
-    print(f"checkpoint written by a 4-process run in {time.perf_counter() - t:.0f} s: {ckpt}")
+    ckpt = args.checkpoint
+    if ckpt is None:
+        t = time.perf_counter()
+        overrides = ["recipe=llama-fsdp-tp", "train.seq_len=32", "data.max_bytes=100000", "checkpoint.every_steps=1"]
+        run_training(overrides + _model_overrides(args.layers) + [f"data.cache_dir={work / 'cache'}"], work / "run", 1)
+        ckpt = work / "run" / "checkpoints" / "step-00000001"
+        print(f"checkpoint written by a 4-process run in {time.perf_counter() - t:.0f} s: {ckpt}")
+    for old in work.glob("hf-*"):
+        shutil.rmtree(old)
 
     rows, times = [], {}
     for procs in (4, 1):

@@ -39,6 +39,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc malloc_trim). DCP reads each chunk into
+    a fresh buffer; glibc's adaptive mmap threshold then serves later chunks from the heap, whose
+    freed pages it keeps, so without this a process's RSS creeps up batch after batch."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim, or its allocator returns memory by itself
+
+
 def _batches(sources: List[Source], limit: int) -> Iterator[List[Source]]:
     batch: List[Source] = []
     size = 0
@@ -90,6 +102,8 @@ def write_shard(job: ShardJob, read_batch_bytes: int = READ_BATCH_BYTES) -> Dict
     model = _meta_model(job)
     rss_before, peak_before = current_rss_bytes(), peak_rss_bytes()
     writer = StreamingSafetensors(Path(job.file), [(o.name, o.shape, o.dtype) for o in job.outputs])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # it only copies; more threads give glibc more heaps that keep freed pages
     try:
         for batch in _batches(job.sources, read_batch_bytes):
             tensors = _read(checkpoint, batch)
@@ -100,10 +114,14 @@ def write_shard(job: ShardJob, read_batch_bytes: int = READ_BATCH_BYTES) -> Dict
                 for o in source.outputs:
                     writer.write(o.name, out.pop(o.name).to(o.dtype))
                 del out
+            del tensors
+            release_freed_memory()
         writer.close()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        torch.set_num_threads(threads)
     return {
         "index": job.index,
         "file": job.file,
@@ -117,6 +135,5 @@ def write_shard(job: ShardJob, read_batch_bytes: int = READ_BATCH_BYTES) -> Dict
 
 
 def write_shard_in_child(job: ShardJob) -> Dict[str, Any]:
-    """write_shard in a process of its own (started by the export): one thread, it only copies."""
-    torch.set_num_threads(1)
+    """write_shard in a process of its own (started by the export)."""
     return write_shard(job)
