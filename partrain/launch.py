@@ -18,6 +18,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
 from partrain.preflight import check_before_launch
+from partrain.preflight.hub import hub_record
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
@@ -26,6 +27,10 @@ from partrain.runtime.slurm import check_allocation
 from partrain.runtime.torchrun import Rendezvous, torchrun_command
 from partrain.train.display import Display
 from partrain.worker import DATA_MANIFEST
+
+HUB_RECORD = "hub.json"
+"""RUN_DIR/hub.json: for each of model.pretrained, data.tokenizer, data.source given as a Hub id, the
+repo, repo_type, the commit it resolved to and the snapshot folder read."""
 
 TORCHRUN_LOG = "torchrun.log"
 """RUN_DIR/logs/torchrun.log: torchrun's own output and rank 0's stderr (tracebacks, warnings)."""
@@ -57,6 +62,8 @@ def prepare_run_dir(v: ValidatedRun, run_dir: Path, auto_choice: Optional[dict] 
     (run_dir / DATA_MANIFEST).write_text(json.dumps({"meta_path": str(packed.meta_path)}))
     if auto_choice is not None:  # the planner's choice, which rank 0 compares with what it measures
         (run_dir / AUTO_RECORD_FILE).write_text(json.dumps(auto_choice, indent=1, default=str))
+    if resolved := hub_record(v.run):  # the Hub repos and commits the run's folders came from
+        (run_dir / HUB_RECORD).write_text(json.dumps(resolved, indent=1) + "\n")
     return run_dir
 
 

@@ -127,6 +127,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     trainer.state.step = start_step
     state = trainer.run()
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
+    hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
     checkpoints.finish()
     metrics.close()
 
@@ -141,7 +142,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     dist.gather_object(mine, gathered, dst=0)
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir)
 
 
 def _report_summary(
@@ -155,6 +156,7 @@ def _report_summary(
     plan=None,
     device_type="cpu",
     events: Optional[Events] = None,
+    hf_dir: Optional[Path] = None,
 ) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
@@ -175,6 +177,8 @@ def _report_summary(
         }
         if moe is not None:
             summary["moe"] = moe.summary()
+        if hf_dir is not None:
+            summary["hf_export"] = str(hf_dir)
         if plan is not None:
             steps = [r.step_time_s for r in state.history]
             summary["planned_vs_measured"] = planned_vs_measured(plan, gathered, steps, v, device_type)
@@ -240,6 +244,7 @@ class Checkpoints:
         """fp16's DynamicLossScale (saved and restored with the data position), or None."""
         self.cfg = v.run.checkpoint
         self.root = Path(self.cfg.dir).expanduser() if self.cfg.dir else run_dir / "checkpoints"
+        self.run_dir = run_dir
         self.engine = engine
         self.batches = batches
         self.meta = ckpt.run_meta(v)
@@ -304,6 +309,18 @@ class Checkpoints:
         self.events("checkpoint", step=step, path=str(path))
         self.last = (step, Path(path))
         return Path(path)
+
+    def export_at_end(self, step: int) -> Optional[Path]:
+        """checkpoint.export_hf: save the last step if it is not saved yet, then every rank writes its
+        shard of <run_dir>/hf from that checkpoint (collective). The folder, or None when off."""
+        if not self.cfg.export_hf or step == 0:
+            return None
+        path = self.last[1] if step == self.last[0] and self.last[1] is not None else self._save(step)
+        self.ckpt.wait_pending_save()  # an async save must be on disk before it is read back
+        out = self.run_dir / "hf"
+        self.ckpt.export_hf_collective(path, out, self.cfg.export_dtype)
+        log.info("exported the step-%d weights as an HF folder: %s", step, out)
+        return out
 
     def finish(self) -> None:
         self.ckpt.wait_pending_save()

@@ -377,7 +377,7 @@ def test_export_onto_a_full_disk_is_one_line(full_disk, partrain, checkpoint, mo
         def no_space(*args, **kwargs):
             raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-        monkeypatch.setattr(ckpt, "export_hf", no_space)
+        monkeypatch.setattr(ckpt, "export_hf_report", no_space)
     ran = partrain("checkpoint", "export", str(step), "--hf", str(full / "out"))
     assert ran.code == 1 and "Traceback" not in ran.out, ran.out
     assert f"export to {full / 'out'} failed: no space left on device" in " ".join(ran.out.split())

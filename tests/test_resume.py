@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from partrain.testing.hf_check import export_with_cli, logits_difference
 from partrain.testing.parity import max_relative_difference, run_training
 
 pytestmark = pytest.mark.slow
@@ -34,8 +35,24 @@ def _losses(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def straight_3d(tmp_path_factory, data_cache):
     run_dir = tmp_path_factory.mktemp("straight3d") / "run"
-    run_training(THREE_D + COMMON + [f"data.cache_dir={data_cache}", "checkpoint.every_steps=5"], run_dir, 10)
+    extra = [f"data.cache_dir={data_cache}", "checkpoint.every_steps=5", "checkpoint.export_hf=true"]
+    run_training(THREE_D + COMMON + extra, run_dir, 10)
     return run_dir
+
+
+def test_3d_checkpoint_exports_to_hf_with_four_processes(straight_3d, tmp_path):
+    """gpt-3d's checkpoint (dp2 x tp2 x pp2: pipeline stages, TP shards, GPT-2's fused QKV saved whole)
+    exported by 4 processes, each writing one shard, and the run's own export at its end
+    (checkpoint.export_hf=true): from_pretrained gives the logits of the checkpoint's model exactly."""
+    ckpt = straight_3d / "checkpoints" / "step-00000010"
+    report = export_with_cli(ckpt, tmp_path / "hf", nproc=4)
+    assert [Path(s["file"]).name for s in report["shards"]] == [
+        f"model-{k:05d}-of-00004.safetensors" for k in (1, 2, 3, 4)
+    ]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied to the embedding: written once, as save_pretrained does
+    assert logits_difference(tmp_path / "hf", ckpt) == 0.0
+    assert logits_difference(straight_3d / "hf", ckpt) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import typer
 
 from partrain.cli.bench_cmds import bench_app
 from partrain.cli.checkpoint_cmds import checkpoint_app
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.cli.config_cmds import list_recipes_cmd, show
 from partrain.cli.launch_cmds import launch_app
 from partrain.errors import ConfigError, Problem
@@ -64,11 +64,10 @@ def _validated(overrides, recipes, as_json: bool):
 def _resolved(overrides, recipes, as_json: bool):
     """(ValidatedRun, record of the `parallel=auto` choice or None). With parallel=auto the layout the
     recipe states is only a starting point: the planner chooses (partrain.blueprint.planner.auto)."""
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.planner.auto import resolve_layout
 
     try:
-        return resolve_layout(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))), overrides or [])
+        return resolve_layout(compose_run(overrides, recipes), overrides or [])
     except ConfigError as err:
         fail(err, as_json)
 
@@ -83,11 +82,10 @@ SEARCHED_KEYS = frozenset(
 
 def _search_start(overrides, recipes, as_json: bool):
     """(ValidatedRun or None, RunConfig, problems of the starting layout the search ignores)."""
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
 
     try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        run = compose_run(overrides, recipes)
         return validate(run), run, []
     except ConfigError as err:
         if any(p.key not in SEARCHED_KEYS for p in err.problems):
@@ -239,9 +237,7 @@ def train(
     from partrain.launch import launch
 
     try:
-        code = launch(
-            validated, console=display.console, environ=dict(os.environ), display=display, auto_choice=choice
-        )
+        code = launch(validated, console=display.console, environ=dict(os.environ), display=display, auto_choice=choice)
     except ConfigError as err:
         fail(err, as_json)
     raise typer.Exit(code)

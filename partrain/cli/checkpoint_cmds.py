@@ -50,17 +50,22 @@ def checkpoint_export_cmd(
     tokenizer: Optional[Path] = typer.Option(
         None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."
     ),
+    nproc: int = typer.Option(
+        1, "--nproc", help="Processes writing shards in parallel: N gives model-0000k-of-0000N.safetensors."
+    ),
+    dtype: str = typer.Option("fp32", "--dtype", help="Dtype of the exported weights: fp32, bf16 or fp16."),
     as_json: bool = JSON,
 ) -> None:
-    """Write an HF `save_pretrained` folder (safetensors + config [+ tokenizer]) from a checkpoint, in one process."""
+    """Write an HF `save_pretrained` folder (safetensors shards + index + config [+ tokenizer]) from a
+    checkpoint; each of --nproc processes reads only the tensors of its own shard."""
     from partrain.blueprint.problems import storage_error_words
-    from partrain.checkpoint import export_hf
+    from partrain.checkpoint import export_hf_report
     from partrain.preflight import folder_problems
 
     try:
         if problems := folder_problems("--hf", hf):
             raise ConfigError(problems)
-        out = export_hf(path, hf, str(tokenizer) if tokenizer else None)
+        report = export_hf_report(path, hf, str(tokenizer) if tokenizer else None, nproc=nproc, dtype=dtype)
     except ConfigError as err:
         fail(err, as_json)
     except Exception as exc:  # the disk filling up while writing (safetensors wraps it): one line, no traceback
@@ -69,10 +74,12 @@ def checkpoint_export_cmd(
         Console(stderr=True, highlight=False).print(f"export to {hf} failed: {storage_error_words(exc)}", markup=False)
         raise typer.Exit(1)
     if as_json:
-        print(json.dumps({"exported": str(out)}))
+        print(json.dumps(report))
     else:
         loads = "AutoModelForCausalLM.from_pretrained loads it offline"
-        stdout_console().print(f"exported to [cyan]{out}[/cyan] ({loads})")
+        shards = len(report["shards"])
+        what = f"{shards} shard{'s' if shards > 1 else ''}, {dtype}"
+        stdout_console().print(f"exported to [cyan]{report['exported']}[/cyan] ({what}; {loads})")
 
 
 @checkpoint_app.command("verify")

@@ -39,6 +39,15 @@ def recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
     return [d for _, d in given]
 
 
+def compose_run(overrides: List[str], recipes: Optional[List[Path]]):
+    """Compose the config, then resolve Hub ids (model.pretrained, data.tokenizer, data.source) to
+    local snapshot folders, as every command must before validating (partrain.preflight.hub)."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.preflight.hub import resolve_hub_ids
+
+    return resolve_hub_ids(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))))
+
+
 def fail(err: ConfigError, as_json: bool) -> None:
     from partrain.blueprint.report.layout import error_report, render_errors
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.errors import ConfigError, Problem
 
 launch_app = typer.Typer(help="Write the launch script of a layout for a cluster scheduler.", no_args_is_help=True)
@@ -70,11 +69,10 @@ def slurm_cmd(
 
 def _trainable(overrides: List[str], recipes):
     """The validated run, refused (ConfigError) exactly as `partrain train` refuses it."""
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.planner.auto import resolve_layout
     from partrain.blueprint.trainable import unsupported_features
 
-    validated, _ = resolve_layout(compose(overrides, recipe_dirs(recipes, dict(os.environ))), overrides)
+    validated, _ = resolve_layout(compose_run(overrides, recipes), overrides)
     missing = unsupported_features(validated)
     if missing:
         problems = []

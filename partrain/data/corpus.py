@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from partrain.blueprint.config.schema import DataConfig
 from partrain.data.formats import SUFFIXES, read_documents, source_error
+from partrain.data.hf_dataset import DatasetCorpus, is_dataset_folder
 
 BUILTIN = "builtin"
 """The ``data.source`` value that selects the standard-library corpus."""
@@ -52,12 +53,15 @@ class Corpus:
     """Cap on UTF-8 bytes of document text (0 = no cap)."""
 
     @classmethod
-    def from_config(cls, cfg: DataConfig) -> "Corpus":
+    def from_config(cls, cfg: DataConfig) -> "Corpus | DatasetCorpus":
         """Resolve ``cfg.source`` to its files; a ConfigError if it names nothing readable."""
         if cfg.source == BUILTIN:
             root = Path(sysconfig.get_paths()["stdlib"]).resolve()
             return cls(BUILTIN, root, _builtin_files(root), cfg.text_field, cfg.max_bytes)
-        root = Path(cfg.source).expanduser().resolve()
+        given = Path(cfg.source).expanduser()
+        if is_dataset_folder(given):  # not resolved: the Hub cache's snapshot path names the commit
+            return DatasetCorpus.open(given, cfg.text_field, cfg.max_bytes, cfg.split, cfg.streaming)
+        root = given.resolve()
         return cls("files", root, _user_files(root, cfg.source), cfg.text_field, cfg.max_bytes)
 
     @property

@@ -8,6 +8,8 @@ folder was made. Every problem found is collected into one ConfigError:
   only when the run saves: resuming from a read-only archive is allowed);
 - checkpoint.resume: the checkpoint is complete and of the same model (no tensor is read: the
   load itself verifies the files);
+- model.pretrained given as a Hub id (resolved to a snapshot folder by `hub.resolve_hub_ids` when
+  the config was composed): its safetensors are fetched into the Hub cache (or found there offline);
 - model.pretrained: the safetensors headers parse and every parameter is there with its shape;
 - the data: tokenized (or found in the cache) and long enough for one global batch, eval included;
 - train.loggers: the trackers' packages are installed.
@@ -20,6 +22,7 @@ from typing import List, Optional
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
+from partrain.preflight.hub import fetch_weights
 from partrain.preflight.paths import file_problems, folder_problems
 from partrain.preflight.weights import weight_problems
 
@@ -46,7 +49,8 @@ def check_before_launch(v: ValidatedRun) -> None:
     if ckpt_root is None and run_dir is not None:
         ckpt_root = run_dir / "checkpoints"
     problems += resume_problems(v, ckpt_root)
-    problems += weight_problems(run.model)
+    fetched = fetch_weights(run)  # a Hub model's safetensors (train only: plan and show need its config alone)
+    problems += fetched or weight_problems(run.model)
     problems += data_problems(v)
     problems += tracker_problems(run.train.loggers)
     if problems:

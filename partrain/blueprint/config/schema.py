@@ -33,6 +33,7 @@ CHOICES = {
     "parallel.recompute": RECOMPUTE,
     "parallel.fsdp_grad_sync": FSDP_GRAD_SYNC,
     "train.precision": PRECISIONS,
+    "checkpoint.export_dtype": PRECISIONS,
     "cluster.device": DEVICES,
     "cluster.backend": BACKENDS,
     "optim.name": OPTIMIZERS,
@@ -90,8 +91,9 @@ class ModelConfig:
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
     pretrained: Optional[str] = None
-    """Local folder with an HF `save_pretrained` checkpoint; its config.json is the base and `config`
-    keys override it. Nothing is downloaded."""
+    """Local folder with an HF `save_pretrained` checkpoint, or a Hub id (gpt2, org/name, org/name@revision)
+    fetched into the Hub cache (HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read); its config.json is
+    the base and `config` keys override it. The run records the commit in RUN_DIR/hub.json."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped in a pretrained folder. Off: such code is never executed."""
     name: str = ""
@@ -197,12 +199,19 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """builtin (this Python's standard-library sources, read at run time) or a local
-    text/jsonl/parquet file or folder."""
+    """builtin (this Python's standard-library sources, read at run time), a local text/jsonl/parquet
+    file or folder, a `datasets` save_to_disk folder, or a Hub dataset id (org/name, @revision
+    optional; fetched into the Hub cache, read from it with HF_HUB_OFFLINE=1)."""
     text_field: str = "text"
-    """Field holding the text in jsonl/parquet records."""
+    """Field holding the text in jsonl/parquet records and `datasets` rows."""
+    split: str = "train"
+    """Split of a `datasets` source (save_to_disk DatasetDict or Hub dataset) to train on."""
+    streaming: bool = False
+    """Read a `datasets` source as an IterableDataset (no Arrow copy of the whole split is made; the
+    text read, up to max_bytes, is still tokenized once into the packed cache)."""
     tokenizer: str = "byte"
-    """byte (256-symbol byte-level, no download) or a local folder with an HF tokenizer."""
+    """byte (256-symbol byte-level, no download), a local folder with an HF tokenizer, or a Hub id
+    (gpt2, org/name@revision) resolved through the Hub cache."""
     max_bytes: int = 8_000_000
     """Read at most this many bytes of raw text (0 = all)."""
     eval_fraction: float = 0.02
@@ -308,6 +317,13 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints (0 = all)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
+    export_hf: bool = False
+    """At the end of training, also write an HF `save_pretrained` folder to <run_dir>/hf (safetensors
+    shards written in parallel by the training ranks, index, config, tokenizer), from the last step's
+    checkpoint, which is saved for it if checkpoint.every_steps did not land on the last step."""
+    export_dtype: str = "fp32"
+    """Dtype of the weights checkpoint.export_hf writes: fp32, bf16 or fp16 (training keeps fp32
+    master weights; bf16 halves the folder)."""
 
 
 @dataclass
