@@ -28,8 +28,8 @@ BASE = [
 ]
 ONE_NODE = ["parallel.dp=4", "cluster.nodes=1", "cluster.devices_per_node=4"]
 TWO_NODES = ["parallel.dp=4", "cluster.nodes=2", "cluster.devices_per_node=2"]
+# allreduce (DDP) at dp=4 is tests/test_data_parallel.py's dp4-zero0.
 CASES = {
-    "allreduce-dp4": ONE_NODE + ["parallel.dp_sync=allreduce"],
     # A small bucket: several buckets launched from backward, split unevenly over 4 ranks.
     "ring-dp4": ONE_NODE + ["parallel.dp_sync=ring", "parallel.dp_bucket_mb=0.3"],
     "ring-dp4-zero1": ONE_NODE + ["parallel.dp_sync=ring", "parallel.zero_stage=1"],
@@ -38,8 +38,6 @@ CASES = {
     "hierarchical-2x2": TWO_NODES + ["parallel.dp_sync=hierarchical", "parallel.dp_bucket_mb=0.3"],
     "parameter-server-2x2": TWO_NODES + ["parallel.dp_sync=parameter-server", "parallel.ps_servers=2"],
 }
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +52,7 @@ def runs(tmp_path_factory):
     return reference, {name: [rank[i] for rank in per_rank] for i, name in enumerate(CASES)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_strategy_matches_single_process(name, runs):
     reference, got = runs
@@ -71,6 +70,7 @@ def _grad_bytes(runs) -> int:
     return reference.summary["ranks"][0]["model_state_bytes"] // 4
 
 
+@pytest.mark.slow
 def test_ring_sends_two_n_minus_one_over_n_of_the_gradients(runs):
     grads, n = _grad_bytes(runs), 4
     for name in ("ring-dp4", "hierarchical-dp4"):  # one node: hierarchical is the plain ring
@@ -80,6 +80,7 @@ def test_ring_sends_two_n_minus_one_over_n_of_the_gradients(runs):
             assert abs(per_step / grads - 2 * (n - 1) / n) < 1e-3, (name, per_step, grads)
 
 
+@pytest.mark.slow
 def test_hierarchical_on_two_nodes_sends_less_across_nodes_than_in_total(runs):
     grads = _grad_bytes(runs)
     for record in runs[1]["hierarchical-2x2"]:
@@ -89,6 +90,7 @@ def test_hierarchical_on_two_nodes_sends_less_across_nodes_than_in_total(runs):
         assert record["overlap"]["buckets"] > STEPS  # several buckets per step, launched from backward
 
 
+@pytest.mark.slow
 def test_parameter_server_is_the_busiest_rank(runs):
     grads = _grad_bytes(runs)
     sent = [r["counter"]["sent_bytes"] / STEPS for r in runs[1]["parameter-server-dp4"]]
@@ -113,9 +115,76 @@ def _ring_sums(rank: int, world: int) -> list:
     return {"worst": worst, "sent": ring.counter.sent_bytes}
 
 
+@pytest.mark.slow
 def test_ring_is_exact_for_three_ranks_and_any_length(tmp_path):
     results = run_spawned(_ring_sums, 3, tmp_path)
     assert all(r["worst"] == 0.0 for r in results), results
     # Each chunk travels N-1 times in the reduce-scatter and N-1 times in the all-gather: 2(N-1) x the
     # buffer over all ranks, 2(N-1)/N of it per rank (empty chunks send nothing).
     assert sum(r["sent"] for r in results) == 2 * 2 * (1 + 2 + 7 + 1000 + 1001) * 8
+
+
+# ---- what composes with what (validation, no process) ---------------------------------------------
+
+DP4 = ["recipe=gpt-dp", "parallel.dp=4", "cluster.devices_per_node=4"]
+REFUSED = [
+    ("unknown", ["parallel.dp_sync=gossip"], "parallel.dp_sync"),
+    ("bucket", ["parallel.dp_sync=ring", "parallel.dp_bucket_mb=0"], "parallel.dp_bucket_mb"),
+    ("ring-fsdp", ["parallel.dp_sync=ring", "parallel.zero_stage=3"], "parallel.zero_stage"),
+    ("ps-zero1", ["parallel.dp_sync=parameter-server", "parallel.zero_stage=1"], "parallel.zero_stage"),
+    ("ps-too-many", ["parallel.dp_sync=parameter-server", "parallel.ps_servers=5"], "parallel.ps_servers"),
+    ("ps-none", ["parallel.dp_sync=parameter-server", "parallel.ps_servers=0"], "parallel.ps_servers"),
+    ("ps-dedicated", ["parallel.dp_sync=parameter-server", "parallel.ps_placement=dedicated"], "parallel.ps_placement"),
+    ("ps-fp16", ["parallel.dp_sync=parameter-server", "train.precision=fp16"], "train.precision"),
+    ("ps-ckpt", ["parallel.dp_sync=parameter-server", "checkpoint.every_steps=5"], "checkpoint.every_steps"),
+    ("ps-tp", ["parallel.dp_sync=parameter-server", "parallel.dp=2", "parallel.tp=2"], "parallel.tp"),
+    ("ring-sp", ["parallel.dp_sync=ring", "parallel.dp=2", "parallel.sp=2"], "parallel.sp"),
+]
+
+
+@pytest.mark.parametrize("name,extra,key", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unsupported_combinations_name_key_rule_and_fix(name, extra, key):
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose(DP4 + extra))
+    problems = err.value.problems
+    assert [p.key for p in problems] == [key], problems
+    assert problems[0].rule and problems[0].fix
+
+
+def test_hierarchical_needs_even_node_shares():
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.errors import ConfigError
+
+    # 6 ranks = dp 3 x tp 2 on 2 nodes of 3 devices: dp group [0, 2, 4] puts 2 ranks on node 0, 1 on node 1.
+    args = ["recipe=gpt-dp", "parallel.dp=3", "parallel.tp=2", "cluster.nodes=2", "cluster.devices_per_node=3"]
+    args += ["train.global_batch_size=12"]
+    with pytest.raises(ConfigError) as err:
+        validate(compose(args + ["parallel.dp_sync=hierarchical", "cluster.allow_tp_across_nodes=true"]))
+    assert [p.key for p in err.value.problems] == ["parallel.dp_sync"], err.value.problems
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.dp_sync=ring", "parallel.zero_stage=1"],
+        ["parallel.dp_sync=hierarchical", "parallel.dp=2", "parallel.tp=2"],
+        ["parallel.dp_sync=ring", "parallel.dp=2", "parallel.pp=2"],
+        ["parallel.dp_sync=parameter-server", "parallel.ps_servers=4"],
+    ],
+)
+def test_supported_combinations_validate(extra):
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+
+    validate(compose(DP4 + extra))
+
+
+def test_train_refuses_with_exit_2_before_any_process(cli):
+    ran = cli("train", *DP4, "parallel.dp_sync=parameter-server", "parallel.zero_stage=2")
+    assert ran.code == 2 and ran.spawned == [] and ran.created() == [], ran.stderr
+    assert "parallel.zero_stage=2" in ran.stderr and "parameter-server" in ran.stderr

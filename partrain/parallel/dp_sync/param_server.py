@@ -41,6 +41,7 @@ class ParameterServer:
         counter: CommCounter,
         p2p_group: Optional[dist.ProcessGroup],
         scalar_group: Optional[dist.ProcessGroup],
+        dedicated: bool = False,
     ) -> None:
         self.dp, self.counter, self.p2p, self.scalar_group = dp, counter, p2p_group, scalar_group
         self.params: List[nn.Parameter] = [p for g in groups_spec for p in g["params"] if p.requires_grad]
@@ -48,8 +49,10 @@ class ParameterServer:
         self.bounds = [
             (int(t[0]), int(t[-1]) + 1) if len(t) else (0, 0) for t in torch.arange(total).tensor_split(servers)
         ]
-        self.server_ranks = [dp.members[i] for i in server_indices(len(dp.members), servers, dedicated=False)]
+        self.server_ranks = [dp.members[i] for i in server_indices(len(dp.members), servers, dedicated)]
         self.rank = dp.members[dp.me]
+        # Dedicated servers train on nothing: they neither push gradients nor pull parameters.
+        self.workers = [r for r in dp.members if not (dedicated and r in self.server_ranks)]
         self.shard_index = self.server_ranks.index(self.rank) if self.rank in self.server_ranks else None
         self.dtype = self.params[0].dtype
         self.master: List[nn.Parameter] = []
@@ -100,19 +103,20 @@ class ParameterServer:
     def push_gradients(self) -> None:
         """Every worker's gradient shards to their servers; servers keep the mean (in master.grad)."""
         flat = self._flat_grads()
-        workers = len(self.dp.members)
+        working = self.rank in self.workers
         sends = [(flat[lo:hi], r) for r, (lo, hi) in zip(self.server_ranks, self.bounds) if r != self.rank]
+        sends = sends if working else []
         recvs, acc = [], None
         if self.shard_index is not None:
             lo, hi = self.bounds[self.shard_index]
-            others = [r for r in self.dp.members if r != self.rank]
+            others = [r for r in self.workers if r != self.rank]
             recvs = [(torch.empty(hi - lo, dtype=flat.dtype), r) for r in others]
         self.counter.exchange(sends, recvs, self.p2p)
         if self.shard_index is not None:
-            acc = flat[lo:hi].to(torch.float32).clone()
+            acc = flat[lo:hi].to(torch.float32).clone() if working else torch.zeros(hi - lo)
             for buf, _ in recvs:  # in rank order: the same sum on every run
                 acc += buf
-            acc /= workers
+            acc /= len(self.workers)
             for m, (a, b) in zip(self.master, self._segments):
                 m.grad = acc[a - lo : b - lo].clone()
 
@@ -140,8 +144,8 @@ class ParameterServer:
             if r == self.rank:
                 fresh = torch.cat([m.detach() for m in self.master]).to(self.dtype) if self.master else flat[lo:lo]
                 flat[lo:hi] = fresh
-                sends += [(fresh, w) for w in self.dp.members if w != self.rank]
-            else:
+                sends += [(fresh, w) for w in self.workers if w != self.rank]
+            elif self.rank in self.workers:
                 recvs.append((flat[lo:hi], r))
         self.counter.exchange(sends, recvs, self.p2p)
         offset = 0
