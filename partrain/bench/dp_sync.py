@@ -128,7 +128,9 @@ def run(s: dict, env: DistEnv) -> int:
     progress = (lambda text: print(PROGRESS + text, flush=True)) if env.is_main else (lambda text: None)
     try:
         if env.world_size != s["nodes"] * s["devices_per_node"]:
-            raise RuntimeError(f"the cluster has {s['nodes'] * s['devices_per_node']} processes, torchrun started {env.world_size}")
+            raise RuntimeError(
+                f"the cluster has {s['nodes'] * s['devices_per_node']} processes, torchrun started {env.world_size}"
+            )
         torch.set_num_threads(max(1, s["threads"]))
         with joined_group(s["backend"], env.rank, env.world_size, s["timeout_s"], init_method=env.init_method):
             rows = measure(s, env, progress)

@@ -11,9 +11,9 @@ inter-node link class (`comm.link_of`).
   intra-node link; across nodes an all-reduce of the 1/n shard, 2(k-1)/k G/n and 2(k-1) steps on
   the inter-node link. Inter-node bytes fall n-fold against the flat ring.
 - parameter-server with S servers (W workers: N co-located, N - S dedicated): a server receives
-  W' G/S (push) and sends W' G/S (pull), W' = the workers other than itself; a worker sends and
-  receives G minus its own server's shard. The busiest rank is a server: its bytes grow with W,
-  and its link time bounds the step.
+  W' G/S (push) and sends W' G/S (pull), W' = the workers other than itself, and (co-located) pushes
+  the rest of its own gradient, G - G/S; a plain worker sends G and receives G. The busiest rank is
+  a server: its bytes grow with W, and its link time bounds the step.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def server_cost(
     shard = grad_bytes / servers
     workers = n - servers if dedicated else n
     peers = workers if dedicated else workers - 1  # workers a server exchanges with
+    # A co-located server pushes the other servers' shards of its own gradient; a worker pushes all of it.
     server_out = peers * shard + (0.0 if dedicated else grad_bytes - shard)
-    worker_out = grad_bytes if dedicated else grad_bytes - shard
+    worker_out = grad_bytes
     non_servers = n - servers
     total = servers * server_out + non_servers * worker_out
     link = link_of(cluster, members)
