@@ -81,7 +81,7 @@ def _server_step(groups, dp, p2p, counter, servers: int, dedicated: bool) -> Cal
     return step
 
 
-def _time(step: Callable[[int], None], counter: CommCounter, iters: int, warmup: int) -> dict:
+def _time(step: Callable[[int], None], counter: CommCounter, iters: int, warmup: int, per_node: int) -> dict:
     for i in range(warmup):
         step(i)
     counter.reset()
@@ -91,7 +91,9 @@ def _time(step: Callable[[int], None], counter: CommCounter, iters: int, warmup:
         t0 = time.perf_counter()
         step(warmup + i)
         times.append(time.perf_counter() - t0)
+    node = dist.get_rank() // per_node
     return {
+        "inter_node_bytes": sum(b for r, b in counter.to_peer.items() if r // per_node != node) / iters,
         "seconds": statistics.median(times),
         "sent_bytes": counter.sent_bytes / iters,
         "recv_bytes": counter.recv_bytes / iters,
@@ -112,7 +114,7 @@ def measure(s: dict, env: DistEnv, progress) -> dict:
             step = _server_step(groups, dp, p2p, counter, case["servers"], case["dedicated"])
         else:
             step = _flat_step(case["strategy"], groups, dp, p2p, counter, s["bucket_mb"])
-        mine = _time(step, counter, s["iters"], s["warmup"])
+        mine = _time(step, counter, s["iters"], s["warmup"], s["devices_per_node"])
         gathered: List = [None] * env.world_size
         dist.all_gather_object(gathered, mine)
         rows[case["label"]] = {
@@ -120,6 +122,7 @@ def measure(s: dict, env: DistEnv, progress) -> dict:
             "sent_bytes": [g["sent_bytes"] for g in gathered],
             "recv_bytes": [g["recv_bytes"] for g in gathered],
             "messages": [g["messages"] for g in gathered],
+            "inter_node_bytes": [g["inter_node_bytes"] for g in gathered],
         }
     return rows
 

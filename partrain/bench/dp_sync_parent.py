@@ -136,6 +136,7 @@ def report(run, s: dict, measured: dict) -> dict:
                 "bytes_per_rank": sum(sent) / len(sent),
                 "busiest_bytes": max(sent),
                 "busiest_rank": sent.index(max(sent)),
+                "inter_node_bytes": max(m["inter_node_bytes"]),
                 "sent_bytes": sent,
                 "recv_bytes": m["recv_bytes"],
                 "predicted": dataclasses.asdict(predicted),
@@ -150,26 +151,21 @@ def report(run, s: dict, measured: dict) -> dict:
     }
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
 def render(rep: dict, console) -> None:
     from rich.table import Table
 
     cl, g = rep["cluster"], rep["grad_bytes"]
     table = Table(
-        title=f"gradient sync per step, {cl['nodes']} x {cl['devices_per_node']} ranks, gradients G = "
-        f"{human_bytes(g)} per rank; plan = the planner ({rep['bandwidth_source']} bandwidths)",
+        title=f"gradient sync per step, {cl['nodes']} x {cl['devices_per_node']} ranks, gradients G = {_mb(g)} "
+        f"per rank; plan = the planner's alpha-beta model ({rep['bandwidth_source']} bandwidths)",
         title_justify="left",
     )
-    for col in (
-        "strategy",
-        "time ms",
-        "planned ms",
-        "bytes/rank",
-        "x grad",
-        "planned",
-        "busiest rank",
-        "x grad",
-        "planned",
-    ):
+    cols = ("strategy", "ms", "plan ms", "sent/rank", "xG", "plan xG", "busiest rank", "xG", "plan xG", "inter-node xG")
+    for col in cols:
         table.add_column(col, justify="right")
     for r in rep["rows"]:
         p = r["predicted"]
@@ -177,16 +173,18 @@ def render(rep: dict, console) -> None:
             r["strategy"],
             f"{r['seconds'] * 1e3:,.2f}",
             f"{p['seconds'] * 1e3:,.2f}",
-            human_bytes(r["bytes_per_rank"]),
+            _mb(r["bytes_per_rank"]),
             f"{r['bytes_per_rank'] / g:.3f}",
             f"{p['bytes_per_rank'] / g:.3f}",
-            f"{human_bytes(r['busiest_bytes'])} r{r['busiest_rank']}",
+            f"{_mb(r['busiest_bytes'])} (r{r['busiest_rank']})",
             f"{r['busiest_bytes'] / g:.3f}",
             f"{p['busiest_bytes'] / g:.3f}",
+            f"{r['inter_node_bytes'] / g:.3f} | {p['inter_node_bytes'] / g:.3f}",
         )
     console.print(table)
     console.print(
-        "bytes = what each rank sent per step, counted at every send/recv (allreduce: the bytes handed to the "
-        "backend's collective, its wire bytes are not visible)",
+        "sent = bytes a rank sent per step, counted at every send/recv; xG = in gradient sizes; inter-node = the most "
+        "one rank sent across nodes, measured | planned. allreduce counts the bytes handed to the backend's collective "
+        "(its wire bytes are not visible; its inter-node bytes are not counted).",
         highlight=False,
     )

@@ -8,8 +8,8 @@ count is what partrain handed to it (the bytes gloo/NCCL put on the wire inside 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ class CommCounter:
     """Point-to-point messages sent (or collective calls made)."""
     seconds: float = 0.0
     """Wall time spent inside the counted calls (waiting included)."""
+    to_peer: Dict[int, int] = field(default_factory=dict)
+    """Bytes sent point-to-point to each global rank (which links they crossed; collectives excluded)."""
 
     def exchange(
         self,
@@ -48,6 +50,7 @@ class CommCounter:
             if buf.numel():
                 works.append(dist.isend(buf.contiguous(), dst=dst, group=group))
                 self.sent_bytes += nbytes(buf)
+                self.to_peer[dst] = self.to_peer.get(dst, 0) + nbytes(buf)
                 self.messages += 1
         for w in works:
             w.wait()
@@ -65,6 +68,7 @@ class CommCounter:
     def reset(self) -> None:
         self.sent_bytes = self.recv_bytes = self.messages = 0
         self.seconds = 0.0
+        self.to_peer = {}
 
     def to_json(self) -> dict:
         return asdict(self)
