@@ -2,10 +2,11 @@
 processes, real send/recv and collectives.
 
 Parity: per-step losses and gradient norms of every strategy at dp=4 (and hierarchical and the
-parameter server on 2 nodes x 2 devices, the node structure simulated by the layout) within 1e-5
-relative of the one-process run (fp32, 5 steps). All cases of one world size share one process
-launch (`partrain.testing.in_process.train_cases`). Bytes: what the counters saw against the
-algorithms' arithmetic. The ring itself: odd world size and buffer lengths against a plain sum.
+parameter server on 2 nodes x 2 devices, the node structure simulated by the layout; ring with
+tp=2, hierarchical with pp=2) within 1e-5 relative of the one-process run (fp32, 5 steps). All
+cases share one 4-process launch (`partrain.testing.in_process.train_cases`). Bytes: what the
+counters saw against the algorithms' arithmetic. The ring itself: odd world size and buffer
+lengths against a plain sum.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ CASES = {
     "parameter-server-dp4": ONE_NODE + ["parallel.dp_sync=parameter-server"],
     "hierarchical-2x2": TWO_NODES + ["parallel.dp_sync=hierarchical", "parallel.dp_bucket_mb=0.3"],
     "parameter-server-2x2": TWO_NODES + ["parallel.dp_sync=parameter-server", "parallel.ps_servers=2"],
+    # The dp group as a sub-group of the grid: tensor-parallel DTensor gradients (one flat buffer after
+    # backward), and pipeline stages with dp outermost (each dp group spans both nodes, one rank per node).
+    "ring-dp2-tp2": ["parallel.dp=2", "parallel.tp=2", "cluster.devices_per_node=4", "parallel.dp_sync=ring"],
+    "hierarchical-dp2-pp2-2x2": [
+        "parallel.dp=2",
+        "parallel.pp=2",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=2",
+        "parallel.order=[tp,sp,pp,dp]",
+        "parallel.dp_sync=hierarchical",
+    ],
 }
 
 
