@@ -138,6 +138,11 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     moe = getattr(engine, "moe", None)
     if moe is not None:
         mine["expert_param_bytes"] = moe.local_expert_bytes()
+    sync = getattr(getattr(engine, "dp", None), "sync", None)
+    if sync is not None:  # parallel.dp_sync: bytes this rank sent, and how much of the sync backward hid
+        mine["dp_sync"] = {"sent_bytes": sync.counter.sent_bytes, "recv_bytes": sync.counter.recv_bytes}
+        if sync.bucketed is not None:
+            mine["dp_sync"]["overlap"] = sync.bucketed.stats.to_json()
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
     if state.stopped:

@@ -27,6 +27,7 @@ from partrain.blueprint.degree_rules import (
 from partrain.blueprint.layout import Layout
 from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
+from partrain.blueprint.validate_dp_sync import dp_sync_problems
 from partrain.blueprint.validate_moe import moe_problems
 from partrain.errors import ConfigError
 
@@ -330,6 +331,7 @@ def validate(run: RunConfig) -> ValidatedRun:
             pp_problems(c, run, facts, degrees["pp"], batch[1] if batch else None)
             sp_problems(c, run, facts, degrees)
         ep = ep_problems(c, run, facts, degrees)
+        dp_sync_problems(c, run, degrees)
         shard = dp_shard_degree(c, run, degrees["dp"])
         if not c.problems and degrees["tp"] > 1 and not run.cluster.allow_tp_across_nodes:
             # Non-default axis orders can still scatter a TP group over nodes.

@@ -1,4 +1,4 @@
-"""`partrain bench comm`: measure the cluster's collectives for the planner."""
+"""`partrain bench comm` / `compute` / `dp-sync`: measure the cluster for the planner."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, Problem
 
 bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_help=True)
 
@@ -115,3 +115,47 @@ def bench_compute_cmd(
         print(json.dumps({"path": str(path), **profile}))
     else:
         render_profile(profile, path, stdout_console())
+
+
+@bench_app.command("dp-sync")
+def bench_dp_sync_cmd(
+    overrides: Optional[List[str]] = OVERRIDES,
+    iters: int = typer.Option(10, "--iters", help="Timed steps per strategy (median kept)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed steps before timing."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Report file to write (default runs/bench-dp-sync/<cluster>-<time>.json)."
+    ),
+    as_json: bool = JSON,
+    recipes: Optional[List[Path]] = RECIPES,
+) -> None:
+    """Time each data-parallel gradient-sync strategy (allreduce, ring, hierarchical, parameter server co-located
+    and dedicated) on this cluster for the model's gradient sizes: time per step, bytes sent per rank and by the
+    busiest rank, counted at every send/recv, beside the planner's prediction."""
+    from partrain.bench import dp_sync_parent as bench
+    from partrain.runtime.context import cpu_count
+
+    try:
+        if iters < 1 or warmup < 0:
+            raise ConfigError(
+                Problem("--iters", iters, "must be at least 1 (and --warmup at least 0)", "e.g. --iters 10")
+            )
+        run = bench.validated(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        numels = bench.parameter_numels(run)
+    except ConfigError as err:
+        fail(err, as_json)
+    world = run.cluster.nodes * run.cluster.devices_per_node
+    threads = run.train.threads_per_process or max(1, cpu_count() // world)
+    path = out or bench.default_out(run.cluster.name)
+    s = bench.settings(run, numels, iters, warmup, path, threads)
+    code, tail = bench.launch(s, dict(os.environ), threads)
+    if code != 0:
+        err = Console(stderr=True, highlight=False)
+        err.print(tail, markup=False)
+        err.print(f"[bold red]bench dp-sync failed[/bold red] (torchrun exit code {code})")
+        raise typer.Exit(1)
+    rep = bench.report(run, s, json.loads(path.read_text())["measured"])
+    path.write_text(json.dumps(rep, indent=1))
+    if as_json:
+        print(json.dumps({"path": str(path), **rep}))
+    else:
+        bench.render(rep, stdout_console())

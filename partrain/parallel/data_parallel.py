@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import nn
 
 from partrain.blueprint.config.schema import FSDP_GRAD_SYNC, OptimConfig
 from partrain.models.adapters import Adapter
+from partrain.parallel.dp_sync.setup import SyncRuntime, SyncSettings
 from partrain.parallel.optimizer import make_optimizer, make_torch_optimizer, param_groups
 from partrain.parallel.precision import mixed_precision_policy
 from partrain.runtime.mesh import ParallelMesh
@@ -75,6 +76,11 @@ class DataParallelModel:
     """Context for one microbatch's forward+backward; argument: is it the last of the step."""
     finish_gradients: Callable[[], None] = lambda: None
     """Called once after the last backward of a step (gradient sync where no wrapper does it)."""
+    clip: Optional[Callable[[float], float]] = None
+    """The global gradient norm, clipped, where the gradients live elsewhere (parameter server);
+    None = clip the model's own gradients."""
+    sync: Optional[SyncRuntime] = None
+    """parallel.dp_sync other than allreduce: its byte counter and overlap statistics."""
 
 
 def _has_dtensor_params(model: nn.Module) -> bool:
@@ -127,10 +133,18 @@ def wrap(
     zero_stage: int,
     optim_cfg: OptimConfig,
     fsdp_grad_sync: str = "every_microbatch",
+    sync: SyncSettings = SyncSettings(),
 ) -> DataParallelModel:
-    """After materialize: DDP for stages 0/1, and the optimizer for every stage."""
+    """After materialize: DDP (or `parallel.dp_sync`'s strategy) for stages 0/1, and the optimizer."""
     groups = param_groups(model, optim_cfg.weight_decay)
     dp_group_size = mesh.size("dp_sp")
+    if sync.strategy != "allreduce" and dp_group_size > 1 and not uses_fsdp(zero_stage):
+        from partrain.parallel.dp_sync.wrap import wrap_with_strategy
+
+        made = wrap_with_strategy(
+            model, mesh, groups, optim_cfg, sync, lambda: make_optimizer(groups, mesh, zero_stage, optim_cfg)
+        )
+        return DataParallelModel(model, model, made.optimizer, made.microbatch, made.finish, made.clip, made.runtime)
     if uses_fsdp(zero_stage):
         if fsdp_grad_sync not in FSDP_GRAD_SYNC:
             raise ValueError(f"fsdp_grad_sync must be one of {FSDP_GRAD_SYNC}, not {fsdp_grad_sync!r}")
@@ -148,7 +162,9 @@ def wrap(
             module, model, optimizer, microbatch, lambda: allreduce_gradients(model, group, dp_group_size)
         )
     if dp_group_size > 1:
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp_sp"].get_group())
+        ddp = nn.parallel.DistributedDataParallel(
+            model, process_group=mesh["dp_sp"].get_group(), bucket_cap_mb=sync.bucket_mb
+        )
         module = ddp
         microbatch = lambda last: contextlib.nullcontext() if last else ddp.no_sync()
     return DataParallelModel(module, model, optimizer, microbatch)

@@ -34,5 +34,10 @@ def clip_gradients(parameters, max_norm: float, not_counted=(), sum_group=None) 
     total = squares.sqrt().float()[0]
     if max_norm > 0:
         for grads in clipped.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
+            scale_to_norm(grads, max_norm, total)
     return float(total)
+
+
+def scale_to_norm(grads, max_norm: float, total: torch.Tensor) -> None:
+    """Clip `grads` given their global norm `total` (shared with the parameter server's shards)."""
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))

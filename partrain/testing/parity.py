@@ -29,6 +29,8 @@ REFERENCE_OVERRIDES = (
     "parallel.pp_virtual_stages=1",
     "parallel.tp_sequence_parallel=false",
     "parallel.recompute=none",
+    "parallel.dp_sync=allreduce",
+    "parallel.ps_servers=1",
     "cluster.nodes=1",
     "cluster.devices_per_node=1",
 )

@@ -16,6 +16,8 @@ from partrain.models.loss import token_loss
 from partrain.models.materialize import materialize
 from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.context_parallel import sequence_shard
+from partrain.parallel.dp_sync.counter import CommCounter
+from partrain.parallel.dp_sync.setup import SyncSettings, flat_strategy, sync_flat
 from partrain.parallel.optimizer import make_optimizer, param_groups
 from partrain.parallel.parallelize import RankModules, shard_on_meta
 from partrain.parallel.pipeline import PipelineRunner
@@ -33,7 +35,14 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
         materialize(model, run.model, run.train.seed, device)
         shard_embedding_gradient(model, held.adapter)
         model.train()
-        dp_model = data_parallel.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.parallel.fsdp_grad_sync)
+        dp_model = data_parallel.wrap(
+            model,
+            mesh,
+            run.parallel.zero_stage,
+            run.optim,
+            run.parallel.fsdp_grad_sync,
+            SyncSettings.of(run.parallel),
+        )
         if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
             dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
@@ -85,6 +94,9 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
         if dp_group
         else (lambda: None)
     )
+    if dp_group and p.dp_sync != "allreduce":  # ring / hierarchical (validation refuses the others)
+        strategy = flat_strategy(p.dp_sync, mesh, CommCounter())
+        sync = lambda: sync_flat(stages, strategy)
     if dp_group and mesh.size("ep") > 1:
         sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
     engine = PipelineEngine(

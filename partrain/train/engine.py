@@ -103,6 +103,8 @@ class DirectEngine:
         return float(total) / len(micro)
 
     def clip(self, max_norm: float) -> float:
+        if self.dp.clip is not None:  # the gradients live on the parameter servers
+            return self.dp.clip(max_norm)
         return clip_gradients(self.dp.inner.parameters(), max_norm)
 
     def share_loss(self, value: Optional[float]) -> float:

@@ -18,6 +18,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-
 SP_MODES = ("ulysses", "ring")
 RECOMPUTE = ("none", "selective", "full")
 FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
+DP_SYNC = ("allreduce", "ring", "hierarchical", "parameter-server")
+PS_PLACEMENTS = ("colocated", "dedicated")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -172,6 +174,22 @@ class ParallelConfig:
     gradients at once (gradient memory stays sharded, 1/N); last_microbatch accumulates unsharded gradients
     and reduce-scatters once per step (less communication, as DDP/Accelerate do; holds full-size gradients
     of this rank's layers until the step ends)."""
+    dp_sync: str = "allreduce"
+    """How data-parallel ranks synchronise gradients (zero_stage 0/1): allreduce = the backend's collective
+    through DDP; ring = partrain's ring reduce-scatter + all-gather over send/recv (each rank sends
+    2(N-1)/N of the gradients whatever N); hierarchical = reduce-scatter inside each node, all-reduce of the
+    shards across nodes, all-gather inside the node (inter-node links carry 1/devices-per-node of it);
+    parameter-server = ps_servers ranks own fp32 master shards and the optimizer state, workers push
+    gradients and pull parameters (the servers' links are the bottleneck). `partrain bench dp-sync` compares them."""
+    dp_bucket_mb: float = 25.0
+    """Gradient bucket size in MiB: DDP's bucket_cap_mb for allreduce; for ring and hierarchical a bucket is
+    launched from backward as soon as all its gradients are ready (smaller = earlier start, more messages)."""
+    ps_servers: int = 1
+    """parameter-server only: how many server ranks share the parameters (1..dp); each owns 1/ps_servers of
+    them. More servers spread the bottleneck traffic."""
+    ps_placement: str = "colocated"
+    """parameter-server only: colocated = servers are also workers (training supports this); dedicated =
+    servers hold no data shard (measured by `partrain bench dp-sync` only: it would change the global batch)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv, dualpipev."""
     pp_virtual_stages: int = 1

@@ -3,6 +3,7 @@ each takes; the rules are in the docstring of estimate.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict
 
@@ -10,7 +11,9 @@ from partrain.blueprint.planner.comm import (
     all_gather_bytes,
     all_reduce_bytes,
     all_to_all_bytes,
+    family_groups,
 )
+from partrain.blueprint.planner.dp_sync_cost import sync_cost
 from partrain.blueprint.planner.memory import sp_kv_width
 from partrain.blueprint.planner.moe import all_to_all_layer_bytes, expert_dp, expert_layer_elements, expert_shard
 from partrain.blueprint.planner.rank_state import PipelineRank
@@ -158,4 +161,17 @@ def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, 
             out.dp_microbatch += grad_sync
         shard_link = mixed_bandwidth(s.bw, "dp_shard", s.dp_ops)
         out.dp_link = shard_link if replicas == 1 else min(shard_link, out.dp_link)
+    if spec.dp_sync != "allreduce" and spec.zero_stage == 0 and spec.ep == 1:
+        strategy_traffic(spec, grad_elems * dt.grad, out)
     out.t_dp_microbatch = out.dp_microbatch / out.dp_link if out.dp_microbatch else 0.0
+
+
+def strategy_traffic(spec: PlanSpec, grad_bytes: float, out: RankTraffic) -> None:
+    """parallel.dp_sync other than allreduce: the busiest rank's bytes, and the link rate that makes
+    them take the strategy's alpha-beta time (dp_sync_cost)."""
+    degrees = {"tp": spec.tp, "sp": spec.sp, "dp": spec.dp, "pp": spec.pp}
+    members = family_groups(spec.order, degrees, spec.ep, spec.dp_shard or spec.dp)["dp_sp"]
+    buckets = max(1, math.ceil(grad_bytes / (spec.dp_bucket_mb * 2**20)))
+    cost = sync_cost(spec.dp_sync, spec.cluster, members, grad_bytes, buckets, spec.ps_servers)
+    if cost.busiest_bytes and cost.seconds:
+        out.dp_step, out.dp_link = cost.busiest_bytes, cost.busiest_bytes / cost.seconds

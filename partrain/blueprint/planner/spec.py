@@ -200,6 +200,12 @@ class PlanSpec:
     runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
     moe_capacity_factor: Optional[float] = None
     """MoE expert capacity factor (parallel.moe_capacity_factor); None = dropless (planner/moe.py)."""
+    dp_sync: str = "allreduce"
+    """parallel.dp_sync: how ZeRO 0/1 gradients are synchronised (planner/dp_sync_cost.py)."""
+    dp_bucket_mb: float = 25.0
+    """parallel.dp_bucket_mb: one alpha per ring step per bucket."""
+    ps_servers: int = 1
+    """parallel.ps_servers (parameter-server)."""
 
     @property
     def world(self) -> int:
@@ -297,4 +303,7 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         dp_overlap=dp_overlap,
         fsdp_grad_sync=p.fsdp_grad_sync,
         moe_capacity_factor=p.moe_capacity_factor,
+        dp_sync=p.dp_sync,
+        dp_bucket_mb=p.dp_bucket_mb,
+        ps_servers=p.ps_servers,
     )
