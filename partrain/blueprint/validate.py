@@ -37,6 +37,7 @@ from partrain.blueprint.layout import Layout
 from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
 from partrain.blueprint.validate_moe import moe_problems
+from partrain.blueprint.validate_runtime import runtime_problems
 from partrain.errors import ConfigError
 
 BYTE_VOCAB = 256
@@ -286,6 +287,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     c = ProblemCollector()
     _check_choices(c, run)
     _check_ranges(c, run)
+    runtime_problems(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

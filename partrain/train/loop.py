@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.data import EvalBatches, TokenBatches
+from partrain.parallel.compile import compile_enabled, compile_errors
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
@@ -150,7 +151,8 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
-        local_loss = self.engine.forward_backward(inputs, labels, scale)
+        with self._compile_errors():
+            local_loss = self.engine.forward_backward(inputs, labels, scale)
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
         if self.loss_scale:
             unscale_gradients(self.engine.model_parts, scale)
@@ -178,6 +180,10 @@ class Trainer:
             skipped=not stepped,
         )
 
+    def _compile_errors(self):
+        t = self.cfg.train
+        return compile_errors(compile_enabled(t.compile, self.cfg.cluster.device), t.compile_backend)
+
     def _group(self, name: str):
         return self.mesh[name].get_group() if self.mesh.size(name) > 1 else None
 
@@ -187,7 +193,8 @@ class Trainer:
         values = []
         for i in range(self.cfg.train.eval_batches):
             inputs, labels = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
-            values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels)))
+            with self._compile_errors():
+                values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels)))
         return _mean_over(sum(values) / len(values), self.loss_group, self.loss_size)
 
     # -- the run -------------------------------------------------------------------------------
