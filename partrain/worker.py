@@ -46,9 +46,13 @@ def _threads(v: ValidatedRun, env: DistEnv) -> int:
 def _device(v: ValidatedRun, env: DistEnv):
     import torch
 
+    from partrain.runtime.cuda_defaults import apply_device_defaults
+
     if v.run.cluster.device == "cuda":
         torch.cuda.set_device(env.local_rank)
-        return torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+        apply_device_defaults(device)
+        return device
     return torch.device("cpu")
 
 

@@ -41,3 +41,15 @@ def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
         "must be >= 0 (0 = one head call over the whole microbatch)",
         "e.g. train.loss_chunk_tokens=4096",
     )
+    compiled = compile_value(t.compile) == "true" or (
+        compile_value(t.compile) == "auto" and run.cluster.device == "cuda"
+    )
+    p = run.parallel
+    c.check(
+        not (compiled and p.recompute == "full" and p.tp > 1),
+        "train.compile",
+        t.compile,
+        "cannot compile fully recomputed tensor-parallel blocks (torch 2.13's AOT autograd fails on the "
+        "DTensor mesh a checkpointed TP block saves)",
+        "train.compile=false, or parallel.recompute=selective / none",
+    )

@@ -39,7 +39,9 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=
     if data_parallel.uses_fsdp(p.zero_stage):
         if moe is not None:
             expert_parallel.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
-        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
+        data_parallel.apply_fsdp(
+            module, adapter, mesh, p.zero_stage, v.run.train.precision, v.run.train.loss_chunk_tokens > 0
+        )
 
 
 @dataclass

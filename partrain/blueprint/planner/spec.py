@@ -200,6 +200,19 @@ class PlanSpec:
     runs); False = it starts after the backward (Megatron-LM 2021's local DDP)."""
     moe_capacity_factor: Optional[float] = None
     """MoE expert capacity factor (parallel.moe_capacity_factor); None = dropless (planner/moe.py)."""
+    loss_chunk_tokens: int = 0
+    """train.loss_chunk_tokens: the head and loss run over chunks of this many tokens (0 = whole)."""
+
+    def loss_chunk(self, tokens: float) -> float:
+        """Tokens whose logits exist at once on a rank for a microbatch of `tokens` tokens: the
+        runtime's chunk (chunk_tokens // micro batch positions per row), or all of them."""
+        if self.loss_chunk_tokens <= 0:
+            return tokens
+        return min(tokens, self.mbs * max(1, self.loss_chunk_tokens // max(1, self.mbs)))
+
+    def loss_chunked(self, tokens: float) -> bool:
+        """More than one chunk: the runtime checkpoints each chunk (nothing of the loss is saved)."""
+        return self.loss_chunk(tokens) < tokens
 
     @property
     def world(self) -> int:
@@ -297,4 +310,5 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         dp_overlap=dp_overlap,
         fsdp_grad_sync=p.fsdp_grad_sync,
         moe_capacity_factor=p.moe_capacity_factor,
+        loss_chunk_tokens=t.loss_chunk_tokens,
     )
