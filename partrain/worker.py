@@ -120,7 +120,14 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         stop=stop,
     )
     trainer.state.step = start_step
-    state = trainer.run()
+    try:
+        state = trainer.run()
+    except torch.OutOfMemoryError as exc:
+        if device.type != "cuda":
+            raise
+        from partrain.train.gpu_memory import explain_oom
+
+        raise explain_oom(v, device, run_dir, env.rank, pp_rank) from exc
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     checkpoints.finish()
     metrics.close()

@@ -21,6 +21,7 @@ from partrain.data import EvalBatches, TokenBatches
 from partrain.parallel.compile import compile_enabled, compile_errors
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
+from partrain.train.gpu_memory import step_memory_fields
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
 from partrain.train.lr_schedule import lr_at, set_lr
 from partrain.train.metrics import MetricsWriter, emit, log
@@ -141,6 +142,7 @@ class Trainer:
         # Sequence-parallel ranks hold parts of each loss (context_parallel.SequenceShard.loss): average over dp x sp.
         self.loss_group = mesh["dp_sp"].get_group()
         self.loss_size = mesh.size("dp_sp")
+        self.device = getattr(engine, "device", torch.device("cpu"))
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -226,6 +228,7 @@ class Trainer:
             }
             if result.loss_scale is not None:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
+            record.update(step_memory_fields(self.device))  # CUDA: per-rank peak allocated / reserved
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             self.metrics.write(record)
