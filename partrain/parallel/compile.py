@@ -37,6 +37,16 @@ def apply_compile(model: nn.Module, adapter: Adapter, backend: str = "inductor")
     return len(blocks)
 
 
+def eager(fn):
+    """`fn` (a custom autograd Function's `apply` that runs collectives, or keeps Python state) run
+    eagerly inside a compiled block: dynamo breaks the graph around it instead of tracing it.
+    Traced, c10d calls in place and async work handles in hand-written backward passes gave wrong
+    gradients (TP x Megatron-SP, 1e-4 off after one step); eager, they are exact."""
+    import torch
+
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class CompileError(RuntimeError):
     """Compiling the decoder blocks failed; the message names `train.compile` and what to try."""
 
