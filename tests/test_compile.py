@@ -20,7 +20,9 @@ SMALL = ["train.seq_len=32", "train.micro_batch_size=2", "model.config.num_hidde
 LAYOUTS = {
     # name: overrides (4 processes each); chunk 16 tokens -> 8 positions -> 4 chunks per microbatch
     "gpt-dp": ["recipe=gpt-dp", "parallel.dp=4", "cluster.devices_per_node=4", "train.global_batch_size=16"],
-    "llama-fsdp-tp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8"],
+    # compiling TP blocks with Megatron-SP is refused (validate_runtime): SP off here, on in "-sp"
+    "llama-fsdp-tp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8", "parallel.tp_sequence_parallel=false"],
+    "llama-fsdp-tp-sp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8"],
     "gpt-tp-pp": ["recipe=gpt-3d", "parallel.dp=1", "cluster.devices_per_node=4", "train.global_batch_size=4"],
 }
 EAGER = ["train.compile=false", "train.loss_chunk_tokens=0"]
@@ -33,6 +35,7 @@ VARIANTS = {
     ("llama-fsdp-tp", "eager"): EAGER,
     ("llama-fsdp-tp", "chunked"): CHUNKED,
     ("llama-fsdp-tp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
+    ("llama-fsdp-tp-sp", "chunked"): CHUNKED,
     ("gpt-tp-pp", "eager"): EAGER,
     ("gpt-tp-pp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
 }
@@ -97,14 +100,15 @@ def _close(a, b, rtol=1e-5):
         assert math.isfinite(x) and abs(x - y) <= rtol * max(abs(x), abs(y)), (a, b)
 
 
-def test_chunked_loss_matches_plain_under_fsdp_and_loss_parallel(results):
+@pytest.mark.parametrize("chunked", ["llama-fsdp-tp/chunked", "llama-fsdp-tp-sp/chunked"])
+def test_chunked_loss_matches_plain_under_fsdp_and_loss_parallel(results, chunked):
+    """With Megatron-SP too (the head's input is sequence-sharded: gathered once, then chunked)."""
     for rank_result in results:
-        plain, chunked = rank_result["llama-fsdp-tp/eager"], rank_result["llama-fsdp-tp/chunked"]
-        _close(plain["losses"], chunked["losses"])
-        _close(plain["norms"], chunked["norms"])
+        _close(rank_result["llama-fsdp-tp/eager"]["losses"], rank_result[chunked]["losses"])
+        _close(rank_result["llama-fsdp-tp/eager"]["norms"], rank_result[chunked]["norms"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["gpt-dp", "llama-fsdp-tp", "gpt-tp-pp"])
 def test_compiled_blocks_match_eager(results, layout):
     """gpt-tp-pp and llama-fsdp-tp compile with the chunked loss on: compared with the plain eager
     run, so chunking (pipeline last stage included) is checked there too."""
@@ -120,12 +124,17 @@ def test_compiled_blocks_match_eager(results, layout):
 # ---- in-process: settings, refusals, CUDA defaults ----------------------------------------------
 
 
-def test_compile_setting_resolves_by_device():
+def test_compile_setting_resolves_by_device_and_layout():
+    from partrain.blueprint.config.compose import compose
     from partrain.parallel.compile import compile_enabled
 
-    assert compile_enabled("auto", "cuda") and not compile_enabled("auto", "cpu")
-    assert compile_enabled(True, "cpu") and compile_enabled("True", "cpu")
-    assert not compile_enabled("false", "cuda") and not compile_enabled(False, "cuda")
+    def run(*overrides):
+        return compose(["recipe=gpt-3d", *overrides])
+
+    assert not compile_enabled(run()) and compile_enabled(run("train.compile=true"))
+    cuda = ["cluster.device=cuda", "cluster.backend=nccl"]
+    assert compile_enabled(run(*cuda)) and not compile_enabled(run(*cuda, "train.compile=false"))
+    assert not compile_enabled(run(*cuda, "parallel.recompute=full"))  # auto: eager where it cannot compile
 
 
 @pytest.mark.parametrize(
@@ -135,6 +144,7 @@ def test_compile_setting_resolves_by_device():
         ("recipe=gpt-dp train.compile_backend=tvm", "train.compile_backend"),
         ("recipe=gpt-dp train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
         ("recipe=gpt-3d train.compile=true parallel.recompute=full", "train.compile"),
+        ("recipe=llama-fsdp-tp train.compile=true", "train.compile"),  # Megatron-SP
     ],
 )
 def test_bad_runtime_settings_are_config_errors(override, key):

@@ -18,6 +18,20 @@ def compile_value(setting) -> str:
     return str(setting).strip().lower()
 
 
+def _compile_blocked(run: RunConfig) -> bool:
+    """Compositions that compiling does not support yet (refused when asked for, eager under auto)."""
+    p = run.parallel
+    return p.tp > 1 and (p.recompute == "full" or bool(p.tp_sequence_parallel))
+
+
+def compile_resolved(run: RunConfig) -> bool:
+    """Whether this run compiles its blocks: true, or auto on CUDA where the layout allows it."""
+    value = compile_value(run.train.compile)
+    if value == "auto":
+        return run.cluster.device == "cuda" and not _compile_blocked(run)
+    return value == "true"
+
+
 def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
     t = run.train
     c.check(
@@ -41,15 +55,12 @@ def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
         "must be >= 0 (0 = one head call over the whole microbatch)",
         "e.g. train.loss_chunk_tokens=4096",
     )
-    compiled = compile_value(t.compile) == "true" or (
-        compile_value(t.compile) == "auto" and run.cluster.device == "cuda"
-    )
-    p = run.parallel
     c.check(
-        not (compiled and p.recompute == "full" and p.tp > 1),
+        not (compile_value(t.compile) == "true" and _compile_blocked(run)),
         "train.compile",
         t.compile,
-        "cannot compile fully recomputed tensor-parallel blocks (torch 2.13's AOT autograd fails on the "
-        "DTensor mesh a checkpointed TP block saves)",
-        "train.compile=false, or parallel.recompute=selective / none",
+        "cannot compile tensor-parallel blocks with Megatron-SP or full recompute yet (torch 2.13: "
+        "DTensor redistribution in the compiled backward fails, and a checkpointed TP block saves a DeviceMesh)",
+        "train.compile=auto (eager for this layout), or parallel.tp_sequence_parallel=false and "
+        "parallel.recompute=selective / none",
     )

@@ -16,16 +16,13 @@ from typing import Iterator
 
 from torch import nn
 
-from partrain.blueprint.validate_runtime import compile_value
+from partrain.blueprint.validate_runtime import compile_resolved
 from partrain.models.adapters import Adapter
 
 
-def compile_enabled(setting: str, device_type: str) -> bool:
-    """Whether `train.compile` (auto/true/false, any case) compiles on this device type."""
-    value = compile_value(setting)
-    if value == "auto":
-        return device_type == "cuda"
-    return value == "true"
+def compile_enabled(run) -> bool:
+    """Whether this run compiles its decoder blocks (`validate_runtime.compile_resolved`)."""
+    return compile_resolved(run)
 
 
 def apply_compile(model: nn.Module, adapter: Adapter, backend: str = "inductor") -> int:

@@ -34,7 +34,7 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=
     if moe is not None:
         expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
-    if compile_enabled(v.run.train.compile, v.run.cluster.device):
+    if compile_enabled(v.run):
         apply_compile(module, adapter, v.run.train.compile_backend)
     if data_parallel.uses_fsdp(p.zero_stage):
         if moe is not None:

@@ -184,7 +184,7 @@ class Trainer:
 
     def _compile_errors(self):
         t = self.cfg.train
-        return compile_errors(compile_enabled(t.compile, self.cfg.cluster.device), t.compile_backend)
+        return compile_errors(compile_enabled(self.cfg), t.compile_backend)
 
     def _group(self, name: str):
         return self.mesh[name].get_group() if self.mesh.size(name) > 1 else None
