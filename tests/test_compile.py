@@ -1,10 +1,10 @@
 """`train.compile` (per-block torch.compile) and `train.loss_chunk_tokens` (chunked head + loss)
-in real gloo processes: one shared 4-process launch trains several layouts for 5 fp32 steps, each
-as eager with the plain head, eager with the chunked loss, and compiled with the chunked loss, and
-compares the per-rank losses and gradient norms (chunked vs plain and compiled vs eager: 1e-5
-relative). The compiled runs use `train.compile_backend=aot_eager`: the same dynamo graphs and
-AOT autograd as inductor without its C++ code generation, which takes minutes per process on the
-shared 2-core CI machine (inductor on CPU is exercised by hand: see README, "Compiled blocks").
+in real gloo processes: one shared 4-process launch trains several layouts for 5 fp32 steps (eager
+with the plain head; eager with the chunked loss; compiled, with or without the chunked loss; see
+VARIANTS) and compares the per-rank losses and gradient norms (chunked vs plain and compiled vs
+eager: 1e-5 relative). The compiled runs use `train.compile_backend=aot_eager`: the same dynamo
+graphs and AOT autograd as inductor without its C++ code generation, which takes minutes per
+process on the shared 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ SMALL = ["train.seq_len=32", "train.micro_batch_size=2", "model.config.num_hidde
 LAYOUTS = {
     # name: overrides (4 processes each); chunk 16 tokens -> 8 positions -> 4 chunks per microbatch
     "gpt-dp": ["recipe=gpt-dp", "parallel.dp=4", "cluster.devices_per_node=4", "train.global_batch_size=16"],
-    # compiling TP blocks with Megatron-SP is refused (validate_runtime): SP off here, on in "-sp"
+    # Megatron-SP off here, on in "-sp"
     "llama-fsdp-tp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8", "parallel.tp_sequence_parallel=false"],
     "llama-fsdp-tp-sp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8"],
+    # compiling Llama's DTensor TP blocks is refused (validate_runtime): its FSDP half compiles here
+    "llama-fsdp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8", "parallel.tp=1", "parallel.dp=4"],
     "gpt-tp-pp": ["recipe=gpt-3d", "parallel.dp=1", "cluster.devices_per_node=4", "train.global_batch_size=4"],
 }
 EAGER = ["train.compile=false", "train.loss_chunk_tokens=0"]
@@ -34,7 +36,8 @@ VARIANTS = {
     ("gpt-dp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("llama-fsdp-tp", "eager"): EAGER,
     ("llama-fsdp-tp", "chunked"): CHUNKED,
-    ("llama-fsdp-tp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
+    ("llama-fsdp", "eager"): EAGER,
+    ("llama-fsdp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
     ("llama-fsdp-tp-sp", "chunked"): CHUNKED,
     ("gpt-tp-pp", "eager"): EAGER,
     ("gpt-tp-pp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
@@ -108,9 +111,9 @@ def test_chunked_loss_matches_plain_under_fsdp_and_loss_parallel(results, chunke
         _close(rank_result["llama-fsdp-tp/eager"]["norms"], rank_result[chunked]["norms"])
 
 
-@pytest.mark.parametrize("layout", ["gpt-dp", "llama-fsdp-tp", "gpt-tp-pp"])
+@pytest.mark.parametrize("layout", ["gpt-dp", "llama-fsdp", "gpt-tp-pp"])
 def test_compiled_blocks_match_eager(results, layout):
-    """gpt-tp-pp and llama-fsdp-tp compile with the chunked loss on: compared with the plain eager
+    """gpt-tp-pp and llama-fsdp compile with the chunked loss on: compared with the plain eager
     run, so chunking (pipeline last stage included) is checked there too."""
     for rank_result in results:
         eager, compiled = rank_result[f"{layout}/eager"], rank_result[f"{layout}/compiled"]
@@ -144,7 +147,8 @@ def test_compile_setting_resolves_by_device_and_layout():
         ("recipe=gpt-dp train.compile_backend=tvm", "train.compile_backend"),
         ("recipe=gpt-dp train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
         ("recipe=gpt-3d train.compile=true parallel.recompute=full", "train.compile"),
-        ("recipe=llama-fsdp-tp train.compile=true", "train.compile"),  # Megatron-SP
+        ("recipe=llama-fsdp-tp train.compile=true", "train.compile"),  # DTensor TP blocks
+        ("recipe=gpt-3d train.compile=true parallel.tp_sequence_parallel=true", "train.compile"),
     ],
 )
 def test_bad_runtime_settings_are_config_errors(override, key):

@@ -21,7 +21,10 @@ def compile_value(setting) -> str:
 def _compile_blocked(run: RunConfig) -> bool:
     """Compositions that compiling does not support yet (refused when asked for, eager under auto)."""
     p = run.parallel
-    return p.tp > 1 and (p.recompute == "full" or bool(p.tp_sequence_parallel))
+    if p.tp == 1:
+        return False
+    # TP through torch's DTensor styles (every family but GPT-2, whose TP is partrain's own modules)
+    return run.model.arch != "gpt2" or p.recompute == "full" or bool(p.tp_sequence_parallel)
 
 
 def compile_resolved(run: RunConfig) -> bool:
@@ -59,8 +62,8 @@ def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
         not (compile_value(t.compile) == "true" and _compile_blocked(run)),
         "train.compile",
         t.compile,
-        "cannot compile tensor-parallel blocks with Megatron-SP or full recompute yet (torch 2.13: "
-        "DTensor redistribution in the compiled backward fails, and a checkpointed TP block saves a DeviceMesh)",
-        "train.compile=auto (eager for this layout), or parallel.tp_sequence_parallel=false and "
-        "parallel.recompute=selective / none",
+        "compiles tensor-parallel blocks only for GPT-2 without Megatron-SP or full recompute (torch 2.13: "
+        "DTensor-parallel blocks fail or give wrong gradients when compiled; a checkpointed TP block saves a "
+        "DeviceMesh)",
+        "train.compile=auto (eager for this layout) or false; or parallel.tp=1",
     )
