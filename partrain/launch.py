@@ -20,6 +20,7 @@ from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torc
 from partrain.preflight import check_before_launch
 from partrain.preflight.hub import hub_record
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.runtime.cuda_defaults import worker_env
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
@@ -137,7 +138,7 @@ def _start(
     0's events until the workers end, then say how the run ended; returns the exit code."""
     local = v.run.cluster.devices_per_node if rendezvous else v.world_size
     threads = v.run.train.threads_per_process or max(1, cpu_count() // local)
-    child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    child_env = dict(worker_env(environ, v.run.cluster.backend), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     where = f" (node {rendezvous.node_rank} of {rendezvous.nodes}: {local} here)" if rendezvous else ""
     if display.plain:
         display.say(f"partrain: {v.world_size} processes{where}, run folder {run_dir}")

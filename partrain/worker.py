@@ -46,9 +46,13 @@ def _threads(v: ValidatedRun, env: DistEnv) -> int:
 def _device(v: ValidatedRun, env: DistEnv):
     import torch
 
+    from partrain.runtime.cuda_defaults import apply_device_defaults
+
     if v.run.cluster.device == "cuda":
         torch.cuda.set_device(env.local_rank)
-        return torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+        apply_device_defaults(device)
+        return device
     return torch.device("cpu")
 
 
@@ -125,7 +129,14 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         schedule=schedule,
     )
     trainer.state.step = start_step
-    state = trainer.run()
+    try:
+        state = trainer.run()
+    except torch.OutOfMemoryError as exc:
+        if device.type != "cuda":
+            raise
+        from partrain.train.gpu_memory import explain_oom
+
+        raise explain_oom(v, device, run_dir, env.rank, pp_rank) from exc
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
     checkpoints.finish()

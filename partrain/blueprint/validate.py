@@ -29,6 +29,7 @@ from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
 from partrain.blueprint.validate_dp_sync import dp_sync_problems
 from partrain.blueprint.validate_moe import moe_problems
+from partrain.blueprint.validate_runtime import runtime_problems
 from partrain.errors import ConfigError
 
 BYTE_VOCAB = 256
@@ -309,6 +310,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _check_ranges(c, run)
     _check_optimizer(c, run)
     _check_loggers(c, run)
+    runtime_problems(c, run)
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)

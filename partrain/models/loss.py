@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
-"""Label value that contributes nothing to the loss (padding, document ends)."""
+from partrain.models.chunked_loss import IGNORE_INDEX, chunked_model_loss
+
+# IGNORE_INDEX (-100, defined beside the chunked loss): the label value that contributes nothing
+# to the loss (padding, document ends).
+__all__ = ["IGNORE_INDEX", "forward_loss", "token_loss"]
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -26,15 +29,26 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def forward_loss(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    head_path: str = "",
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Run `model` on `input_ids` and return `token_loss` of its logits against `labels`.
 
     position_ids default to arange(seq_len) and are always passed explicitly: with sequence
     parallelism HF would otherwise derive positions from the local (sharded) length. Context
-    parallel code passes its own offsets.
+    parallel code passes its own offsets. With `chunk_tokens` > 0 the head at `head_path` and the
+    loss run over sequence chunks (`chunked_loss`): no [tokens x vocab] fp32 logits are ever whole.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    if chunk_tokens > 0 and head_path:
+        total, count = chunked_model_loss(
+            model, head_path, chunk_tokens, labels, input_ids=input_ids, position_ids=position_ids
+        )
+        return total / count
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return token_loss(logits, labels)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.models.chunked_loss import chunked_model_loss
 from partrain.models.loss import IGNORE_INDEX
 from partrain.parallel import sequence_attention as ops
 
@@ -82,18 +83,35 @@ class SequenceShard:
         Summed over the sp ranks this is sp x the unsplit mean (see the module docstring for why).
         Works on vocabulary-sharded logits inside `loss_parallel()` like `token_loss`.
         """
-        count = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-        if self.size > 1:
-            dist.all_reduce(count, group=self.group)
         total = F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
+        return self.scale_sum(total, labels)
+
+    def scale_sum(self, total: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's summed token loss `total` as its share of the sp-scaled mean (see `loss`)."""
+        count = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        if self.size > 1:
+            dist.all_reduce(count, group=self.group)
         return total * (self.size / max(float(count.item()), 1.0))
 
-    def forward_loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        head_path: str = "",
+        chunk_tokens: int = 0,
+    ) -> torch.Tensor:
         """`models.loss.forward_loss` for sequence-sharded rows (already `take`n): global position ids, sp loss."""
         seq_len = input_ids.shape[1] * self.size
-        logits = model(input_ids=input_ids, position_ids=self.position_ids(seq_len, input_ids.device)).logits
+        position_ids = self.position_ids(seq_len, input_ids.device)
+        if chunk_tokens > 0 and head_path:
+            total, _ = chunked_model_loss(
+                model, head_path, chunk_tokens, labels, input_ids=input_ids, position_ids=position_ids
+            )
+            return self.scale_sum(total, labels)
+        logits = model(input_ids=input_ids, position_ids=position_ids).logits
         return self.loss(logits, labels)
 
 

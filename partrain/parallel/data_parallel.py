@@ -46,9 +46,19 @@ def fsdp_mesh(mesh: ParallelMesh):
 
 
 def apply_fsdp(
-    model: nn.Module, adapter: Adapter, mesh: ParallelMesh, zero_stage: int, precision: str = "fp32"
+    model: nn.Module,
+    adapter: Adapter,
+    mesh: ParallelMesh,
+    zero_stage: int,
+    precision: str = "fp32",
+    keep_root_gathered: bool = False,
 ) -> None:
-    """Shard each decoder layer, then the root; call on the meta model, before materialize."""
+    """Shard each decoder layer, then the root; call on the meta model, before materialize.
+
+    keep_root_gathered: the root's parameters (embeddings, final norm, head) stay gathered from
+    forward to backward. The chunked loss (`train.loss_chunk_tokens`) calls the head after the
+    model's forward and again in backward (recompute), before the root's pre-backward would gather
+    it; the root is gathered through the whole forward anyway, so the peak does not grow."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
@@ -60,7 +70,7 @@ def apply_fsdp(
     for i, layer in enumerate(layers):
         # The last layer is used first in backward; keeping it gathered saves one all-gather.
         fully_shard(layer, mesh=dmesh, reshard_after_forward=reshard and i < len(layers) - 1, **extra)
-    fully_shard(model, mesh=dmesh, reshard_after_forward=reshard, **extra)
+    fully_shard(model, mesh=dmesh, reshard_after_forward=reshard and not keep_root_gathered, **extra)
 
 
 @dataclass

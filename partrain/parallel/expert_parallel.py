@@ -46,6 +46,7 @@ from torch import nn
 
 from partrain.models.adapters import Adapter
 from partrain.parallel import moe_dispatch
+from partrain.parallel.compile import eager
 
 # ---- settings and the per-run state shared by the MoE layers ----------------------------------
 
@@ -308,7 +309,7 @@ class RoutedExperts(nn.Module):
             st[E : 2 * E] += (routing.counts - routing.kept).double().cpu()
             st[-1] += 1
         if extra is not None and torch.is_grad_enabled():
-            out = _AddLossGradient.apply(out, extra, self.runtime)
+            out = _AddLossGradient_eager(out, extra, self.runtime)
         return out
 
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -316,8 +317,8 @@ class RoutedExperts(nn.Module):
         gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
         if self.grad_factor != 1.0:
             gate_up, down = (
-                _ScaleGradient.apply(gate_up, self.grad_factor),
-                _ScaleGradient.apply(down, self.grad_factor),
+                _ScaleGradient_eager(gate_up, self.grad_factor),
+                _ScaleGradient_eager(down, self.grad_factor),
             )
         perm = moe_dispatch.by_local_expert(counts)
         xs = x[perm]
@@ -487,3 +488,8 @@ def sync_gradients(parts: Sequence[nn.Module], mesh) -> None:
     edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
     if size > 1:
         _sum_into(_local_grads(expert_parameters(parts)), edp, size)
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_AddLossGradient_eager = eager(_AddLossGradient.apply)
+_ScaleGradient_eager = eager(_ScaleGradient.apply)

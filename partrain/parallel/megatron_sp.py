@@ -41,6 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from partrain.parallel.compile import eager
+
 SEQ_DIM = 1
 """Sequence dimension of HF hidden states [batch, seq, hidden]."""
 
@@ -225,7 +227,7 @@ def install_block(block: nn.Module, names: Sequence[str], mesh: DeviceMesh, conv
             ps = c.local_params()
             params.extend(ps)
             has_bias.append(len(ps) == 2)
-        outs = _GatherColumns.apply(x, group, conv, tuple(has_bias), *params)
+        outs = _GatherColumns_eager(x, group, conv, tuple(has_bias), *params)
         for c, o in zip(cols, outs):
             c._out = o
         shape = list(x.shape)
@@ -253,7 +255,7 @@ class SequenceRowConv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.to_local()
         partial = (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[1])
-        local = ReduceScatterToSequence.apply(partial, self.group)
+        local = _ReduceScatterToSequence_eager(partial, self.group)
         out = DTensor.from_local(local, self.mesh, [Shard(SEQ_DIM)], run_check=False) + self.bias
         return out.to_local()
 
@@ -295,6 +297,12 @@ def scatter_positions(embedding: nn.Module, mesh: DeviceMesh) -> None:
     group = mesh.get_group()
 
     def hook(module, args, out):
-        return ScatterToSequence.apply(out, group)
+        return _ScatterToSequence_eager(out, group)
 
     embedding.register_forward_hook(hook)
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_GatherColumns_eager = eager(_GatherColumns.apply)
+_ReduceScatterToSequence_eager = eager(ReduceScatterToSequence.apply)
+_ScatterToSequence_eager = eager(ScatterToSequence.apply)

@@ -22,6 +22,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from partrain.parallel.compile import eager
+
 
 class AllToAll(torch.autograd.Function):
     """`all_to_all_single` with uneven splits; backward is the same exchange reversed."""
@@ -94,13 +96,13 @@ def dispatch(x: torch.Tensor, kept: torch.Tensor, group, ep: int):
     send = kept.view(ep, -1).sum(1).tolist()
     recv_counts = exchange_counts(kept, group, ep)
     recv = recv_counts.sum(1).tolist()
-    return AllToAll.apply(x, recv, send, group), recv_counts, (send, recv)
+    return _AllToAll_eager(x, recv, send, group), recv_counts, (send, recv)
 
 
 def combine(y: torch.Tensor, splits, group) -> torch.Tensor:
     """Return expert outputs to the ranks their tokens came from (inverse of `dispatch`)."""
     send, recv = splits
-    return AllToAll.apply(y, send, recv, group)
+    return _AllToAll_eager(y, send, recv, group)
 
 
 def by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -109,3 +111,7 @@ def by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     experts = torch.arange(local, device=recv_counts.device).repeat(ep)
     expert_of_row = torch.repeat_interleave(experts, recv_counts.reshape(-1))
     return torch.sort(expert_of_row, stable=True).indices
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_AllToAll_eager = eager(AllToAll.apply)

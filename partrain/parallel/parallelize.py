@@ -1,7 +1,7 @@
 """Shard this rank's share of the model on the meta device, in one documented order.
 
     meta model -> pipeline split (this rank's chunks) -> tensor parallel (and Megatron-SP)
-    -> context parallel (sp attention) -> expert parallel -> recompute
+    -> context parallel (sp attention) -> expert parallel -> recompute -> compile (each block)
     -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
 `partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
@@ -20,6 +20,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
 from partrain.parallel import data_parallel, expert_parallel
+from partrain.parallel.compile import apply_compile, compile_enabled
 from partrain.parallel.context_parallel import apply_sp, sequence_shard
 from partrain.parallel.recompute import apply_recompute
 from partrain.parallel.tensor_parallel import apply_tp
@@ -33,10 +34,14 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=
     if moe is not None:
         expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
+    if compile_enabled(v.run):
+        apply_compile(module, adapter, v.run.train.compile_backend)
     if data_parallel.uses_fsdp(p.zero_stage):
         if moe is not None:
             expert_parallel.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
-        data_parallel.apply_fsdp(module, adapter, mesh, p.zero_stage, v.run.train.precision)
+        data_parallel.apply_fsdp(
+            module, adapter, mesh, p.zero_stage, v.run.train.precision, v.run.train.loss_chunk_tokens > 0
+        )
 
 
 @dataclass

@@ -30,6 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from partrain.models.adapters import Adapter
+from partrain.parallel.compile import eager
 
 SELECTIVE_ATTENTION = "partrain_selective"
 """`config._attn_implementation` of attention modules whose core is recomputed (transformers' registry)."""
@@ -95,7 +96,7 @@ def _selective_attention(
     def core(q, k, v, mask):
         return fn(module, q, k, v, mask, **kwargs)[0]
 
-    return _RecomputeCore.apply(core, query, key, value, attention_mask), None
+    return _RecomputeCore_eager(core, query, key, value, attention_mask), None
 
 
 def register_selective_attention() -> None:
@@ -135,3 +136,7 @@ def apply_recompute(model: nn.Module, adapter: Adapter, policy: str, every: int 
             raise ValueError(f"unknown recompute policy {policy!r}")
         wrapped += 1
     return wrapped
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_RecomputeCore_eager = eager(_RecomputeCore.apply)

@@ -29,6 +29,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from partrain.parallel.compile import eager
+
 Tensor = torch.Tensor
 
 
@@ -382,7 +384,7 @@ def ring_attention(
     kernel = _pick_kernel(block_kernel, q)
     q, k, v = _autocast_inputs(q, k, v)
     with torch.autocast(q.device.type, enabled=False):  # the block math picks its own precision
-        return _RingAttention.apply(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
+        return _RingAttention_eager(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +476,12 @@ def ulysses_attention(
     q, k, v = _autocast_inputs(q, k, v)  # also halves the all-to-all bytes of fp32 rotary outputs
     r = _kv_repeat_for(heads, k.shape[1], sp)
     k, v = _repeat_heads(k, r), _repeat_heads(v, r)
-    qh, kh, vh = (_SeqToHead.apply(t, group, sp) for t in (q, k, v))
+    qh, kh, vh = (_SeqToHead_eager(t, group, sp) for t in (q, k, v))
     out = attention_fn(qh, kh, vh)
-    return _HeadToSeq.apply(out, group, sp)
+    return _HeadToSeq_eager(out, group, sp)
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_RingAttention_eager = eager(_RingAttention.apply)
+_SeqToHead_eager = eager(_SeqToHead.apply)
+_HeadToSeq_eager = eager(_HeadToSeq.apply)

@@ -51,6 +51,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from partrain.errors import ConfigError, Problem
 from partrain.models.adapters import Adapter
 from partrain.parallel import megatron_sp
+from partrain.parallel.compile import eager
 
 LAYER_WILDCARD = ".*."
 MOE_STYLES = ("packed_colwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts")
@@ -110,7 +111,7 @@ class ColumnParallelConv1D(nn.Module):
         _shard_param(self, "bias", mesh, bias_place)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTensorParallel.apply(x, self.group)
+        x = _CopyToTensorParallel_eager(x, self.group)
         w, b = self.weight.to_local(), self.bias.to_local()
         out = torch.addmm(b, x.reshape(-1, x.shape[-1]), w)
         return out.view(*x.shape[:-1], w.shape[1])
@@ -130,7 +131,7 @@ class RowParallelConv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight.to_local(), self.bias.to_local()
         partial = x.reshape(-1, x.shape[-1]) @ w
-        out = _ReduceFromTensorParallel.apply(partial, self.group) + b
+        out = _ReduceFromTensorParallel_eager(partial, self.group) + b
         return out.view(*x.shape[:-1], w.shape[1])
 
 
@@ -388,3 +389,8 @@ def loss_context(tp_size: int, use_loss_parallel: bool) -> Callable[[], ContextM
     if tp_size > 1 and use_loss_parallel:
         return loss_parallel
     return contextlib.nullcontext
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+_CopyToTensorParallel_eager = eager(_CopyToTensorParallel.apply)
+_ReduceFromTensorParallel_eager = eager(_ReduceFromTensorParallel.apply)

@@ -7,12 +7,14 @@ materialized, gradient sync and optimizer, and the engine that trains it (direct
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
 from partrain.blueprint.validate import ValidatedRun
-from partrain.models.loss import token_loss
+from partrain.models.chunked_loss import head_loss_sum, labelled_count
+from partrain.models.loss import forward_loss, token_loss
 from partrain.models.materialize import materialize
 from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.context_parallel import sequence_shard
@@ -47,13 +49,13 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
             dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
         shard = sequence_shard(mesh, run.parallel.sp_mode)
+        loss_fn = functools.partial(
+            shard.forward_loss if shard else forward_loss,
+            head_path=held.adapter.lm_head_path,
+            chunk_tokens=run.train.loss_chunk_tokens,
+        )
         engine = DirectEngine(
-            dp_model,
-            run.train.micro_batch_size,
-            run.train.precision,
-            device,
-            loss_ctx,
-            **({"forward_loss": shard.forward_loss} if shard else {}),
+            dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx, forward_loss=loss_fn
         )
         engine.moe = held.moe
         return engine
@@ -83,7 +85,7 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
         mesh["pp"],
         p.pp_schedule,
         v.microbatches,
-        shard.loss if shard else token_loss,
+        _stage_loss(stages, held.adapter, shard, run.train.loss_chunk_tokens),
         device,
         microbatch_size=run.train.micro_batch_size,
         seq_len=run.train.seq_len // mesh.size("sp"),
@@ -104,3 +106,20 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
     )
     engine.moe = held.moe
     return engine
+
+
+def _stage_loss(stages, adapter, shard, chunk_tokens: int):
+    """The pipeline's loss_fn(last stage output, labels): chunked head + cross-entropy when
+    `train.loss_chunk_tokens` > 0 (the last stage then returns the final-norm output), else the
+    plain token loss of the stage's logits (context parallelism: its sp-scaled loss)."""
+    last = [s for s in stages if s.is_last]
+    if chunk_tokens <= 0 or not last:
+        return shard.loss if shard else token_loss
+    last[0].head_in_loss = True
+    head = last[0].get_submodule(adapter.lm_head_path)
+
+    def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = head_loss_sum(head, hidden, labels, chunk_tokens)
+        return shard.scale_sum(total, labels) if shard else total / labelled_count(labels)
+
+    return loss_fn

@@ -13,6 +13,7 @@ from torch import nn
 from partrain.models.loss import forward_loss
 from partrain.parallel.data_parallel import DataParallelModel
 from partrain.parallel.grad_norm import clip_gradients
+from partrain.runtime.cuda_defaults import to_device
 
 
 def autocast_context(precision: str, device_type: str):
@@ -89,16 +90,16 @@ class DirectEngine:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
         """Gradients of the step's mean loss times `loss_scale` (fp16); returns the unscaled mean loss."""
         micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)  # read once: one device sync a step
         if self.moe is not None:
             self.moe.grad_scale = loss_scale / len(micro)  # the router losses weigh like the LM loss
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(x, self.device), to_device(y, self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(self.precision, self.device.type):
                     loss = self.forward_loss(self.dp.module, x, y)
                 (loss * (loss_scale / len(micro))).backward()
-            total += local_scalar(loss.detach()).float().cpu()
+            total += local_scalar(loss.detach()).float()
         self.dp.finish_gradients()
         return float(total) / len(micro)
 
@@ -117,7 +118,11 @@ class DirectEngine:
         total, count = torch.zeros((), dtype=torch.float32), 0
         for x, y in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)):
             with autocast_context(self.precision, self.device.type), self.loss_context():
-                total += local_scalar(self.forward_loss(module, x.to(self.device), y.to(self.device))).float().cpu()
+                total += (
+                    local_scalar(self.forward_loss(module, to_device(x, self.device), to_device(y, self.device)))
+                    .float()
+                    .cpu()
+                )
             count += 1
         module.train()
         return float(total) / count

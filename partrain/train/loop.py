@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.data import EvalBatches, TokenBatches
+from partrain.parallel.compile import compile_enabled, compile_errors
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import Engine
+from partrain.train.gpu_memory import step_memory_fields
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
 from partrain.train.lr_schedule import LRSchedule, set_lr
 from partrain.train.metrics import Events, MetricsWriter, log
@@ -149,6 +151,7 @@ class Trainer:
         # Sequence-parallel ranks hold parts of each loss (context_parallel.SequenceShard.loss): average over dp x sp.
         self.loss_group = mesh["dp_sp"].get_group()
         self.loss_size = mesh.size("dp_sp")
+        self.device = getattr(engine, "device", torch.device("cpu"))
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -159,7 +162,8 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
-        local_loss = self.engine.forward_backward(inputs, labels, scale)
+        with self._compile_errors():
+            local_loss = self.engine.forward_backward(inputs, labels, scale)
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
         if self.loss_scale:
             unscale_gradients(self.engine.model_parts, scale)
@@ -188,6 +192,10 @@ class Trainer:
             skipped=not stepped,
         )
 
+    def _compile_errors(self):
+        t = self.cfg.train
+        return compile_errors(compile_enabled(self.cfg), t.compile_backend)
+
     def _group(self, name: str):
         return self.mesh[name].get_group() if self.mesh.size(name) > 1 else None
 
@@ -197,7 +205,8 @@ class Trainer:
         values = []
         for i in range(self.cfg.train.eval_batches):
             inputs, labels = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
-            values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels)))
+            with self._compile_errors():
+                values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels)))
         return _mean_over(sum(values) / len(values), self.loss_group, self.loss_size)
 
     # -- the run -------------------------------------------------------------------------------
@@ -230,6 +239,7 @@ class Trainer:
             }
             if result.loss_scale is not None:
                 record.update(loss_scale=result.loss_scale, skipped=result.skipped)
+            record.update(step_memory_fields(self.device))  # CUDA: per-rank peak allocated / reserved
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             if self.is_main:  # rank 0's peak memory: metrics.jsonl, the trackers (memory/peak_bytes), the log line

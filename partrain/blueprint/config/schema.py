@@ -321,6 +321,16 @@ class TrainConfig:
     mlflow_tracking_uri: str = ""
     """Where mlflow logs (a server URL, or file:/path for a local store); empty = mlflow's own default
     (MLFLOW_TRACKING_URI, else ./mlruns)."""
+    loss_chunk_tokens: int = 4096
+    """Output head + cross-entropy computed over chunks of about this many tokens (per microbatch), so
+    the [tokens x vocab] fp32 logits never exist whole (each chunk's logits are recomputed in backward:
+    the head's matmul runs once more). 0 = off: one head call over the whole microbatch, as HF does."""
+    compile: str = "auto"
+    """torch.compile each decoder block: auto (on for CUDA, off for CPU, where inductor's C++ build is
+    slow), true or false. One graph serves every block; compiling happens at the first step."""
+    compile_backend: str = "inductor"
+    """torch.compile backend when compiling: inductor (generated kernels), or aot_eager / eager (trace
+    only, no code generation: quick, used by the CPU tests and to tell tracing from inductor failures)."""
 
 
 @dataclass

@@ -228,6 +228,8 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
     core = dense * s.layer_flops[False][1] + (r.sparse * s.layer_flops[True][1] if r.sparse else 0.0)
     head = head_forward_flops(spec.facts, s.tokens) / spec.tp if r.last else 0.0
     hw = 3 * (layers + head)
+    if r.last and spec.loss_chunked(s.tokens):
+        hw += head  # the chunked loss recomputes each chunk's logits in backward
     if spec.recompute == "full":
         hw += layers * s.passes_extra
     elif spec.recompute == "selective":

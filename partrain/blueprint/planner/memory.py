@@ -384,7 +384,7 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
     """Saved bytes outside the decoder layers for one microbatch on one rank: token ids (and GPT-2
     positions, embedding dropout mask) on the first chunk; rotary cos/sin on every chunk (Llama);
     final norm, head input, fp32 log-softmax of the logits (vocabulary-parallel: /tp) and labels on
-    the last chunk."""
+    the last chunk; with the chunked loss (`spec.loss_chunked`) only the final norm and the labels."""
     f, x = spec.facts, spec.extras
     d = dt or dtypes(spec.precision, spec.mixed)
     h, tp = f.hidden, spec.tp
@@ -402,7 +402,10 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
             out += tokens * (h * d.resid + 8) / div
         else:
             out += tokens * (2 * h * d.resid + 4) / div
-        out += tokens * h * d.compute + tokens * f.vocab / tp * 4 + tokens * 8 + 4
+        if spec.loss_chunked(tokens):  # checkpointed chunks keep only the head input (counted above)
+            out += tokens * 8 + 4
+        else:
+            out += tokens * h * d.compute + tokens * f.vocab / tp * 4 + tokens * 8 + 4
         if d.autocast_copies and spec.zero_stage < 2:
             out += f.vocab / tp * h * d.compute  # autocast's 16-bit copy of the head weight
     return out

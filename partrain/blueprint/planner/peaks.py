@@ -4,7 +4,9 @@ phases hold: sp attention buffers, FSDP's gathered parameters and unsharded grad
 
 partrain's microbatch (train.engine): forward and loss under torch.autocast, then the backward
 outside it. The loss (`models.loss.token_loss`) is cross-entropy on `logits.float()`, i.e.
-log_softmax (its fp32 output is saved: `memory.end_activations`) and nll_loss.
+log_softmax (its fp32 output is saved: `memory.end_activations`) and nll_loss. With the chunked
+loss (`train.loss_chunk_tokens`, `models.chunked_loss`) every figure below is one chunk's, and the
+chunk's log-softmax output is transient: each chunk is checkpointed and recomputed in backward.
 
 - Forward, last rank: the logits in the compute dtype and their fp32 copy, alive while log_softmax
   writes its output.
@@ -29,13 +31,20 @@ from partrain.blueprint.planner.spec import PlanSpec
 
 def loss_forward_bytes(spec: PlanSpec, tokens: float, compute: int) -> float:
     """Logits in the compute dtype plus their fp32 copy (none when they already are fp32), per rank
-    (vocabulary-parallel logits: /tp)."""
+    (vocabulary-parallel logits: /tp). Chunked loss: one chunk's, plus its log-softmax output
+    (freed with the chunk instead of being saved, `memory.end_activations`)."""
     per_logit = compute + (4 if compute != 4 else 0)
+    if spec.loss_chunked(tokens):
+        return spec.loss_chunk(tokens) * spec.facts.vocab / spec.tp * (per_logit + 4)
     return tokens * spec.facts.vocab / spec.tp * per_logit
 
 
-def loss_backward_bytes(spec: PlanSpec, tokens: float) -> float:
-    """fp32 gradients of the log-softmax output and of the logits, per rank."""
+def loss_backward_bytes(spec: PlanSpec, tokens: float, compute: int = 4) -> float:
+    """fp32 gradients of the log-softmax output and of the logits, per rank. Chunked loss: one
+    chunk's, while that chunk's recomputed logits, fp32 copy and log-softmax output are held."""
+    if spec.loss_chunked(tokens):
+        per_logit = compute + (4 if compute != 4 else 0) + 4 + 2 * 4
+        return spec.loss_chunk(tokens) * spec.facts.vocab / spec.tp * per_logit
     return tokens * spec.facts.vocab / spec.tp * 2 * 4
 
 
@@ -88,7 +97,7 @@ def backward_transient(spec: PlanSpec, r: PipelineRank, s) -> float:
     """Bytes beyond the saved activations at the backward's peak: the loss gradients (last rank)
     or, later, one fully recomputed layer's activations (the loss gradients are freed by then)."""
     recomputed = max(s.acts[k][1] for k in s.acts) if spec.recompute == "full" and r.layers else 0.0
-    return max(recomputed, loss_backward_bytes(spec, s.tokens) if r.last else 0.0)
+    return max(recomputed, loss_backward_bytes(spec, s.tokens, s.dt.compute) if r.last else 0.0)
 
 
 def phase_transient(spec: PlanSpec, r: PipelineRank, s) -> float:

@@ -225,6 +225,7 @@ def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> Pla
         mixed=mixed,
         dp_overlap=dp_overlap,
         moe_capacity_factor=run.parallel.moe_capacity_factor,
+        loss_chunk_tokens=run.train.loss_chunk_tokens,
     )
 
 

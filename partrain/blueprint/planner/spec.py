@@ -206,6 +206,19 @@ class PlanSpec:
     """parallel.dp_bucket_mb: one alpha per ring step per bucket."""
     ps_servers: int = 1
     """parallel.ps_servers (parameter-server)."""
+    loss_chunk_tokens: int = 0
+    """train.loss_chunk_tokens: the head and loss run over chunks of this many tokens (0 = whole)."""
+
+    def loss_chunk(self, tokens: float) -> float:
+        """Tokens whose logits exist at once on a rank for a microbatch of `tokens` tokens: the
+        runtime's chunk (chunk_tokens // micro batch positions per row), or all of them."""
+        if self.loss_chunk_tokens <= 0:
+            return tokens
+        return min(tokens, self.mbs * max(1, self.loss_chunk_tokens // max(1, self.mbs)))
+
+    def loss_chunked(self, tokens: float) -> bool:
+        """More than one chunk: the runtime checkpoints each chunk (nothing of the loss is saved)."""
+        return self.loss_chunk(tokens) < tokens
 
     @property
     def world(self) -> int:
@@ -306,4 +319,5 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         dp_sync=p.dp_sync,
         dp_bucket_mb=p.dp_bucket_mb,
         ps_servers=p.ps_servers,
+        loss_chunk_tokens=t.loss_chunk_tokens,
     )

@@ -21,6 +21,7 @@ from partrain.blueprint.stage_split import (
 from partrain.parallel.pipeline.stage import unwrap_ddp
 from partrain.parallel.pipeline.tied_weights import all_reduce_grads, tied_weight_sync
 from partrain.parallel.pipeline.timing import StepTiming
+from partrain.runtime.cuda_defaults import to_device
 
 
 def _group_of(pp: Any) -> Optional[dist.ProcessGroup]:
@@ -214,13 +215,13 @@ class PipelineRunner:
             if inputs is None:
                 raise ValueError(f"pp rank {self.pp_rank} runs the first chunk and needs the inputs")
             self._check_batch(inputs)
-            args = (inputs.to(self.device),)
+            args = (to_device(inputs, self.device),)
         target = None
         if self.has_last:
             if labels is None:
                 raise ValueError(f"pp rank {self.pp_rank} runs the last chunk and needs the labels")
             self._check_batch(labels)
-            target = labels.to(self.device)
+            target = to_device(labels, self.device)
         losses: List[torch.Tensor] = []
         self.timing = StepTiming()
         t0 = time.perf_counter()
@@ -251,10 +252,10 @@ class PipelineRunner:
         mine = dict(zip(self.chunk_indices, self.modules))
         if self.has_first:
             self._check_batch(inputs)
-            xs = inputs.to(self.device).chunk(self.n_microbatches)
+            xs = to_device(inputs, self.device).chunk(self.n_microbatches)
         if self.has_last:
             self._check_batch(labels)
-            ys = labels.to(self.device).chunk(self.n_microbatches)
+            ys = to_device(labels, self.device).chunk(self.n_microbatches)
         b, s, hidden = self._io_shape
         total = torch.zeros((), dtype=torch.float64)
         for mb in range(self.n_microbatches):

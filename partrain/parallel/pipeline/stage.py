@@ -33,6 +33,9 @@ class PipelineStageModule(nn.Module):
         """Full sequence length when activations are sequence-sharded (SP); None = from the input."""
         self.position_ids: Optional[torch.Tensor] = None
         """[1, local seq] global positions of this rank's tokens under context parallelism (apply_sp)."""
+        self.head_in_loss = False
+        """Last chunk: return the final-norm output and leave the head to the loss (chunked loss,
+        `train.loss_chunk_tokens`), so the stage never materialises the whole logits."""
 
         base_prefix = adapter.base_prefix
         base = full.get_submodule(base_prefix)
@@ -90,7 +93,7 @@ class PipelineStageModule(nn.Module):
             x = torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta")
         else:
             x = torch.empty(microbatch_size, seq_len, hidden, dtype=dtype, device="meta", requires_grad=True)
-        out_dim = vocab if self.is_last else hidden
+        out_dim = vocab if self.is_last and not self.head_in_loss else hidden
         y = torch.empty(microbatch_size, seq_len, out_dim, dtype=dtype, device="meta", requires_grad=True)
         return x, y
 
@@ -122,7 +125,8 @@ class PipelineStageModule(nn.Module):
                 h = h[0]
         if self.is_last:
             h = self.get_submodule(adapter.final_norm_path)(h)
-            h = self.get_submodule(adapter.lm_head_path)(h)
+            if not self.head_in_loss:
+                h = self.get_submodule(adapter.lm_head_path)(h)
         return h
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
