@@ -20,6 +20,7 @@ from partrain.blueprint.config.schema import (
     DEVICES,
     FSDP_GRAD_SYNC,
     PP_SCHEDULES,
+    PARAM_DTYPES,
     PRECISIONS,
     RECOMPUTE,
     SP_MODES,
@@ -70,6 +71,7 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         ("parallel.recompute", p.recompute, RECOMPUTE),
         ("parallel.fsdp_grad_sync", p.fsdp_grad_sync, FSDP_GRAD_SYNC),
         ("train.precision", t.precision, PRECISIONS),
+        ("train.param_dtype", t.param_dtype, PARAM_DTYPES),
         ("cluster.device", cl.device, DEVICES),
         ("cluster.backend", cl.backend, BACKENDS),
         ("optim.name", run.optim.name, ("adamw",)),
@@ -89,6 +91,13 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         list(p.order),
         f"must list each of {', '.join(AXES)} once",
         f"e.g. parallel.order=[{','.join(AXES)}]",
+    )
+    c.check(
+        not (t.param_dtype == "16bit" and t.precision == "fp32"),
+        "train.param_dtype",
+        t.param_dtype,
+        "16bit parameters need a 16-bit train.precision",
+        "set train.precision=bf16 (or fp16), or train.param_dtype=auto",
     )
     if cl.backend == "nccl":
         c.check(

@@ -159,6 +159,8 @@ class Trainer:
         stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
         if stepped:
             optimizer.step()
+        else:  # 16-bit parameters exposing fp32 gradients get their values back (master_weights)
+            optimizer.zero_grad(set_to_none=True)
         loss_value = loss_mean()
         if not self.state.model_state_bytes and stepped:
             # Optimizer state exists only after the first step: measure with it.

@@ -19,6 +19,7 @@ SP_MODES = ("ulysses", "ring")
 RECOMPUTE = ("none", "selective", "full")
 FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
 PRECISIONS = ("fp32", "bf16", "fp16")
+PARAM_DTYPES = ("auto", "fp32", "16bit")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
 
@@ -180,6 +181,13 @@ class TrainConfig:
     """Optimizer steps to train."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
+    param_dtype: str = "auto"
+    """bf16/fp16 under zero_stage 0/1: what the model's parameters are. fp32 = fp32 weights and gradients,
+    torch.autocast makes 16-bit copies per op (4+4+8 bytes/param); 16bit = parameters in the 16-bit
+    dtype, gradients accumulated in an fp32 buffer, fp32 master weights and Adam state in the optimizer,
+    sharded over dp under ZeRO-1 (Megatron's mixed precision: 2+4+12/N bytes/param, no weight copies).
+    auto = 16bit on cuda, fp32 on cpu (where 16-bit matmuls are slow anyway). zero_stage 2/3 always run
+    FSDP2's MixedPrecisionPolicy (16-bit compute copies of fp32 shards) whatever this says."""
     seed: int = 1234
     """Seed for weights, data order and dropout; every layout starts from the same weights."""
     run_dir: str = ""
