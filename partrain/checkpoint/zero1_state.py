@@ -79,7 +79,8 @@ def full_state(parts: Sequence[nn.Module], optimizer) -> Dict[str, Any]:
         for fqn, p, offset in entries:
             for name in STATE_NAMES:
                 piece = local(p)
-                flat[f"state.{fqn}.{name}"] = like(p, gathered[name][offset : offset + piece.numel()].view_as(piece).clone())
+                value = gathered[name][offset : offset + piece.numel()].view_as(piece).clone()
+                flat[f"state.{fqn}.{name}"] = like(p, value)
             flat[f"state.{fqn}.step"] = step.detach().clone()
         for fqn, _, _ in entries:
             for k, v in _hyper(optimizer, gi).items():

@@ -246,7 +246,8 @@ def wrap(model: nn.Module, mesh, zero_stage: int, optim_cfg, precision: str):
     from partrain.parallel.data_parallel import DataParallelModel
     from partrain.parallel.optimizer import param_groups
 
-    optimizer = make_master_optimizer(param_groups(model, optim_cfg.weight_decay), mesh, zero_stage, optim_cfg, precision)
+    groups = param_groups(model, optim_cfg.weight_decay)
+    optimizer = make_master_optimizer(groups, mesh, zero_stage, optim_cfg, precision)
     return DataParallelModel(
         model, model, optimizer, lambda last: contextlib.nullcontext(), finish_gradients=optimizer.finish_gradients
     )
