@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import List
 
+from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 
 # Flipped to True by the module that implements each technique (kept here, one place to read).
@@ -20,7 +21,8 @@ IMPLEMENTED = {
     "recompute": True,
     "checkpoint": True,
     "fp16": True,
-    "zero1-tp": False,
+    "zero1-tp": True,
+    "master-weights-ep": False,
     "tp-sp-learned-positions": True,
     "sp-sliding-window": False,
     "sp-ring-dropout": False,
@@ -28,7 +30,8 @@ IMPLEMENTED = {
 
 
 def zero1_with_tp_unsupported(zero_stage: int, tp: int) -> bool:
-    """ZeRO-1's flat sharded optimizer does not take tensor-parallel DTensors yet (the search asks too)."""
+    """Whether ZeRO-1 with tensor parallelism is refused (the search's pre-pruning asks too). Both ZeRO-1
+    optimizers shard the local tensors of DTensor parameters now, so never."""
     return zero_stage == 1 and tp > 1 and not IMPLEMENTED["zero1-tp"]
 
 
@@ -44,6 +47,10 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "zero1-tp": (
             zero1_with_tp_unsupported(p.zero_stage, layout.tp),
             "parallel.zero_stage=1 (ZeRO-1 together with tensor parallelism)",
+        ),
+        "master-weights-ep": (
+            layout.ep > 1 and run_uses_master_weights(v),
+            "train.param_dtype=16bit with parallel.ep > 1 (expert shards keep the autocast runtime; use fp32)",
         ),
         "tp-sp-learned-positions": (
             p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,

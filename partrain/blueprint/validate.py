@@ -61,7 +61,7 @@ def _choice_fix(key: str, value, allowed) -> str:
 
 
 def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
-    p, cl = run.parallel, run.cluster
+    p, t, cl = run.parallel, run.train, run.cluster
     for key, allowed in CHOICES.items():
         section, _, name = key.partition(".")
         value = getattr(getattr(run, section), name)
@@ -81,6 +81,13 @@ def _check_choices(c: ProblemCollector, run: RunConfig) -> None:
         list(p.order),
         f"must list each of {', '.join(AXES)} once",
         f"e.g. parallel.order=[{','.join(AXES)}]",
+    )
+    c.check(
+        not (t.param_dtype == "16bit" and t.precision == "fp32"),
+        "train.param_dtype",
+        t.param_dtype,
+        "16bit parameters need a 16-bit train.precision",
+        "set train.precision=bf16 (or fp16), or train.param_dtype=auto",
     )
     if cl.backend == "nccl":
         c.check(

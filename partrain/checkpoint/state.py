@@ -18,6 +18,8 @@ model parts merges by plain dict union.
 Three cases `torch.distributed.checkpoint.state_dict` does not cover are handled here:
 
 - ZeRO-1 (`ShardedOptimizer`): see `zero1.py` (same keys, full per-parameter tensors).
+- 16-bit parameters (`MasterWeightOptimizer`): its Adam state as ZeRO-1's, and the model section
+  holds its fp32 master weights (not the 16-bit parameters), so a resume is exact under any layout.
 - One optimizer over several pipeline stage modules: torch's functions want one module that owns
   all of the optimizer's parameters; `_optimizer_state_by_fqn` does the same id -> FQN mapping over
   all parts.
@@ -47,6 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from partrain.checkpoint import zero1_state as zero1
 from partrain.models.shards import copy_local_shard, param_fqns
 from partrain.parallel.expert_optimizer import ExpertSplitOptimizer
+from partrain.parallel.master_weights import MasterWeightOptimizer
 from partrain.parallel.zero1_optimizer import ShardedOptimizer
 
 MODEL = "model"
@@ -99,7 +102,7 @@ def optimizer_state(parts: Sequence[nn.Module], optimizer: Any, template: bool =
             **optimizer.experts.full_state(param_fqns(parts), template),
         }
     optimizers = _optimizers(parts, optimizer)
-    if isinstance(optimizers[0], ShardedOptimizer):
+    if isinstance(optimizers[0], (ShardedOptimizer, MasterWeightOptimizer)):
         if len(optimizers) != 1:
             raise ValueError("pass one ShardedOptimizer for all model parts")
         return zero1.empty_full_state(parts, optimizers[0]) if template else zero1.full_state(parts, optimizers[0])
@@ -121,7 +124,7 @@ def set_optimizer_state(parts: Sequence[nn.Module], optimizer: Any, state: Dict[
         optimizer.experts.load_full_state(param_fqns(parts), state)
         return
     optimizers = _optimizers(parts, optimizer)
-    if isinstance(optimizers[0], ShardedOptimizer):
+    if isinstance(optimizers[0], (ShardedOptimizer, MasterWeightOptimizer)):
         zero1.load_full_state(parts, optimizers[0], state)
     elif len(optimizers) == len(parts):
         for part, opt in zip(parts, optimizers):
@@ -271,13 +274,16 @@ def for_dcp(sections: Dict[str, Dict[str, Any]], for_save: bool) -> RankState:
 
 def rank_state(parts: Sequence[nn.Module], optimizer: Any, for_save: bool) -> RankState:
     """{"model": ..., "optim": ...} for this rank, ready for dcp.save / dcp.load."""
-    return for_dcp(
-        {MODEL: model_state(parts), OPTIM: optimizer_state(parts, optimizer, template=not for_save)}, for_save
-    )
+    model = model_state(parts)
+    if isinstance(optimizer, MasterWeightOptimizer):  # 16-bit parameters: save and load the fp32 masters
+        model.update(optimizer.master_model_state(param_fqns(parts), template=not for_save))
+    return for_dcp({MODEL: model, OPTIM: optimizer_state(parts, optimizer, template=not for_save)}, for_save)
 
 
 def apply_loaded(parts: Sequence[nn.Module], optimizer: Any, loaded: RankState) -> None:
     """After dcp.load filled `loaded`: slice gathered tensors back and set model and optimizer state."""
     loaded.finish_load()
     set_model_state(parts, loaded.state[MODEL])
+    if isinstance(optimizer, MasterWeightOptimizer):
+        optimizer.load_master_model_state(param_fqns(parts), loaded.state[MODEL])
     set_optimizer_state(parts, optimizer, loaded.state[OPTIM])

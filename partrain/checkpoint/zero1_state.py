@@ -14,7 +14,10 @@ state is not keyed by parameter, so `get_optimizer_state_dict` cannot describe i
 - `load_full_state` keeps this rank's slice of the loaded full tensors and hands it to the inner
   optimizer (`load_state_dict`), so any layout's checkpoint resumes under ZeRO-1 and back.
 
-Only public attributes of ShardedOptimizer are used (groups, inner, rank, world, group).
+Tensor-parallel parameters (DTensors) are flattened as their local shards; their state tensors are
+DTensors shaped and placed like the parameter, so DCP reassembles them for any other layout.
+Only public attributes of ShardedOptimizer are used (groups, inner, rank, world, group), which
+`partrain.parallel.master_weights.MasterWeightOptimizer` has too (its "flat" is the fp32 gradient buffer).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partrain.models.shards import param_fqns
+from partrain.parallel.local_tensors import like, local
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 """Per-element state of the inner optimizer (AdamW); `step` is one scalar per group."""
@@ -42,7 +46,7 @@ def _layout(
             if id(p) not in names:
                 raise ValueError("the ZeRO-1 optimizer holds a parameter that none of the model parts has")
             entries.append((names[id(p)], p, offset))
-            offset += p.numel()
+            offset += local(p).numel()
         yield gi, g, entries
 
 
@@ -74,7 +78,9 @@ def full_state(parts: Sequence[nn.Module], optimizer) -> Dict[str, Any]:
         step = state.get("step", torch.zeros((), dtype=torch.float32))
         for fqn, p, offset in entries:
             for name in STATE_NAMES:
-                flat[f"state.{fqn}.{name}"] = gathered[name][offset : offset + p.numel()].view_as(p).clone()
+                piece = local(p)
+                value = gathered[name][offset : offset + piece.numel()].view_as(piece).clone()
+                flat[f"state.{fqn}.{name}"] = like(p, value)
             flat[f"state.{fqn}.step"] = step.detach().clone()
         for fqn, _, _ in entries:
             for k, v in _hyper(optimizer, gi).items():
@@ -88,7 +94,8 @@ def empty_full_state(parts: Sequence[nn.Module], optimizer) -> Dict[str, Any]:
     for gi, g, entries in _layout(parts, optimizer):
         for fqn, p, _ in entries:
             for name in STATE_NAMES:
-                flat[f"state.{fqn}.{name}"] = torch.zeros(p.shape, dtype=g["flat"].dtype, device=g["flat"].device)
+                zeros = torch.zeros(local(p).shape, dtype=g["flat"].dtype, device=g["flat"].device)
+                flat[f"state.{fqn}.{name}"] = like(p, zeros)
             flat[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
             for k, v in _hyper(optimizer, gi).items():
                 flat[f"param_groups.{fqn}.{k}"] = v
@@ -107,7 +114,7 @@ def load_full_state(parts: Sequence[nn.Module], optimizer, flat: Dict[str, Any])
         }
         steps = set()
         for fqn, p, offset in entries:
-            start, end = max(lo, offset), min(hi, offset + p.numel())
+            start, end = max(lo, offset), min(hi, offset + local(p).numel())
             steps.add(float(flat[f"state.{fqn}.step"]))
             if start >= end:
                 continue
@@ -117,7 +124,7 @@ def load_full_state(parts: Sequence[nn.Module], optimizer, flat: Dict[str, Any])
                     raise ValueError(
                         f"optimizer state {fqn}.{name} has shape {tuple(full.shape)}, the parameter {tuple(p.shape)}"
                     )
-                slices[name][start - lo : end - lo] = full.reshape(-1)[start - offset : end - offset]
+                slices[name][start - lo : end - lo] = local(full).reshape(-1)[start - offset : end - offset]
         if len(steps) > 1:
             raise ValueError(f"parameters of one ZeRO-1 group were saved at different optimizer steps {sorted(steps)}")
         step = steps.pop() if steps else 0.0

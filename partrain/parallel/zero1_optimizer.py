@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.parallel.local_tensors import like, local
+
 
 class ShardedOptimizer:
     """Wraps an optimizer class so that its state covers only this rank's slice of each group."""
@@ -28,14 +30,16 @@ class ShardedOptimizer:
         shard_groups = []
         for spec in param_groups:
             params: List[nn.Parameter] = [p for p in spec["params"] if p.requires_grad]
-            numel = sum(p.numel() for p in params)
+            # Tensor-parallel DTensors: each rank flattens its local shards (ZeRO-1 over dp of each tp rank).
+            numel = sum(local(p).numel() for p in params)
             per_rank = -(-numel // self.world)
             flat = torch.zeros(per_rank * self.world, dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in params:
-                flat[offset : offset + p.numel()] = p.detach().reshape(-1)
-                p.data = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+                piece = local(p.detach())
+                flat[offset : offset + piece.numel()] = piece.reshape(-1)
+                p.data = like(p, flat[offset : offset + piece.numel()].view_as(piece))
+                offset += piece.numel()
             shard = nn.Parameter(flat[self.rank * per_rank : (self.rank + 1) * per_rank])
             self.groups.append({"params": params, "numel": numel, "per_rank": per_rank, "shard": shard, "flat": flat})
             shard_groups.append({**{k: v for k, v in spec.items() if k != "params"}, "params": [shard]})
@@ -82,10 +86,10 @@ def _copy_range(params: List[torch.Tensor], lo: int, hi: int, out: torch.Tensor,
     """Copy elements [lo, hi) of the concatenation of params (or their grads) into out[:hi-lo]."""
     offset = 0
     for p in params:
-        n = p.numel()
+        n = local(p).numel()
         start, end = max(lo, offset), min(hi, offset + n)
         if start < end:
             src = p.grad if use_grad else p
             if src is not None:
-                out[start - lo : end - lo] = src.reshape(-1)[start - offset : end - offset]
+                out[start - lo : end - lo] = local(src).reshape(-1)[start - offset : end - offset]
         offset += n

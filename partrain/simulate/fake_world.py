@@ -92,7 +92,7 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     elapsed = time.perf_counter() - started
 
     spec = spec_from_validated(v, mixed="autocast")
-    d = dtypes(spec.precision, spec.mixed)
+    d = dtypes(spec.precision, spec.style)
     p_el, g_el, o_el = predicted_rank_elements(spec, lay, rank)
     param_bytes = sum(p.bytes for p in params)
     param_elements = sum(math.prod(p.local_shape) for p in params)

@@ -12,11 +12,12 @@ from dataclasses import replace
 
 import torch
 
+from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 from partrain.models.chunked_loss import head_loss_sum, labelled_count
 from partrain.models.loss import forward_loss, token_loss
 from partrain.models.materialize import materialize
-from partrain.parallel import data_parallel, expert_parallel
+from partrain.parallel import data_parallel, expert_parallel, master_weights
 from partrain.parallel.context_parallel import sequence_shard
 from partrain.parallel.dp_sync.counter import CommCounter
 from partrain.parallel.dp_sync.setup import SyncSettings, flat_strategy, sync_flat
@@ -32,19 +33,25 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
     run = v.run
     loss_ctx = loss_context(mesh.size("tp"), use_loss_parallel=True)
     held = shard_on_meta(v, mesh)
+    master = run_uses_master_weights(v)
+    # 16-bit parameters compute in their own dtype: autocast (the engines' precision) stays off.
+    autocast = "fp32" if master else run.train.precision
     if mesh.size("pp") == 1:
         model = held.model
         materialize(model, run.model, run.train.seed, device)
         shard_embedding_gradient(model, held.adapter)
         model.train()
-        dp_model = data_parallel.wrap(
-            model,
-            mesh,
-            run.parallel.zero_stage,
-            run.optim,
-            run.parallel.fsdp_grad_sync,
-            SyncSettings.of(run.parallel),
-        )
+        if master:
+            dp_model = master_weights.wrap(model, mesh, run.parallel.zero_stage, run.optim, run.train.precision)
+        else:
+            dp_model = data_parallel.wrap(
+                model,
+                mesh,
+                run.parallel.zero_stage,
+                run.optim,
+                run.parallel.fsdp_grad_sync,
+                SyncSettings.of(run.parallel),
+            )
         if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
             dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
@@ -54,15 +61,15 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             head_path=held.adapter.lm_head_path,
             chunk_tokens=run.train.loss_chunk_tokens,
         )
-        engine = DirectEngine(
-            dp_model, run.train.micro_batch_size, run.train.precision, device, loss_ctx, forward_loss=loss_fn
-        )
+        engine = DirectEngine(dp_model, run.train.micro_batch_size, autocast, device, loss_ctx, forward_loss=loss_fn)
         engine.moe = held.moe
         return engine
-    return _pipeline_engine(v, mesh, device, held, loss_ctx)
+    return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
 
 
-def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, held: RankModules, loss_ctx):
+def _pipeline_engine(
+    v: ValidatedRun, mesh: ParallelMesh, device: torch.device, held: RankModules, loss_ctx, autocast: str
+):
     run, p = v.run, v.run.parallel
     pp, vstages = mesh.size("pp"), p.pp_virtual_stages
     stages, chunks = held.modules, held.chunks
@@ -71,7 +78,13 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
         shard_embedding_gradient(stage, held.adapter)
         stage.train()
     groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
-    optimizer = make_optimizer(groups, mesh, p.zero_stage, run.optim)
+    master = autocast != run.train.precision
+    if master:  # torch's schedule accumulates the stages' gradients itself: no hooks (master_weights)
+        optimizer = master_weights.make_master_optimizer(
+            groups, mesh, p.zero_stage, run.optim, run.train.precision, hooks=False
+        )
+    else:
+        optimizer = make_optimizer(groups, mesh, p.zero_stage, run.optim)
     fsdp = data_parallel.uses_fsdp(p.zero_stage)
     dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
     # DTensor activations (sequence parallel) and autocast change what flows between stages:
@@ -101,9 +114,9 @@ def _pipeline_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device, 
         sync = lambda: sync_flat(stages, strategy)
     if dp_group and mesh.size("ep") > 1:
         sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
-    engine = PipelineEngine(
-        runner, optimizer, stages, mesh["pp"].get_group(), run.train.precision, device, loss_ctx, sync
-    )
+    if master:
+        sync = optimizer.finish_gradients
+    engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), autocast, device, loss_ctx, sync)
     engine.moe = held.moe
     return engine
 

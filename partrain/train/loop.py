@@ -172,6 +172,8 @@ class Trainer:
         stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
         if stepped:
             optimizer.step()
+        else:  # 16-bit parameters exposing fp32 gradients get their values back (master_weights)
+            optimizer.zero_grad(set_to_none=True)
         self.schedule.step()  # also after a skipped fp16 step: the schedule follows the step count
         loss_value = loss_mean()
         if not self.state.model_state_bytes and stepped:

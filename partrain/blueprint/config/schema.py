@@ -21,6 +21,7 @@ FSDP_GRAD_SYNC = ("every_microbatch", "last_microbatch")
 DP_SYNC = ("allreduce", "ring", "hierarchical", "parameter-server")
 PS_PLACEMENTS = ("colocated", "dedicated")
 PRECISIONS = ("fp32", "bf16", "fp16")
+PARAM_DTYPES = ("auto", "fp32", "16bit")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adamw", "sgd")
@@ -36,6 +37,7 @@ CHOICES = {
     "parallel.fsdp_grad_sync": FSDP_GRAD_SYNC,
     "train.precision": PRECISIONS,
     "checkpoint.export_dtype": PRECISIONS,
+    "train.param_dtype": PARAM_DTYPES,
     "cluster.device": DEVICES,
     "cluster.backend": BACKENDS,
     "optim.name": OPTIMIZERS,
@@ -288,6 +290,13 @@ class TrainConfig:
     """Optimizer steps to train."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
+    param_dtype: str = "auto"
+    """bf16/fp16 under zero_stage 0/1: what the model's parameters are. fp32 = fp32 weights and gradients,
+    torch.autocast makes 16-bit copies per op (4+4+8 bytes/param); 16bit = parameters in the 16-bit
+    dtype, gradients accumulated in an fp32 buffer, fp32 master weights and Adam state in the optimizer,
+    sharded over dp under ZeRO-1 (Megatron's mixed precision: 2+4+12/N bytes/param, no weight copies).
+    auto = 16bit on cuda, fp32 on cpu (where 16-bit matmuls are slow anyway). zero_stage 2/3 always run
+    FSDP2's MixedPrecisionPolicy (16-bit compute copies of fp32 shards) whatever this says."""
     seed: int = 1234
     """Seed for weights, data order and dropout; every layout starts from the same weights."""
     run_dir: str = ""

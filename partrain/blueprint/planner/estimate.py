@@ -191,7 +191,8 @@ def _grad_sync_buffer(spec: PlanSpec, grad_bytes: float, backward_extra: float) 
     gradients for the whole run (gradient_as_bucket_view is off). Otherwise the gradients are
     all-reduced in one flat copy after the backward, when the activations are already freed: it
     raises the peak only where it is larger than what the backward held above the states."""
-    if spec.zero_stage >= 2 or spec.dp * spec.sp == 1 or spec.mixed == "zero":  # the paper's accounting has none
+    # The paper's accounting has none; 16-bit parameters reduce their fp32 gradient buffer in place.
+    if spec.zero_stage >= 2 or spec.dp * spec.sp == 1 or spec.style != "autocast":
         return 0.0
     if spec.tp == 1 and spec.pp == 1 and spec.ep == 1:
         return grad_bytes
@@ -378,7 +379,7 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
             "link_bandwidths_gbps": {
                 link: {op: cl.bw(link, op) / GB for op in COMM_OPS} for link in ("intra", "inter")
             },
-            "mixed_precision": spec.mixed if spec.precision != "fp32" else "fp32",
+            "mixed_precision": spec.style if spec.precision != "fp32" else "fp32",
             "accounting": "paper" if spec.mixed == "zero" else "runtime",
             "bytes_per_param": {"params": s.dt.param, "grads": s.dt.grad, "optimizer": s.dt.optim},
             "usable_memory_fraction": USABLE_MEMORY_FRACTION,
@@ -413,6 +414,13 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
                 "paper accounting (--accounting paper): 16-bit states counted as ZeRO/Megatron do (2+2+12 "
                 "bytes/param); partrain's runtime keeps fp32 weights under torch.autocast (4+4+8, plus 16-bit "
                 "weight copies per in-flight microbatch), which the default --accounting runtime counts"
+            )
+        elif spec.style == "master":
+            over = spec.shard if spec.zero_stage == 1 else 1
+            notes.append(
+                "runtime accounting: 16-bit parameters (train.param_dtype), an fp32 gradient buffer and fp32 master "
+                f"weights + Adam state (2+4+12 bytes/param, the 12 sharded over {over}"
+                " rank(s)); no autocast copies"
             )
         elif spec.zero_stage >= 2:
             notes.append(

@@ -117,6 +117,8 @@ class Dtypes:
     """Residual stream and norm inputs (fp32 under autocast)."""
     autocast_copies: bool
     """torch.autocast keeps a 16-bit copy of every weight per in-flight microbatch."""
+    zero1_reduce_scatter: bool = False
+    """ZeRO-1 reduce-scatters the gradients (the paper's accounting) instead of all-reducing them."""
 
 
 def dtypes(precision: str, mixed: str = "autocast") -> Dtypes:
@@ -124,7 +126,9 @@ def dtypes(precision: str, mixed: str = "autocast") -> Dtypes:
         return Dtypes(4, 4, 8, 4, 4, False)
     if mixed == "autocast":
         return Dtypes(4, 4, 8, 2, 4, True)
-    return Dtypes(2, 2, 12, 2, 2, False)
+    if mixed == "master":  # 16-bit params, fp32 gradient buffer, fp32 master + Adam (master_weights.py)
+        return Dtypes(2, 4, 12, 2, 2, False)
+    return Dtypes(2, 2, 12, 2, 2, False, True)
 
 
 # ---- model states -----------------------------------------------------------------------------------
@@ -241,7 +245,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     """Counted saved bytes of one decoder layer (see module docstring), for `tokens` tokens of
     sequences of length `seq` on this rank (before TP; after sequence/context parallel)."""
     f, x = spec.facts, spec.extras
-    d = dt or dtypes(spec.precision, spec.mixed)
+    d = dt or dtypes(spec.precision, spec.style)
     c, r = d.compute, d.resid
     h, a = f.hidden, f.heads
     q, kv = f.heads * f.head_dim, f.kv_heads * f.head_dim
@@ -358,7 +362,7 @@ def sp_attention_transient(spec: PlanSpec, tokens: float, dt=None) -> float:
     """
     if spec.sp <= 1:
         return 0.0
-    d = dt or dtypes(spec.precision, spec.mixed)
+    d = dt or dtypes(spec.precision, spec.style)
     q = spec.facts.heads * spec.facts.head_dim / spec.tp
     kvw = sp_kv_width(spec)
     if spec.sp_mode == "ring":
@@ -386,7 +390,7 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
     final norm, head input, fp32 log-softmax of the logits (vocabulary-parallel: /tp) and labels on
     the last chunk; with the chunked loss (`spec.loss_chunked`) only the final norm and the labels."""
     f, x = spec.facts, spec.extras
-    d = dt or dtypes(spec.precision, spec.mixed)
+    d = dt or dtypes(spec.precision, spec.style)
     h, tp = f.hidden, spec.tp
     out = 0.0
     local_seq = seq / max(1, spec.sp)  # sp ranks get the position ids of their own tokens

@@ -146,7 +146,7 @@ def model_state_bytes_per_rank(v, mixed: str = "autocast") -> List[int]:
     (`partrain.train.loop.model_state_bytes` sums the same local shards). `mixed="autocast"` is the
     runtime's 16-bit mode (fp32 weights); fp32 runs are the same in both modes."""
     spec = spec_from_validated(v, mixed=mixed)
-    d = dtypes(spec.precision, spec.mixed)
+    d = dtypes(spec.precision, spec.style)
     lay = v.layout
     out: List[int] = []
     cache: Dict[Tuple[int, int, int], int] = {}

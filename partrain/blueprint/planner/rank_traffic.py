@@ -142,7 +142,7 @@ def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, 
                 continue
             if spec.zero_stage == 1:
                 out.zero1_gather += all_gather_bytes(elems * dt.param, n_shard)
-            if spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32":
+            if spec.zero_stage == 1 and dt.zero1_reduce_scatter and spec.precision != "fp32":
                 out.dp_step += all_gather_bytes(elems * dt.grad, n)
             else:
                 out.dp_step += all_reduce_bytes(elems * dt.grad, n)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from partrain.blueprint.model_facts import ModelFacts, load_snapshot, merged_kwargs
+from partrain.blueprint.precision_mode import uses_master_weights
 
 GIB = float(1 << 30)
 """Bytes in one GiB (2**30). Device memory is given in GiB."""
@@ -28,10 +29,13 @@ MIXED_PRECISION_STYLES = ("zero", "autocast")
 - "zero": the ZeRO/Megatron accounting, K=12 (Rajbhandari et al.): 16-bit parameters (2 bytes) and
   gradients (2), fp32 master weights + Adam m + v in the optimizer (12); activations in 16 bits.
   The default of `estimate`, as the planning issue specifies.
-- "autocast": what partrain's runtime holds today: fp32 parameters (4) and gradients (4), Adam m + v
-  (8), torch.autocast casting each weight to 16 bits per use: the cast copies are saved for the
-  backward of every in-flight microbatch, and the residual stream stays fp32.
-Both hold 16 bytes per parameter unsharded; they differ in what ZeRO-1/2 shard and in activations.
+- "autocast": what partrain's runtime holds (the "runtime" accounting): with train.param_dtype fp32,
+  fp32 parameters (4) and gradients (4), Adam m + v (8), torch.autocast casting each weight to 16
+  bits per use: the cast copies are saved for the backward of every in-flight microbatch, and the
+  residual stream stays fp32. Where the run has 16-bit parameters (`precision_mode`), the runtime
+  accounting is "master" (`PlanSpec.style`): 16-bit parameters (2), an fp32 gradient buffer (4),
+  fp32 master weights + Adam m + v (12, sharded under ZeRO-1), activations in 16 bits; ZeRO-1
+  all-reduces the fp32 gradients and all-gathers 16-bit parameters (partrain.parallel.master_weights).
 """
 
 
@@ -193,6 +197,8 @@ class PlanSpec:
     precision: str = "fp32"
     mixed: str = "autocast"
     """Mixed-precision accounting for bf16/fp16 (see MIXED_PRECISION_STYLES)."""
+    param_dtype: str = "fp32"
+    """train.param_dtype: with the runtime accounting, whether ZeRO 0/1 hold 16-bit parameters (`style`)."""
     fsdp_grad_sync: str = "every_microbatch"
     """FSDP gradient reduce-scatter each microbatch, or once per step (parallel.fsdp_grad_sync)."""
     dp_overlap: bool = True
@@ -219,6 +225,13 @@ class PlanSpec:
     def loss_chunked(self, tokens: float) -> bool:
         """More than one chunk: the runtime checkpoints each chunk (nothing of the loss is saved)."""
         return self.loss_chunk(tokens) < tokens
+
+    @property
+    def style(self) -> str:
+        """The accounting in effect: `mixed`, or "master" where the runtime holds 16-bit parameters
+        with fp32 master weights (decided per candidate: the search changes zero stages)."""
+        on = uses_master_weights(self.precision, self.param_dtype, self.zero_stage, self.cluster.device, self.ep)
+        return "master" if self.mixed == "autocast" and on else self.mixed
 
     @property
     def world(self) -> int:
@@ -313,6 +326,7 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         global_batch=v.global_batch_size,
         precision=t.precision,
         mixed=mixed,
+        param_dtype=t.param_dtype,
         dp_overlap=dp_overlap,
         fsdp_grad_sync=p.fsdp_grad_sync,
         moe_capacity_factor=p.moe_capacity_factor,

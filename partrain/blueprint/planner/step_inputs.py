@@ -130,7 +130,7 @@ class StepInputs:
 
 
 def step_inputs(spec: PlanSpec) -> StepInputs:
-    f, dt = spec.facts, dtypes(spec.precision, spec.mixed)
+    f, dt = spec.facts, dtypes(spec.precision, spec.style)
     tokens = spec.mbs * spec.seq / spec.sp
     bw = group_bandwidths(
         spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
@@ -150,7 +150,7 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
             spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
         ),
         tp_bw=tp_bw,
-        dp_ops=dp_volumes(spec, spec.zero_stage == 1 and not dt.autocast_copies and spec.precision != "fp32"),
+        dp_ops=dp_volumes(spec, spec.zero_stage == 1 and dt.zero1_reduce_scatter and spec.precision != "fp32"),
         acts=acts,
         layer_flops={s: _layer_flops_per_rank(spec, s, tokens) for s in acts},
         act_bytes=dt.compute,

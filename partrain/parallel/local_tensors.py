@@ -1,0 +1,23 @@
+"""A parameter's local tensor (its DTensor shard, or itself), and a DTensor like a parameter around a
+new local tensor: what the flat-buffer optimizers (ZeRO-1, master weights) need to treat
+tensor-parallel parameters as the plain local tensors they are on each rank."""
+
+from __future__ import annotations
+
+import torch
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece (a view of its storage for a DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """`local_tensor` as `param` is held: plain, or a DTensor of param's mesh, placements and global shape."""
+    if not hasattr(param, "device_mesh"):
+        return local_tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
