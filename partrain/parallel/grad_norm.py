@@ -39,5 +39,15 @@ def clip_gradients(parameters, max_norm: float, not_counted=(), sum_group=None) 
 
 
 def scale_to_norm(grads, max_norm: float, total: torch.Tensor) -> None:
-    """Clip `grads` given their global norm `total` (shared with the parameter server's shards)."""
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].device))
+    """Scale gradient tensors in place so that their global norm `total` is at most max_norm: the
+    coefficient max_norm / (total + 1e-6), clamped at 1, as torch's clip_grads_with_norm_ uses (shared
+    with the parameter server's shards). That function takes parameters and reads their .grad: given
+    the gradients themselves it scaled nothing, so until this was found no run was clipped."""
+    coefficient = max_norm / (float(total) + 1e-6)
+    if coefficient >= 1.0:
+        return
+    if any(hasattr(g, "device_mesh") for g in grads):
+        for g in grads:  # DTensor gradients: their local shards scale alike
+            g.mul_(coefficient)
+    else:
+        torch._foreach_mul_(list(grads), coefficient)
