@@ -7,7 +7,7 @@ save_pretrained) measured in the same invocation.
 
 A real run writes the checkpoint first (`recipe=llama-fsdp-tp`, dp2 x tp2, FSDP + TP, one step),
 then the same checkpoint is exported with --nproc 4, with --nproc 1, and by the one-process
-gather baseline; each in fresh processes. "held" is the process's peak RSS (getrusage) minus its
+gather baseline; each in fresh processes. "held" is the process's peak RSS (VmHWM) minus its
 RSS once its code was loaded, before any weight was read: what the export itself held. The bound
 checked is held <= 1.5 x shard + 96 MiB (one read batch of 32 MiB plus DCP's buffers).
 """
@@ -33,10 +33,10 @@ MIB = 1 << 20
 CONSTANT = 96 * MIB
 
 _GATHER = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from partrain.checkpoint import load_model_weights
-from partrain.checkpoint.hf_shards import current_rss_bytes
+from partrain.checkpoint.hf_shards import current_rss_bytes, peak_rss_bytes
 import transformers  # loaded before the measurement starts, as the exporters' code is
 before = current_rss_bytes()
 start = time.perf_counter()
@@ -44,7 +44,7 @@ model, _ = load_model_weights(Path(sys.argv[1]))
 model.save_pretrained(sys.argv[2])
 size = sum(p.numel() * p.element_size() for p in model.state_dict().values() if p.data_ptr() != 0)
 print(json.dumps({"bytes": size, "rss_before_bytes": before,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak_rss_bytes": peak_rss_bytes(),
                   "seconds": time.perf_counter() - start}))
 """
 

@@ -36,6 +36,17 @@ def current_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
+
+    Not getrusage's ru_maxrss: Linux folds the pre-exec address space into it, so a process
+    started by fork + exec from a big parent reports the parent's size as its own peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
