@@ -14,6 +14,7 @@ from typing import Iterator, List, Mapping, Optional
 
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.planner.auto import RECORD_FILE as AUTO_RECORD_FILE
+from partrain.blueprint.planner.relayout import layout_change_text
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
@@ -23,7 +24,7 @@ from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.slurm import check_allocation
-from partrain.runtime.torchrun import Rendezvous, torchrun_command
+from partrain.runtime.torchrun import Rendezvous, elastic_restarts, torchrun_command
 from partrain.train.metrics import parse_event
 from partrain.worker import DATA_MANIFEST
 
@@ -65,7 +66,7 @@ def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvo
     return torchrun_command(
         v.run.cluster.devices_per_node if rendezvous else v.world_size,
         ["-m", "partrain.worker", run_dir],
-        max_restarts=v.run.train.max_restarts,
+        max_restarts=elastic_restarts(v.run.train.max_restarts, rendezvous),
         log_dir=run_dir / "torchrun",
         quiet_other_ranks=True,
         rendezvous=rendezvous,
@@ -119,7 +120,9 @@ def _start(
     0's events until the workers end, then say how the run ended; returns the exit code."""
     local = v.run.cluster.devices_per_node if rendezvous else v.world_size
     threads = v.run.train.threads_per_process or max(1, cpu_count() // local)
-    child_env = dict(environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    child_env = dict(
+        environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(rendezvous.environ() if rendezvous else {})
+    )
     where = f" (node {rendezvous.node_rank} of {rendezvous.nodes}: {local} here)" if rendezvous else ""
     console.print(f"[bold]partrain[/bold]: {v.world_size} processes{where}, run folder [cyan]{run_dir}[/cyan]")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -266,6 +269,15 @@ def _follow(proc: subprocess.Popen, console, signals: Optional[List[int]] = None
                 progress.console.print(line.rstrip("\n"), highlight=False, markup=False)
                 continue
             kind = event["event"]
+            if kind == "start" and "start" in seen:
+                # torchrun restarted the workers (an elastic run after a node left or joined): a new attempt.
+                seen.pop("stopped", None)
+                seen.pop("summary", None)
+                progress.console.print(
+                    f"restarted on {event['world_size']} processes from step {event.get('first_step', 0)}",
+                    markup=False,
+                    highlight=False,
+                )
             if kind in ("start", "summary", "stopped", "refused"):
                 seen[kind] = event
             if kind == "start":
@@ -353,6 +365,8 @@ def _print_summary(summary: dict, console) -> None:
             f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS "
             f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
         )
+    for change in summary.get("layout_changes") or []:
+        table.add_row(f"layout change at step {change['step']}", layout_change_text(change))
     table.add_row("run folder", summary["run_dir"])
     console.print(table)
     if summary.get("moe"):

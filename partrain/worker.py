@@ -18,6 +18,7 @@ from typing import Optional
 
 from partrain.blueprint.config.compose import load_resolved
 from partrain.blueprint.validate import ValidatedRun, validate
+from partrain.blueprint.validate_elastic import is_elastic
 from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.train.metrics import emit
@@ -62,7 +63,9 @@ def _open_data(v: ValidatedRun, run_dir: Path):
     return batches, evals
 
 
-def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False) -> int:
+def train_process(
+    v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False, dropped=None
+) -> int:
     """Everything between init_process_group and destroy_process_group; returns the exit code.
 
     stop: the StopWatch (partrain.runtime.signals) the loop polls. via_launcher: started by
@@ -73,6 +76,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     import torch
 
     from partrain.runtime.mesh import build_mesh
+    from partrain.train import relayout
     from partrain.train.assemble import build_engine
     from partrain.train.loop import Trainer, peak_rss_bytes
     from partrain.train.loss_scale import DynamicLossScale
@@ -80,6 +84,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     from partrain.train.plan_check import Plan, PlanCheckMetrics, measured_memory, memory_baseline
 
     run = v.run
+    restarted = relayout.restarted(v, env.world_size, env.restart_count)
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
     if run.cluster.nodes > 1:
@@ -96,8 +101,8 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
 
     batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
     loss_scale = DynamicLossScale.for_run(run.train)
-    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=env.restart_count > 0, loss_scale=loss_scale)
-    start_step = checkpoints.resume()
+    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted=restarted, loss_scale=loss_scale)
+    start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
     pp_rank = mesh.local("pp")
     plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
@@ -116,6 +121,8 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         stop=stop,
     )
     trainer.state.step = start_step
+    if stop is not None:
+        stop.exit_at_once = False  # from here a stop is agreed between the ranks and saved
     state = trainer.run()
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     checkpoints.finish()
@@ -130,13 +137,24 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         mine["expert_param_bytes"] = moe.local_expert_bytes()
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
+    if relayout.peers_left(v, state, stop):  # after the shared checkpoint: torchrun restarts this node
+        return relayout.PEER_LEFT_EXIT
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type)
+    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, history.changes)
 
 
 def _report_summary(
-    v: ValidatedRun, env: DistEnv, run_dir: Path, state, gathered, moe, via_launcher: bool, plan=None, device_type="cpu"
+    v: ValidatedRun,
+    env: DistEnv,
+    run_dir: Path,
+    state,
+    gathered,
+    moe,
+    via_launcher: bool,
+    plan=None,
+    device_type="cpu",
+    layout_changes=(),
 ) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
@@ -154,6 +172,7 @@ def _report_summary(
             "run_dir": str(run_dir),
             "skipped_steps": sum(r.skipped for r in state.history),
             "problem": state.problem(),
+            "layout_changes": list(layout_changes),
         }
         if moe is not None:
             summary["moe"] = moe.summary()
@@ -215,6 +234,10 @@ class Checkpoints:
         self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
         self.last: tuple = (0, None)
         """(step, folder) of the newest checkpoint this run saved or resumed from."""
+        self.resumed_extra: dict = {}
+        """The trainer's JSON of the checkpoint resumed from ({} for a fresh start)."""
+        self.history = None
+        """The run's LayoutHistory (partrain.train.relayout), saved with every checkpoint; None = not saved."""
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step to continue after."""
@@ -234,6 +257,7 @@ class Checkpoints:
         if self.loss_scale is not None and "loss_scale" in extra:
             self.loss_scale.load_state_dict(extra["loss_scale"])
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
+        self.resumed_extra = extra
         self.last = (int(extra["data"]["step"]), Path(path))
         return int(extra["data"]["step"])
 
@@ -251,6 +275,8 @@ class Checkpoints:
 
     def _save(self, step: int) -> Path:
         extra = {"data": {**self.batches.state_dict(), "step": step}}
+        if self.history is not None:
+            extra.update(self.history.extra())
         if self.loss_scale is not None:
             extra["loss_scale"] = self.loss_scale.state_dict()
         path = self.ckpt.save_checkpoint(
@@ -332,16 +358,16 @@ def main(
         v = validated or validate(load_resolved(run_dir / "config.yaml"))
         if stop is not None:
             stop.hard_exit_after_s = float(v.run.train.timeout_s)
+            stop.exit_at_once = is_elastic(v.run.cluster)  # until the first step (train_process)
         torch.set_num_threads(_threads(v, env))
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
         with joined_group(
             v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store, env.init_method
         ):
-            if env.world_size != v.world_size:
-                raise RuntimeError(
-                    f"the layout needs {v.world_size} processes but the launcher started {env.world_size}"
-                )
-            code = train_process(v, env, run_dir, stop, via_launcher)
+            from partrain.train.relayout import layout_for_world
+
+            v, dropped = layout_for_world(v, run_dir, env.world_size)  # an elastic run re-plans here
+            code = train_process(v, env, run_dir, stop, via_launcher, dropped)
         return code
     except Disagreement as err:
         return _refuse(err, env, via_launcher)
