@@ -25,7 +25,7 @@ from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.slurm import check_allocation
-from partrain.runtime.torchrun import Rendezvous, torchrun_command
+from partrain.runtime.torchrun import Rendezvous, elastic_restarts, torchrun_command
 from partrain.train.display import Display
 from partrain.worker import DATA_MANIFEST
 
@@ -73,7 +73,7 @@ def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvo
     return torchrun_command(
         v.run.cluster.devices_per_node if rendezvous else v.world_size,
         ["-m", "partrain.worker", run_dir],
-        max_restarts=v.run.train.max_restarts,
+        max_restarts=elastic_restarts(v.run.train.max_restarts, rendezvous),
         log_dir=run_dir / "torchrun",
         quiet_other_ranks=True,
         rendezvous=rendezvous,
@@ -138,7 +138,12 @@ def _start(
     0's events until the workers end, then say how the run ended; returns the exit code."""
     local = v.run.cluster.devices_per_node if rendezvous else v.world_size
     threads = v.run.train.threads_per_process or max(1, cpu_count() // local)
-    child_env = dict(worker_env(environ, v.run.cluster.backend), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    child_env = dict(
+        worker_env(environ, v.run.cluster.backend),
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        **(rendezvous.environ() if rendezvous else {}),
+    )
     where = f" (node {rendezvous.node_rank} of {rendezvous.nodes}: {local} here)" if rendezvous else ""
     if display.plain:
         display.say(f"partrain: {v.world_size} processes{where}, run folder {run_dir}")

@@ -76,7 +76,15 @@ def rendezvous_of(v: ValidatedRun) -> Optional[Rendezvous]:
     if problems:
         raise ConfigError(problems)
     run_id = "partrain-" + re.sub(r"[^A-Za-z0-9]", "-", c.rdzv_endpoint)
-    return Rendezvous(c.nodes, c.node_rank, c.rdzv_endpoint, run_id, timeout_s=int(v.run.train.timeout_s))
+    return Rendezvous(
+        c.nodes,
+        c.node_rank,
+        c.rdzv_endpoint,
+        run_id,
+        timeout_s=int(v.run.train.timeout_s),
+        min_nodes=c.min_nodes or c.nodes,
+        wait_s=c.elastic_wait_s,
+    )
 
 
 def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Optional[tuple]:

@@ -18,6 +18,7 @@ from typing import Optional
 
 from partrain.blueprint.config.compose import load_resolved
 from partrain.blueprint.validate import ValidatedRun, validate
+from partrain.blueprint.validate_elastic import is_elastic
 from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.train.metrics import Events, LauncherEvents, PlainEvents, emit
@@ -66,7 +67,9 @@ def _open_data(v: ValidatedRun, run_dir: Path):
     return batches, evals
 
 
-def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False) -> int:
+def train_process(
+    v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False, dropped=None
+) -> int:
     """Everything between init_process_group and destroy_process_group; returns the exit code.
 
     stop: the StopWatch (partrain.runtime.signals) the loop polls. via_launcher: started by
@@ -77,6 +80,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     import torch
 
     from partrain.runtime.mesh import build_mesh
+    from partrain.train import relayout
     from partrain.train.assemble import build_engine
     from partrain.train.loop import Trainer, peak_rss_bytes
     from partrain.train.loss_scale import DynamicLossScale
@@ -88,6 +92,7 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     # Decided once here: rank 0 under partrain's launcher speaks to it in JSON events; started by
     # srun or the user's torchrun its stdout is the log a person reads, so it writes plain lines.
     events = (LauncherEvents() if via_launcher else PlainEvents()) if env.is_main else Events()
+    restarted = relayout.restarted(v, env.world_size, env.restart_count)
     torch.manual_seed(run.train.seed)
     device = _device(v, env)
     if run.cluster.nodes > 1:
@@ -105,9 +110,8 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
     loss_scale = DynamicLossScale.for_run(run.train)
     schedule = LRSchedule(run.optim, run.train.steps)
-    restarted = env.restart_count > 0
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
-    start_step = checkpoints.resume()
+    start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
     metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run)
     pp_rank = mesh.local("pp")
     plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
@@ -129,14 +133,9 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
         schedule=schedule,
     )
     trainer.state.step = start_step
-    try:
-        state = trainer.run()
-    except torch.OutOfMemoryError as exc:
-        if device.type != "cuda":
-            raise
-        from partrain.train.gpu_memory import explain_oom
-
-        raise explain_oom(v, device, run_dir, env.rank, pp_rank) from exc
+    if stop is not None:
+        stop.exit_at_once = False  # from here a stop is agreed between the ranks and saved
+    state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank)
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
     checkpoints.finish()
@@ -145,20 +144,46 @@ def train_process(v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_l
     import torch.distributed as dist
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
-    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline))
+    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline), **_engine_record(engine))
     moe = getattr(engine, "moe", None)
-    if moe is not None:
-        mine["expert_param_bytes"] = moe.local_expert_bytes()
-    sync = getattr(getattr(engine, "dp", None), "sync", None)
-    if sync is not None:  # parallel.dp_sync: bytes this rank sent, and how much of the sync backward hid
-        mine["dp_sync"] = {"sent_bytes": sync.counter.sent_bytes, "recv_bytes": sync.counter.recv_bytes}
-        if sync.bucketed is not None:
-            mine["dp_sync"]["overlap"] = sync.bucketed.stats.to_json()
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
+    if relayout.peers_left(v, state, stop):  # after the shared checkpoint: torchrun restarts this node
+        return relayout.PEER_LEFT_EXIT
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    return _report_summary(v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir)
+    changes = history.changes
+    return _report_summary(
+        v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, changes
+    )
+
+
+def _run_trainer(trainer, v: ValidatedRun, device, run_dir: Path, rank: int, pp_rank: int):
+    """The training loop; a CUDA out-of-memory error becomes one with the planner's figures and hints."""
+    import torch
+
+    try:
+        return trainer.run()
+    except torch.OutOfMemoryError as exc:
+        if device.type != "cuda":
+            raise
+        from partrain.train.gpu_memory import explain_oom
+
+        raise explain_oom(v, device, run_dir, rank, pp_rank) from exc
+
+
+def _engine_record(engine) -> dict:
+    """This rank's expert parameter bytes and data-parallel sync traffic, when the engine has them."""
+    out: dict = {}
+    moe = getattr(engine, "moe", None)
+    if moe is not None:
+        out["expert_param_bytes"] = moe.local_expert_bytes()
+    sync = getattr(getattr(engine, "dp", None), "sync", None)
+    if sync is not None:  # parallel.dp_sync: bytes this rank sent, and how much of the sync backward hid
+        out["dp_sync"] = {"sent_bytes": sync.counter.sent_bytes, "recv_bytes": sync.counter.recv_bytes}
+        if sync.bucketed is not None:
+            out["dp_sync"]["overlap"] = sync.bucketed.stats.to_json()
+    return out
 
 
 def _report_summary(
@@ -173,6 +198,7 @@ def _report_summary(
     device_type="cpu",
     events: Optional[Events] = None,
     hf_dir: Optional[Path] = None,
+    layout_changes=(),
 ) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
@@ -190,6 +216,7 @@ def _report_summary(
             "run_dir": str(run_dir),
             "skipped_steps": sum(r.skipped for r in state.history),
             "problem": state.problem(),
+            "layout_changes": list(layout_changes),
         }
         if moe is not None:
             summary["moe"] = moe.summary()
@@ -268,6 +295,10 @@ class Checkpoints:
         self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
         self.last: tuple = (0, None)
         """(step, folder) of the newest checkpoint this run saved or resumed from."""
+        self.resumed_extra: dict = {}
+        """The trainer's JSON of the checkpoint resumed from ({} for a fresh start)."""
+        self.history = None
+        """The run's LayoutHistory (partrain.train.relayout), saved with every checkpoint; None = not saved."""
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step to continue after."""
@@ -290,6 +321,7 @@ class Checkpoints:
             self.schedule.load(extra.get("lr_schedule"), int(extra["data"]["step"]))
         log.info("resumed from %s at step %d", path, extra["data"]["step"])
         self.events("resumed", step=int(extra["data"]["step"]), path=str(path))
+        self.resumed_extra = extra
         self.last = (int(extra["data"]["step"]), Path(path))
         return int(extra["data"]["step"])
 
@@ -307,6 +339,8 @@ class Checkpoints:
 
     def _save(self, step: int) -> Path:
         extra = {"data": {**self.batches.state_dict(), "step": step}}
+        if self.history is not None:
+            extra.update(self.history.extra())
         if self.loss_scale is not None:
             extra["loss_scale"] = self.loss_scale.state_dict()
         if self.schedule is not None:
@@ -403,16 +437,16 @@ def main(
         v = validated or validate(load_resolved(run_dir / "config.yaml"))
         if stop is not None:
             stop.hard_exit_after_s = float(v.run.train.timeout_s)
+            stop.exit_at_once = is_elastic(v.run.cluster)  # until the first step (train_process)
         torch.set_num_threads(_threads(v, env))
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
         with joined_group(
             v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store, env.init_method
         ):
-            if env.world_size != v.world_size:
-                raise RuntimeError(
-                    f"the layout needs {v.world_size} processes but the launcher started {env.world_size}"
-                )
-            code = train_process(v, env, run_dir, stop, via_launcher)
+            from partrain.train.relayout import layout_for_world
+
+            v, dropped = layout_for_world(v, run_dir, env.world_size)  # an elastic run re-plans here
+            code = train_process(v, env, run_dir, stop, via_launcher, dropped)
         return code
     except Disagreement as err:
         return _refuse(err, env, via_launcher)

@@ -28,6 +28,7 @@ from partrain.blueprint.layout import Layout
 from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
 from partrain.blueprint.validate_dp_sync import dp_sync_problems
+from partrain.blueprint.validate_elastic import elastic_problems
 from partrain.blueprint.validate_moe import moe_problems
 from partrain.blueprint.validate_runtime import runtime_problems
 from partrain.errors import ConfigError
@@ -321,6 +322,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     facts = _model_problems(c, run)
     _data_problems(c, run, facts)
     moe_problems(c, run.parallel, facts)
+    elastic_problems(c, run)
     _comm_profile_problems(c, run)
     _compute_profile_problems(c, run)
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None

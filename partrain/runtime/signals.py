@@ -77,6 +77,9 @@ class StopWatch:
         self.signum = 0
         """The signal of the first stop request (PARENT_DEATH_SIGNAL when the parent died); 0 = none."""
         self.reason = ""
+        self.exit_at_once = False
+        """End the process at once on a stop request (an elastic run before its first step: nothing to
+        save, and torchrun restarting the workers for a node that joined must not wait for a clean stop)."""
         self._since: Optional[float] = None
         self._parent = 0
 
@@ -91,6 +94,8 @@ class StopWatch:
         return self
 
     def _request(self, signum: int, reason: str) -> None:
+        if self.exit_at_once:
+            self._exit_now(signum, f"{reason} before training started")
         self.reason = reason
         self._since = time.monotonic()
         self.signum = int(signum)

@@ -25,18 +25,57 @@ class Rendezvous:
     """Names the rendezvous: every node of one run passes the same id."""
     timeout_s: int
     """How long a node waits for the others to join, and at the end for the others to finish (train.timeout_s)."""
+    min_nodes: int = 0
+    """Elastic run: train on while this many nodes take part (cluster.min_nodes); 0 = all `nodes` (not elastic)."""
+    wait_s: int = 30
+    """Elastic run: once min_nodes joined, how long the rendezvous waits for the rest (cluster.elastic_wait_s)."""
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nodes
 
     def args(self) -> List[str]:
         # torchrun ignores --node-rank under c10d (global ranks follow the join order); partrain's node
         # rank picks the store host, so two nodes on one host never both try to serve the port.
         host = "true" if self.node_rank == 0 else "false"
+        conf = f"join_timeout={self.timeout_s},is_host={host}"
+        nnodes = str(self.nodes)
+        if self.elastic:
+            nnodes = f"{self.min_nodes}:{self.nodes}"
+            # A lost node leaves the rendezvous when ELASTIC_KEEP_ALIVE heartbeats are missed (1 s each):
+            # torch's default, 3 x 5 s, would add 15 s to every restart after a node is lost.
+            conf += (
+                f",last_call_timeout={self.wait_s},keep_alive_interval=1,keep_alive_max_attempt={ELASTIC_KEEP_ALIVE}"
+            )
         return [
-            f"--nnodes={self.nodes}",
+            f"--nnodes={nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf=join_timeout={self.timeout_s},is_host={host}",
+            f"--rdzv-conf={conf}",
         ]
+
+    def environ(self) -> dict:
+        """Variables torchrun needs on this node. Elastic: torch's agent shares one TCP store between
+        rendezvous rounds and only the node that was rank 0 at the first round publishes its address,
+        so a node joining later waits for it forever; without sharing, each round's rank 0 serves a
+        fresh store."""
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.elastic else {}
+
+
+ELASTIC_KEEP_ALIVE = 3
+"""Missed 1-s heartbeats after which an elastic run's rendezvous counts a node as gone."""
+
+ELASTIC_RESTARTS_PER_NODE = 2
+"""Restarts an elastic run adds to train.max_restarts per node it may lose: a lost node costs the
+others one (a node joining costs none: torch does not count membership changes)."""
+
+
+def elastic_restarts(max_restarts: int, rendezvous: Optional["Rendezvous"]) -> int:
+    """torchrun's --max-restarts for a run: train.max_restarts, plus room for an elastic run's node losses."""
+    if rendezvous is None or not rendezvous.elastic:
+        return max_restarts
+    return max_restarts + ELASTIC_RESTARTS_PER_NODE * (rendezvous.nodes - rendezvous.min_nodes)
 
 
 def torchrun_command(

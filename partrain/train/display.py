@@ -14,6 +14,7 @@ from typing import Iterable, List, Optional
 
 from rich.console import Console
 
+from partrain.blueprint.planner.relayout import layout_change_text
 from partrain.train.metrics import parse_event
 from partrain.train.progress_text import event_line, summary_lines
 
@@ -60,8 +61,7 @@ class Display:
             if event is None:
                 self.say(line.rstrip("\n"))
                 continue
-            if event["event"] in OUTCOME_EVENTS:
-                seen[event["event"]] = event
+            _note_outcome(seen, event)
             text = event_line(event) if event["event"] != "stopped" else None  # the outcome says it
             if text:
                 self.say(text)
@@ -85,6 +85,18 @@ class Display:
         out = self.out or sys.stdout
         out.write(json.dumps(body, default=str) + "\n")
         out.flush()
+
+
+def _note_outcome(seen: dict, event: dict) -> None:
+    """Keep the events that decide the outcome. A second start means torchrun started the workers
+    again (a restart, or an elastic run after a node left or joined): the earlier attempt's stop or
+    summary no longer decides."""
+    kind = event["event"]
+    if kind == "start" and "start" in seen:
+        seen.pop("stopped", None)
+        seen.pop("summary", None)
+    if kind in OUTCOME_EVENTS:
+        seen[kind] = event
 
 
 def stopping_text(signals: List[int]) -> str:
@@ -123,8 +135,7 @@ def _follow_rich(lines: Iterable[str], console: Console, signals: List[int]) -> 
                 progress.console.print(line.rstrip("\n"), highlight=False, markup=False)
                 continue
             kind = event["event"]
-            if kind in OUTCOME_EVENTS:
-                seen[kind] = event
+            _note_outcome(seen, event)
             if kind == "start":
                 if event.get("restart"):
                     progress.console.print(event_line(event), markup=False, highlight=False)
@@ -157,5 +168,7 @@ def summary_table(summary: dict):
             f"model state {r['model_state_bytes'] / 2**20:.2f} MiB{experts}, peak RSS "
             f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
         )
+    for change in summary.get("layout_changes") or []:
+        table.add_row(f"layout change at step {change['step']}", layout_change_text(change))
     table.add_row("run folder", summary["run_dir"])
     return table

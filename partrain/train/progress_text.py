@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from partrain.blueprint.planner.relayout import layout_change_text
+
 
 def human_bytes(n: Optional[float]) -> str:
     if n is None:
@@ -83,5 +85,7 @@ def summary_lines(s: dict) -> list:
             f"summary: rank {r['rank']} model state {human_bytes(r['model_state_bytes'])}, "
             f"peak RSS {human_bytes(r['peak_rss_bytes'])}"
         )
+    for change in s.get("layout_changes") or []:
+        lines.append(f"summary: layout change at step {change['step']}: {layout_change_text(change)}")
     lines.append(f"summary: run folder {s['run_dir']}")
     return lines

@@ -140,6 +140,15 @@ class ClusterConfig:
     rdzv_endpoint: str = ""
     """HOST:PORT of the c10d rendezvous for a multi-node run (`partrain train --rdzv-endpoint`): node 0's
     address and a free port, the same on every node. Required when nodes > 1."""
+    min_nodes: Optional[int] = None
+    """Elastic multi-node run: keep training while at least this many of the `nodes` machines take part
+    (torchrun's `--nnodes=MIN:MAX`). When a node is lost or one joins, torchrun restarts the workers and
+    partrain re-plans the layout for the processes present (parallel=auto's rules, the same global batch)
+    and resumes from the newest checkpoint. Unset = nodes (not elastic). Needs parallel=auto,
+    checkpoint.every_steps > 0 and a shared checkpoint.dir."""
+    elastic_wait_s: int = 30
+    """Elastic runs only: once min_nodes have joined, how long the rendezvous waits for the others before
+    starting without them (torchrun's last_call_timeout), at the start and after a node is lost."""
 
 
 @dataclass

@@ -165,10 +165,23 @@ def _margin(run) -> float:
 def choose_layout(run, overrides: Sequence[str], mixed: str = "autocast"):
     """(ValidatedRun of the chosen layout, record of the choice). Raises ConfigError (exit 2) when no
     layout that `partrain train` can run fits with the fixed keys and the memory margin."""
+    from partrain.blueprint.problems import ProblemCollector
+    from partrain.blueprint.validate_elastic import elastic_problems
+
+    # Before the search: a run the search could never validate would otherwise read "nothing fits".
+    c = ProblemCollector()
+    elastic_problems(c, run)
+    if c.problems:
+        raise ConfigError(c.problems)
+    return choose_with_fixed(run, fixed_constraints(run, overrides), mixed)
+
+
+def choose_with_fixed(run, fixed: Dict[str, object], mixed: str = "autocast"):
+    """choose_layout with the fixed keys given as {key: value} (an elastic re-plan passes the original
+    choice's). Raises ConfigError when nothing fits."""
     from partrain.blueprint.validate import validate
 
     margin = _margin(run)
-    fixed = fixed_constraints(run, overrides)
     usable = min(USABLE_MEMORY_FRACTION, 1.0 - margin)
     # The search's verdict is "fits in USABLE_MEMORY_FRACTION of the device": shrink the device so
     # that verdict means "fits in (1 - margin) of the real one".

@@ -1,0 +1,179 @@
+"""Elastic re-layout (issue 22): lose a node, keep training on the rest with a new layout from the same
+checkpoint, grow back when a node rejoins.
+
+In-process: the cluster.min_nodes rules (exit 2 naming the key), the re-plan for fewer processes
+(fixed keys kept, or dropped and said), torchrun's elastic rendezvous arguments, the layout-change
+record. Real run (slow): two launchers of 4 processes train gpt-3d's model with parallel=auto and
+min_nodes=1; node 1's launcher is SIGKILLed mid-run, node 0 continues on 4 processes with a new layout,
+and its losses equal those of a plain 4-process resume from the same checkpoint (1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from partrain.blueprint.config.compose import compose
+from partrain.blueprint.planner.auto import choose_layout
+from partrain.blueprint.planner.relayout import change_reason, layout_brief, layout_change_text, replan
+from partrain.errors import ConfigError
+from partrain.runtime.torchrun import Rendezvous, elastic_restarts
+from partrain.testing.elastic import ElasticRun, fresh_reference, max_difference, resumed_reference, wait_for
+
+ELASTIC = [
+    "recipe=gpt-3d",
+    "cluster.nodes=2",
+    "cluster.devices_per_node=4",
+    "cluster.min_nodes=1",
+    "checkpoint.every_steps=5",
+    "checkpoint.dir=/shared/ckpt",
+]
+
+
+def _keys(err: ConfigError):
+    return sorted(p.key for p in err.problems)
+
+
+@pytest.mark.parametrize(
+    "drop, extra, keys",
+    [
+        ("parallel=auto", [], ["parallel.auto"]),
+        ("checkpoint.every_steps=5", [], ["checkpoint.every_steps"]),
+        ("checkpoint.dir=/shared/ckpt", [], ["checkpoint.dir"]),
+        (None, ["cluster.min_nodes=3"], ["cluster.min_nodes"]),
+        (None, ["cluster.min_nodes=0"], ["cluster.min_nodes"]),
+    ],
+)
+def test_min_nodes_rules_exit_2_naming_the_key(drop, extra, keys):
+    overrides = [o for o in [*ELASTIC, "parallel=auto"] if o != drop] + extra
+    run = compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        if run.parallel.auto:
+            choose_layout(run, overrides)
+        else:
+            from partrain.blueprint.validate import validate
+
+            validate(run)
+    assert _keys(err.value) == keys, err.value
+
+
+def test_not_elastic_by_default_and_min_nodes_equal_to_nodes_is_plain():
+    run = compose(["recipe=gpt-3d"])
+    assert run.cluster.min_nodes is None
+    v, _ = choose_layout(compose([*ELASTIC, "parallel=auto", "cluster.min_nodes=2"]), ["parallel=auto"])
+    assert v.world_size == 8
+
+
+def test_replan_keeps_the_fixed_degrees_and_the_global_batch():
+    overrides = [*ELASTIC, "parallel=auto", "parallel.tp=2"]
+    v, record = choose_layout(compose(overrides), overrides)
+    assert record["fixed"] == {"parallel.tp": 2}
+    four, _, dropped = replan(v.run, record["fixed"], 4)
+    assert dropped == {} and four.world_size == 4 and four.layout.tp == 2
+    assert four.global_batch_size == v.global_batch_size
+    again, _, _ = replan(v.run, record["fixed"], 4)
+    assert layout_brief(again) == layout_brief(four)  # every rank computes the same
+
+
+def test_a_fixed_degree_that_cannot_be_kept_is_dropped_and_said():
+    overrides = [*ELASTIC, "parallel=auto", "parallel.tp=4", "parallel.pp=2"]
+    v, record = choose_layout(compose(overrides), overrides)
+    four, _, dropped = replan(v.run, record["fixed"], 4)
+    assert dropped == {"parallel.tp": 4} and four.layout.pp == 2
+    reason = change_reason(layout_brief(v), layout_brief(four), dropped)
+    assert "4 of 8 processes (a node left)" in reason and "parallel.tp=4 could not be kept" in reason
+    with pytest.raises(ConfigError):
+        replan(v.run, record["fixed"], 6)  # not a whole number of nodes
+    text = layout_change_text({"old": layout_brief(v), "new": layout_brief(four), "reason": reason})
+    assert text.startswith("8 processes: dp1 x tp4 x pp2 -> 4 processes: dp")
+
+
+def test_elastic_rendezvous_arguments():
+    plain = Rendezvous(2, 1, "h:1", "id", timeout_s=60)
+    assert "--nnodes=2" in plain.args() and plain.environ() == {} and elastic_restarts(1, plain) == 1
+    el = Rendezvous(3, 0, "h:1", "id", timeout_s=60, min_nodes=1, wait_s=7)
+    args = el.args()
+    assert "--nnodes=1:3" in args
+    conf = next(a for a in args if a.startswith("--rdzv-conf="))
+    assert "last_call_timeout=7" in conf and "keep_alive_interval=1" in conf and "is_host=true" in conf
+    assert el.environ() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert elastic_restarts(1, el) == 5
+
+
+BASE = [
+    "recipe=gpt-3d",
+    "train.seq_len=32",
+    "data.max_bytes=200000",
+    "train.timeout_s=30",
+    "train.eval_every=0",
+    "train.eval_batches=0",
+]
+STEPS = 20
+
+
+def elastic_overrides(tmp: Path, steps: int) -> list:
+    """gpt-3d's model, parallel=auto with tp fixed at 2, 2 nodes x 4 processes, min_nodes=1."""
+    return [
+        *BASE,
+        f"data.cache_dir={tmp / 'cache'}",
+        "parallel=auto",
+        "parallel.tp=2",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=4",
+        "cluster.min_nodes=1",
+        "cluster.elastic_wait_s=5",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep_last=100",
+        f"train.steps={steps}",
+    ]
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_the_run_to_a_new_layout_with_the_losses_of_a_plain_resume(tmp_path):
+    """Node 1's launcher is SIGKILLed after step 3: its torchrun stops its workers, the 8 ranks agree on
+    the stop step and save it, node 0's workers end and torchrun restarts them on 4 processes, which
+    re-plan (dp4 x tp2 -> dp2 x tp2, tp kept) and resume. The losses equal an 8-process run to that
+    step followed by a 4-process resume of its checkpoint in the new layout (1e-5)."""
+    run = ElasticRun(tmp_path, elastic_overrides(tmp_path, STEPS))
+    try:
+        run.start_two()
+        wait_for("3 steps", lambda: run.steps_done() >= 3, 300, run.live())
+        killed = time.monotonic()
+        run.kill_launcher("node1")
+        wait_for("the layout change", lambda: bool(run.changes()), 180, run.live())
+        recorded = time.monotonic() - killed
+        step = run.changes()[0]["step"]
+        wait_for("a step on 4 processes", lambda: run.steps_done() > step, 120, run.live())
+        trains = time.monotonic() - killed
+        assert run.procs["node0"].wait(timeout=300) == 0, run.output("node0")[-3000:]
+    finally:
+        run.stop_all()
+    print(f"node 1 killed: layout change recorded {recorded:.1f} s later, training again after {trains:.1f} s")
+    (change,) = run.changes()
+    old, new = change["old"], change["new"]
+    assert (old["world_size"], old["dp"], old["tp"]) == (8, 4, 2) and (new["world_size"], new["dp"], new["tp"]) == (
+        4,
+        2,
+        2,
+    )
+    assert "a node left" in change["reason"] and new["global_batch_size"] == old["global_batch_size"]
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["layout_changes"] == [change] and summary["steps"] == STEPS
+    out = run.output("node0")
+    assert f"layout change at step {step}" in out and "a node left" in out, out[-3000:]
+    got = run.losses()
+    assert sorted(got) == list(range(1, STEPS + 1))
+    # The uninterrupted reference: 8 processes to that step (saved there), then 4 in the new layout.
+    common = [*BASE, f"data.cache_dir={tmp_path / 'cache'}"]
+    eight = fresh_reference(common, old, tmp_path / "ref8", STEPS, save_every=step)
+    four = resumed_reference(
+        common, new, tmp_path / "ref8" / "checkpoints" / f"step-{step:08d}", tmp_path / "ref4", STEPS
+    )
+    want = {**{s: eight[s] for s in range(1, step + 1)}, **four}
+    diff = max_difference(got, want)
+    print(f"changed layout at step {step}: max |loss difference| vs the plain 8 -> 4 resume {diff:.2e}")
+    assert diff <= 1e-5, (got, want)
