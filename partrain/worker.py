@@ -82,11 +82,11 @@ def train_process(
     from partrain.runtime.mesh import build_mesh
     from partrain.train import relayout
     from partrain.train.assemble import build_engine
-    from partrain.train.loop import Trainer, peak_rss_bytes
+    from partrain.train.loop import Trainer
     from partrain.train.loss_scale import DynamicLossScale
     from partrain.train.lr_schedule import LRSchedule
     from partrain.train.metrics import MetricsWriter
-    from partrain.train.plan_check import Plan, PlanCheckMetrics, measured_memory, memory_baseline
+    from partrain.train.plan_check import Plan, PlanCheckMetrics, memory_baseline
 
     run = v.run
     # Decided once here: rank 0 under partrain's launcher speaks to it in JSON events; started by
@@ -104,10 +104,7 @@ def train_process(
     baseline = memory_baseline(v, device, env.is_main)
     engine = build_engine(v, mesh, device)
 
-    batches, evals = _open_data(v, run_dir)
-    from partrain.parallel.context_parallel import sequence_shard, shard_batches
-
-    batches, evals = shard_batches(batches, evals, sequence_shard(mesh, run.parallel.sp_mode))
+    batches, evals = _open_sharded_data(v, run_dir, mesh)
     loss_scale = DynamicLossScale.for_run(run.train)
     schedule = LRSchedule(run.optim, run.train.steps)
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
@@ -133,21 +130,14 @@ def train_process(
         schedule=schedule,
     )
     trainer.state.step = start_step
-    if stop is not None:
-        stop.exit_at_once = False  # from here a stop is agreed between the ranks and saved
-    state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank)
+    state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank, stop)
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
     checkpoints.finish()
     metrics.close()
 
-    import torch.distributed as dist
-
-    mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
-    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline), **_engine_record(engine))
+    gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine)
     moe = getattr(engine, "moe", None)
-    gathered = [None] * env.world_size if env.is_main else None
-    dist.gather_object(mine, gathered, dst=0)
     if relayout.peers_left(v, state, stop):  # after the shared checkpoint: torchrun restarts this node
         return relayout.PEER_LEFT_EXIT
     if state.stopped:
@@ -158,9 +148,34 @@ def train_process(
     )
 
 
-def _run_trainer(trainer, v: ValidatedRun, device, run_dir: Path, rank: int, pp_rank: int):
+def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
+    """The run's batches and eval batches, each rank's sequence shard under context parallelism."""
+    from partrain.parallel.context_parallel import sequence_shard, shard_batches
+
+    batches, evals = _open_data(v, run_dir)
+    return shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode))
+
+
+def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: int, engine):
+    """Every rank's memory and traffic record, gathered on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    from partrain.train.loop import peak_rss_bytes
+    from partrain.train.plan_check import measured_memory
+
+    mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline), **_engine_record(engine))
+    gathered = [None] * env.world_size if env.is_main else None
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+def _run_trainer(trainer, v: ValidatedRun, device, run_dir: Path, rank: int, pp_rank: int, stop=None):
     """The training loop; a CUDA out-of-memory error becomes one with the planner's figures and hints."""
     import torch
+
+    if stop is not None:
+        stop.exit_at_once = False  # from here a stop is agreed between the ranks and saved
 
     try:
         return trainer.run()
