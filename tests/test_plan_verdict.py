@@ -75,8 +75,9 @@ def test_plan_check_exit_codes(cli):
     assert ran.code == 3, ran.stdout + ran.stderr
     assert "does not fit" in ran.stdout and "ready to launch" not in ran.stdout
     assert cli("plan", *EIGHT_B_SELECTIVE, "--check", "--accounting", "paper").code == 0
-    # A layout this version cannot train (ZeRO-1 with TP) is never "ready", fit or not.
-    ran = cli("plan", "recipe=gpt3-175b-h100", "parallel.zero_stage=1", "--check", "--json")
+    # A layout this version cannot train (16-bit parameters with expert parallelism) is never "ready", fit or not.
+    moe_16bit = ["recipe=mixtral-ep", "train.precision=bf16", "train.param_dtype=16bit", "parallel.zero_stage=1"]
+    ran = cli("plan", *moe_16bit, "--check", "--json")
     assert ran.code == 3
     report = json.loads(ran.stdout)
     assert report["status"] == "unsupported" and report["ready"] is False
@@ -119,8 +120,10 @@ def test_search_ranks_only_trainable_layouts_unless_asked():
     space = SearchSpace(tp=(8,), pp=(16,), zero_stages=(1, 2), recompute=("selective",), micro_batch_sizes=(1,))
     every = search(v, top_k=50, space=space)
     runnable = search(v, top_k=50, space=space, runnable_only=True)
-    assert any(c["unsupported"] for c in every)  # ZeRO-1 with TP: listed, marked
     assert runnable and all(not c["unsupported"] for c in runnable)
+    assert len(every) >= len(runnable)
+    # ZeRO-1 with TP trains now (both ZeRO-1 optimizers shard DTensors' local tensors): ranked too.
+    assert any("parallel.zero_stage=1" in c["overrides"] for c in runnable)
 
 
 def test_plan_search_flag_passes_include_unsupported(cli):

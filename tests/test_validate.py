@@ -78,6 +78,7 @@ BAD = [
     ("microbatches-inconsistent", [GPT, "train.microbatches=3"], "train.microbatches"),
     ("odd-micro-batch", [GPT, "train.micro_batch_size=3"], "train.global_batch_size"),
     ("ep-dense-model", [GPT, "parallel.ep=2"], "parallel.ep"),
+    ("16bit-params-in-fp32", [GPT, "train.param_dtype=16bit"], "train.param_dtype"),
     (
         "ep-vs-experts",
         [MOE, "cluster.devices_per_node=8", "parallel.dp=8", "train.global_batch_size=16", "parallel.ep=8"],
@@ -195,7 +196,11 @@ def test_bad_config_refused_by_the_installed_command(run_partrain, user_recipes,
 
 
 UNSUPPORTED = [  # consistent layouts this version cannot train yet (partrain.blueprint.trainable)
-    ("zero1-tp", [GPT, "parallel.zero_stage=1", "parallel.pp=1", "parallel.dp=4"], "parallel.zero_stage"),
+    (
+        "master-weights-ep",
+        [MOE, "train.precision=bf16", "train.param_dtype=16bit", "parallel.zero_stage=1"],
+        "train.param_dtype",
+    ),
 ]
 
 

@@ -21,3 +21,12 @@ def like(param: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local_tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def set_data(param: torch.Tensor, new: torch.Tensor) -> None:
+    """`param.data = new`, also for DTensor parameters: their ops run on the DTensor's own local
+    tensor, which assigning `.data` leaves in place (measured on torch 2.13: the parameter then
+    reports the new dtype but computes with the old local tensor), so that is replaced too."""
+    param.data = new
+    if hasattr(param, "_local_tensor"):
+        param._local_tensor = new._local_tensor

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partrain.parallel.local_tensors import like, local
+from partrain.parallel.local_tensors import like, local, set_data
 
 
 class MasterWeightOptimizer:
@@ -87,7 +87,7 @@ class MasterWeightOptimizer:
         del weights
         g["flat"] = torch.zeros(per_rank * self.world, dtype=torch.float32, device=device)
         for p in params:  # the model keeps only the 16-bit values from here on
-            p.data = p.data.to(self.dtype)
+            set_data(p, p.data.to(self.dtype))
         return g
 
     # ---- gradients ---------------------------------------------------------------------------------
@@ -121,14 +121,14 @@ class MasterWeightOptimizer:
         for p in self.params():
             self._saved[id(p)] = p.data
             view = like(p, self._main_grad(p))
-            p.data = view  # a stand-in of the gradient's dtype: p.grad must match p's dtype
+            set_data(p, view)  # a stand-in of the gradient's dtype: p.grad must match p's dtype
             p.grad = view
 
     def _restore(self) -> None:
         for p in self.params():
             if id(p) in self._saved:
                 p.grad = None
-                p.data = self._saved.pop(id(p))
+                set_data(p, self._saved.pop(id(p)))
 
     # ---- the optimizer's interface -----------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partrain.parallel.local_tensors import like, local
+from partrain.parallel.local_tensors import like, local, set_data
 
 
 class ShardedOptimizer:
@@ -38,7 +38,7 @@ class ShardedOptimizer:
             for p in params:
                 piece = local(p.detach())
                 flat[offset : offset + piece.numel()] = piece.reshape(-1)
-                p.data = like(p, flat[offset : offset + piece.numel()].view_as(piece))
+                set_data(p, like(p, flat[offset : offset + piece.numel()].view_as(piece)))
                 offset += piece.numel()
             shard = nn.Parameter(flat[self.rank * per_rank : (self.rank + 1) * per_rank])
             self.groups.append({"params": params, "numel": numel, "per_rank": per_rank, "shard": shard, "flat": flat})
