@@ -77,6 +77,17 @@ def dp_sync_problems(c: ProblemCollector, run: RunConfig, degrees: Dict[str, int
             f"parallel.dp_sync={name} is built on the dp group; {axis} > 1 reduces gradients over other groups too",
             f"set parallel.{axis}=1, or parallel.dp_sync=allreduce",
         )
+    from partrain.blueprint.precision_mode import uses_master_weights
+
+    t = run.train
+    c.check(
+        not uses_master_weights(t.precision, t.param_dtype, p.zero_stage, run.cluster.device, degrees.get("ep", 1)),
+        "train.param_dtype",
+        t.param_dtype,
+        f"parallel.dp_sync={name} synchronises fp32 gradients of fp32 parameters; 16-bit parameters with fp32 "
+        "master weights reduce their own fp32 gradient buffer",
+        "set train.param_dtype=fp32, or parallel.dp_sync=allreduce",
+    )
     if name == "parameter-server":
         _ps_problems(c, run, degrees)
     if name == "hierarchical" and c.problems == [] and degrees["dp"] > 1:
