@@ -220,21 +220,23 @@ class MasterWeightOptimizer:
 
 
 def make_master_optimizer(groups: List[Dict], mesh, zero_stage: int, optim_cfg, precision: str, hooks: bool = True):
-    """AdamW over fp32 master slices: whole for zero 0, sharded over dp_shard for zero 1 (as
-    `optimizer.make_optimizer` shards ZeRO-1); gradients averaged over dp x sp."""
-    from partrain.parallel.optimizer import adamw_kwargs
+    """The run's optimizer (optim.name) over fp32 master slices: whole for zero 0, sharded over dp_shard
+    for zero 1 (as `optimizer.make_optimizer` shards ZeRO-1); gradients averaged over dp x sp."""
+    from partrain.parallel.optimizer import optimizer_class
+
+    optimizer_cls, kwargs = optimizer_class(optim_cfg)
 
     shard = mesh["dp_shard"].get_group() if zero_stage == 1 and mesh.size("dp_shard") > 1 else None
     grad_size = mesh.size("dp_sp")
     return MasterWeightOptimizer(
         groups,
-        torch.optim.AdamW,
+        optimizer_cls,
         torch.bfloat16 if precision == "bf16" else torch.float16,
         shard_group=shard,
         grad_group=mesh["dp_sp"].get_group() if grad_size > 1 else None,
         grad_size=grad_size,
         hooks=hooks,
-        **adamw_kwargs(optim_cfg),
+        **kwargs,
     )
 
 
