@@ -102,7 +102,7 @@ def test_gpt_dp_two_nodes_match_one_node(dp4_runs):
 )
 def test_dp_sync_strategies_on_two_launchers_match_one_node(sync, dp4_runs, tmp_path, cache):
     """Issue 19 over real nodes: hierarchical (reduce-scatter inside a node, all-reduce across, all-gather
-    inside) and the parameter server (2 servers, one per node) on 2 launchers x 2 processes give the
+    inside) and the parameter server (2 co-located servers) on 2 launchers x 2 processes give the
     one-node DDP run's losses over the first 5 steps (fp32, 1e-5: the sums are ordered differently)."""
     one, _ = dp4_runs
     common = [*DP4, *BASE, f"data.cache_dir={cache}", f"train.steps={STEPS}", *sync]
