@@ -127,6 +127,8 @@ class Plan:
     @classmethod
     def of(cls, v, run_dir=None) -> "Plan":
         auto = read_auto_record(run_dir)
+        if auto is not None and _world_of(auto["chosen"]["layout"]) != v.world_size:
+            auto = None  # an elastic re-plan: the record predicts the first layout, not this one
         try:
             from partrain.blueprint.planner import estimate
 
@@ -140,6 +142,10 @@ class Plan:
     def bytes_for(self, pp_rank: int) -> int:
         stage = self.stage_bytes.get(pp_rank)
         return int(stage["total"]) if stage else 0
+
+
+def _world_of(layout: dict) -> int:
+    return layout["dp"] * layout["tp"] * layout["pp"] * layout["sp"]
 
 
 _TERMS = ("params", "grads", "optimizer", "activations", "transient", "total")
