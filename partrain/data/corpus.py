@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.data.formats import SUFFIXES, read_documents, source_error
+from partrain.data.formats import SUFFIXES, capped, read_documents, source_error
 from partrain.data.hf_dataset import DatasetCorpus, is_dataset_folder
 
 BUILTIN = "builtin"
@@ -106,17 +106,7 @@ class Corpus:
         # harmless there. A user's file with bad bytes is more likely the wrong file: say so.
         errors = "replace" if self.kind == BUILTIN else "strict"
         produced = False
-        for text in self._texts(errors, remaining):
-            if remaining is not None:
-                data = text.encode("utf-8")
-                if len(data) >= remaining:
-                    # Cut at the cap; "ignore" drops only a character split by the cut.
-                    text = data[:remaining].decode("utf-8", errors="ignore")
-                    if text:
-                        produced = True
-                        yield text
-                    break
-                remaining -= len(data)
+        for text in capped(self._texts(errors, remaining), remaining):
             produced = True
             yield text
         if not produced:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from partrain.errors import ConfigError, Problem
 
@@ -140,3 +140,19 @@ def _field_error(path: Path, text_field: str, rule: str) -> ConfigError:
             fix="set data.text_field to the field that holds the text",
         )
     )
+
+
+def capped(texts: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
+    """The texts in order until `max_bytes` UTF-8 bytes (None or 0 = all of them): the text that
+    reaches the cap is cut there and is the last ("ignore" drops only a character split by the cut)."""
+    remaining = max_bytes or None
+    for text in texts:
+        if remaining is not None:
+            data = text.encode("utf-8")
+            if len(data) >= remaining:
+                text = data[:remaining].decode("utf-8", errors="ignore")
+                if text:
+                    yield text
+                return
+            remaining -= len(data)
+        yield text

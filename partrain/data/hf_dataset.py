@@ -14,8 +14,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
+from partrain.data.formats import capped
 from partrain.errors import ConfigError, Problem
 
 _SNAPSHOT = re.compile(r"/datasets--[^/]+/snapshots/[0-9a-f]{40}(/|$)")
@@ -120,18 +121,8 @@ class DatasetCorpus:
 
     def documents(self) -> Iterator[str]:
         """The documents in order, empty ones skipped, cut at max_bytes (as corpus.Corpus does)."""
-        remaining: Optional[int] = self.max_bytes or None
         produced = False
-        for text in self._texts():
-            if remaining is not None:
-                data = text.encode("utf-8")
-                if len(data) >= remaining:
-                    text = data[:remaining].decode("utf-8", errors="ignore")
-                    if text:
-                        produced = True
-                        yield text
-                    break
-                remaining -= len(data)
+        for text in capped(self._texts(), self.max_bytes):
             produced = True
             yield text
         if not produced:
