@@ -20,6 +20,7 @@ Imports torch: only `plan --simulate` loads this module.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import replace
@@ -93,6 +94,11 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
 
     spec = spec_from_validated(v, mixed="autocast")
     d = dtypes(spec.precision, spec.style)
+    if spec.style == "master":
+        # The runtime turns the built fp32 parameters into 16-bit ones (partrain/parallel/master_weights.py).
+        half = spec.precision if spec.precision in ("bf16", "fp16") else "bf16"
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}[half]
+        params = [dataclasses.replace(p, dtype=dtype, bytes=math.prod(p.local_shape) * 2) for p in params]
     p_el, g_el, o_el = predicted_rank_elements(spec, lay, rank)
     param_bytes = sum(p.bytes for p in params)
     param_elements = sum(math.prod(p.local_shape) for p in params)
@@ -103,6 +109,8 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
         "grads": param_bytes,
         "optimizer": opt_elems * 2 * element_size,
     }
+    if spec.style == "master":  # an fp32 gradient buffer; an fp32 master copy beside Adam's m and v
+        simulated.update(grads=param_elements * 4, optimizer=opt_elems * 12)
     simulated["total"] = simulated["params"] + simulated["grads"] + simulated["optimizer"]
     analytic = {"param_elements": p_el, "params": p_el * d.param, "grads": g_el * d.grad, "optimizer": o_el * d.optim}
     analytic["total"] = analytic["params"] + analytic["grads"] + analytic["optimizer"]
