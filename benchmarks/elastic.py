@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from partrain.blueprint.planner.relayout import layout_change_text  # noqa: E402
 from partrain.testing.elastic import (  # noqa: E402
+    GPT_3D_SHORT,
     ElasticRun,
     fresh_reference,
     max_difference,
@@ -32,14 +33,7 @@ from partrain.testing.elastic import (  # noqa: E402
     wait_for,
 )
 
-BASE = [
-    "recipe=gpt-3d",
-    "train.seq_len=32",
-    "data.max_bytes=200000",
-    "train.timeout_s=30",
-    "train.eval_every=0",
-    "train.eval_batches=0",
-]
+BASE = GPT_3D_SHORT
 
 
 def scenario(tmp: Path, steps: int, kill_after: int, grow_after: int) -> dict:

@@ -21,7 +21,14 @@ from partrain.blueprint.planner.auto import choose_layout
 from partrain.blueprint.planner.relayout import change_reason, layout_brief, layout_change_text, replan
 from partrain.errors import ConfigError
 from partrain.runtime.torchrun import Rendezvous, elastic_restarts
-from partrain.testing.elastic import ElasticRun, fresh_reference, max_difference, resumed_reference, wait_for
+from partrain.testing.elastic import (
+    GPT_3D_SHORT,
+    ElasticRun,
+    fresh_reference,
+    max_difference,
+    resumed_reference,
+    wait_for,
+)
 
 ELASTIC = [
     "recipe=gpt-3d",
@@ -103,14 +110,7 @@ def test_elastic_rendezvous_arguments():
     assert elastic_restarts(1, el) == 5
 
 
-BASE = [
-    "recipe=gpt-3d",
-    "train.seq_len=32",
-    "data.max_bytes=200000",
-    "train.timeout_s=30",
-    "train.eval_every=0",
-    "train.eval_batches=0",
-]
+BASE = GPT_3D_SHORT
 STEPS = 20
 
 

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.parallel.zero1_optimizer import tensor_state_bytes
+
 
 class ExpertShardOptimizer:
     """ZeRO-1 for the expert shards over edp (the ranks holding the same experts).
@@ -85,12 +87,7 @@ class ExpertShardOptimizer:
             offset += local.numel()
 
     def state_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for st in self.inner.state.values()
-            for t in st.values()
-            if torch.is_tensor(t) and t.dim() > 0
-        )
+        return tensor_state_bytes(self.inner)
 
     # -- checkpoints: the same keys as a plain AdamW over the expert DTensors ---------------------
     @torch.no_grad()

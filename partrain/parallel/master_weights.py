@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partrain.parallel.local_tensors import like, local, set_data
+from partrain.parallel.zero1_optimizer import tensor_state_bytes
 
 
 class MasterWeightOptimizer:
@@ -174,9 +175,7 @@ class MasterWeightOptimizer:
         total = 0
         for g in self.groups:
             total += g["flat"].numel() * 4 + g["shard"].numel() * 4
-        for state in self.inner.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        return total
+        return total + tensor_state_bytes(self.inner)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

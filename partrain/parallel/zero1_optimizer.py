@@ -70,16 +70,23 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (for the memory report)."""
-        total = 0
-        for state in self.inner.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        return total
+        return tensor_state_bytes(self.inner)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+def tensor_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a torch optimizer's tensor state (moments, momentum; scalar step counters left out)."""
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
 
 
 def _copy_range(params: List[torch.Tensor], lo: int, hi: int, out: torch.Tensor, use_grad: bool) -> None:

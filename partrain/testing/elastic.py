@@ -25,6 +25,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from partrain.testing.parity import run_training
 
+GPT_3D_SHORT = [
+    "recipe=gpt-3d",
+    "train.seq_len=32",
+    "data.max_bytes=200000",
+    "train.timeout_s=30",
+    "train.eval_every=0",
+    "train.eval_batches=0",
+]
+"""gpt-3d's model in short, quiet runs: what the elastic test and benchmark start their nodes with."""
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -27,6 +27,7 @@ from torch import nn
 from partrain.parallel.dp_sync.counter import CommCounter
 from partrain.parallel.dp_sync.groups import DpGroups, server_indices
 from partrain.parallel.grad_norm import scale_to_norm
+from partrain.parallel.zero1_optimizer import tensor_state_bytes
 
 
 class ParameterServer:
@@ -157,8 +158,7 @@ class ParameterServer:
         """Optimizer state plus the fp32 master shard this rank holds as a server."""
         total = sum(m.numel() * m.element_size() for m in self.master)
         if self.inner is not None:
-            for state in self.inner.state.values():
-                total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+            total += tensor_state_bytes(self.inner)
         return float(total)
 
     def state_dict(self) -> dict:
