@@ -191,5 +191,29 @@ def test_dry_run_does_not_import_torch():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_a_launch_imports_no_torch_before_torchrun_starts(tmp_path):
+    """The launcher's own work (compose, validate, preflight of folders, checkpoints and data, run
+    folder) stays torch-free: torchrun and every worker import torch anyway, and an import here
+    would add seconds to every run (and to every multi-process test)."""
+    code = textwrap.dedent(f"""\
+        import sys
+        import partrain.launch
+        from partrain.cli import main
+        seen = {{}}
+        def start(*args, **kwargs):
+            seen["heavy"] = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+            return 0
+        partrain.launch._start = start
+        try:
+            main(["train", "recipe=gpt-dp", "train.run_dir={tmp_path / "run"}", "data.cache_dir={tmp_path / "data"}",
+                  "data.max_bytes=100000", "train.eval_batches=0", "checkpoint.resume=auto"])
+        except SystemExit as exit:
+            assert exit.code in (0, None), exit.code
+        assert seen == {{"heavy": []}}, seen
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_console_script_is_installed():
     assert PARTRAIN.exists()

@@ -25,32 +25,47 @@ dist_util, save, load, export (info, one-process load), hf_export / hf_plan / hf
 safetensors_stream / export_model (sharded HF export), verify.
 """
 
-from partrain.checkpoint.export import checkpoint_info, load_model_weights
-from partrain.checkpoint.failures import SaveFailed
-from partrain.checkpoint.folders import (
-    complete_checkpoints,
-    find_resume,
-    is_complete,
-    step_dir,
-    step_of,
-)
-from partrain.checkpoint.hf_export import export_hf, export_hf_collective, export_hf_report
-from partrain.checkpoint.load import load_checkpoint, load_with_fallback
-from partrain.checkpoint.record import CorruptCheckpoint, model_record, run_meta
-from partrain.checkpoint.save import save_checkpoint, wait_pending_save
-from partrain.checkpoint.verify import Verdict, verify_checkpoint, verify_path
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "checkpoint_info": "export",
+    "load_model_weights": "export",
+    "SaveFailed": "failures",
+    "complete_checkpoints": "folders",
+    "find_resume": "folders",
+    "is_complete": "folders",
+    "step_dir": "folders",
+    "step_of": "folders",
+    "export_hf": "hf_export",
+    "export_hf_collective": "hf_export",
+    "export_hf_report": "hf_export",
+    "load_checkpoint": "load",
+    "load_with_fallback": "load",
+    "CorruptCheckpoint": "record",
+    "model_record": "record",
+    "run_meta": "record",
+    "save_checkpoint": "save",
+    "wait_pending_save": "save",
+    "Verdict": "verify",
+    "verify_checkpoint": "verify",
+    "verify_path": "verify",
+}
+"""Public name -> the submodule of partrain.checkpoint that defines it."""
 
 __all__ = [
     "checkpoint_info",
-    "export_hf",
-    "export_hf_collective",
-    "export_hf_report",
     "load_model_weights",
+    "SaveFailed",
     "complete_checkpoints",
     "find_resume",
     "is_complete",
     "step_dir",
     "step_of",
+    "export_hf",
+    "export_hf_collective",
+    "export_hf_report",
     "load_checkpoint",
     "load_with_fallback",
     "CorruptCheckpoint",
@@ -58,8 +73,16 @@ __all__ = [
     "run_meta",
     "save_checkpoint",
     "wait_pending_save",
-    "SaveFailed",
     "Verdict",
     "verify_checkpoint",
     "verify_path",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy (PEP 562): the CLI reads checkpoint folders and config before any worker starts, and
+    # importing torch for that would add seconds to every launch.
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
+from partrain.data.batch_check import too_short
 from partrain.errors import ConfigError, Problem
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -125,7 +126,7 @@ class TokenBatches:
         self.n_windows = self._windows.count
         if self.n_windows < global_batch_size:
             raise ConfigError(
-                _too_short(self.token_file, self.n_tokens, seq_len, global_batch_size, "or raise data.max_bytes")
+                too_short(self.token_file, self.n_tokens, seq_len, global_batch_size, "or raise data.max_bytes")
             )
         self.steps_per_epoch = self.n_windows // global_batch_size
         """Global batches per pass over the data."""
@@ -230,7 +231,7 @@ class EvalBatches:
         self.n_windows = self._windows.count
         if self.n_windows < global_batch_size:
             raise ConfigError(
-                _too_short(
+                too_short(
                     self._windows.path,
                     self._windows.n_tokens,
                     seq_len,
@@ -258,31 +259,3 @@ class EvalBatches:
         """Eval batches 0..count-1 for one rank."""
         for i in range(count):
             yield self.eval_batch(i, dp_rank, dp_size)
-
-
-def batch_problems(packed: Any, seq_len: int, global_batch_size: int, with_eval: bool) -> List[Problem]:
-    """What `TokenBatches.from_packed` (and `EvalBatches.from_packed` when `with_eval`) would refuse
-    for lack of tokens, found from the token counts alone: the launcher's check before any process starts."""
-    splits = [(packed.train_path, packed.n_train_tokens, "or raise data.max_bytes")]
-    if with_eval:
-        splits.append((packed.eval_path, packed.n_eval_tokens, "or raise data.eval_fraction or data.max_bytes"))
-    return [
-        _too_short(Path(path), n_tokens, seq_len, global_batch_size, more)
-        for path, n_tokens, more in splits
-        if max(0, (n_tokens - 1) // seq_len) < global_batch_size
-    ]
-
-
-def _too_short(path: Path, n_tokens: int, seq_len: int, batch: int, more: str) -> Problem:
-    n_windows = max(0, (n_tokens - 1) // seq_len)
-    longest = (n_tokens - 1) // batch
-    fix = f"train.seq_len <= {longest}, " if longest >= 1 else ""
-    return Problem(
-        key="train.seq_len",
-        value=seq_len,
-        rule=(
-            f"{path} holds {n_tokens} tokens: {n_windows} windows of seq_len+1={seq_len + 1} tokens, "
-            f"fewer than one batch of {batch} sequences"
-        ),
-        fix=f"{fix}a smaller global batch, {more}",
-    )
