@@ -3,9 +3,9 @@ checkpoint, grow back when a node rejoins.
 
 In-process: the cluster.min_nodes rules (exit 2 naming the key), the re-plan for fewer processes
 (fixed keys kept, or dropped and said), torchrun's elastic rendezvous arguments, the layout-change
-record. Real run (slow): two launchers of 4 processes train gpt-3d's model with parallel=auto and
-min_nodes=1; node 1's launcher is SIGKILLed mid-run, node 0 continues on 4 processes with a new layout,
-and its losses equal those of a plain 4-process resume from the same checkpoint (1e-5).
+record. Real run (slow): two launchers of 2 processes train gpt-3d's model with parallel=auto and
+min_nodes=1; node 1's launcher is SIGKILLed mid-run, node 0 continues on 2 processes with a new layout,
+and its losses equal those of a plain 2-process resume from the same checkpoint (1e-5).
 """
 
 from __future__ import annotations
@@ -111,22 +111,23 @@ def test_elastic_rendezvous_arguments():
 
 
 BASE = GPT_3D_SHORT
-STEPS = 20
+STEPS = 12
 
 
 def elastic_overrides(tmp: Path, steps: int) -> list:
-    """gpt-3d's model, parallel=auto with tp fixed at 2, 2 nodes x 4 processes, min_nodes=1."""
+    """gpt-3d's model, parallel=auto with tp fixed at 2, 2 nodes x 2 processes, min_nodes=1 (the
+    benchmark runs 2 x 4: the same code path, twice the process starts)."""
     return [
         *BASE,
         f"data.cache_dir={tmp / 'cache'}",
         "parallel=auto",
         "parallel.tp=2",
         "cluster.nodes=2",
-        "cluster.devices_per_node=4",
+        "cluster.devices_per_node=2",
         "cluster.min_nodes=1",
         "cluster.elastic_wait_s=5",
         f"checkpoint.dir={tmp / 'ckpt'}",
-        "checkpoint.every_steps=5",
+        "checkpoint.every_steps=4",
         "checkpoint.keep_last=100",
         f"train.steps={steps}",
     ]
@@ -134,10 +135,10 @@ def elastic_overrides(tmp: Path, steps: int) -> list:
 
 @pytest.mark.slow
 def test_a_lost_node_shrinks_the_run_to_a_new_layout_with_the_losses_of_a_plain_resume(tmp_path):
-    """Node 1's launcher is SIGKILLed after step 3: its torchrun stops its workers, the 8 ranks agree on
-    the stop step and save it, node 0's workers end and torchrun restarts them on 4 processes, which
-    re-plan (dp4 x tp2 -> dp2 x tp2, tp kept) and resume. The losses equal an 8-process run to that
-    step followed by a 4-process resume of its checkpoint in the new layout (1e-5)."""
+    """Node 1's launcher is SIGKILLed after step 3: its torchrun stops its workers, the 4 ranks agree on
+    the stop step and save it, node 0's workers end and torchrun restarts them on 2 processes, which
+    re-plan (dp2 x tp2 -> dp1 x tp2, tp kept) and resume. The losses equal a 4-process run to that
+    step followed by a 2-process resume of its checkpoint in the new layout (1e-5)."""
     run = ElasticRun(tmp_path, elastic_overrides(tmp_path, STEPS))
     try:
         run.start_two()
@@ -155,11 +156,8 @@ def test_a_lost_node_shrinks_the_run_to_a_new_layout_with_the_losses_of_a_plain_
     print(f"node 1 killed: layout change recorded {recorded:.1f} s later, training again after {trains:.1f} s")
     (change,) = run.changes()
     old, new = change["old"], change["new"]
-    assert (old["world_size"], old["dp"], old["tp"]) == (8, 4, 2) and (new["world_size"], new["dp"], new["tp"]) == (
-        4,
-        2,
-        2,
-    )
+    assert (old["world_size"], old["dp"], old["tp"]) == (4, 2, 2)
+    assert (new["world_size"], new["dp"], new["tp"]) == (2, 1, 2)
     assert "a node left" in change["reason"] and new["global_batch_size"] == old["global_batch_size"]
     summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
     assert summary["layout_changes"] == [change] and summary["steps"] == STEPS
@@ -167,13 +165,13 @@ def test_a_lost_node_shrinks_the_run_to_a_new_layout_with_the_losses_of_a_plain_
     assert f"layout change at step {step}" in out and "a node left" in out, out[-3000:]
     got = run.losses()
     assert sorted(got) == list(range(1, STEPS + 1))
-    # The uninterrupted reference: 8 processes to that step (saved there), then 4 in the new layout.
+    # The uninterrupted reference: 4 processes to that step (saved there), then 2 in the new layout.
     common = [*BASE, f"data.cache_dir={tmp_path / 'cache'}"]
-    eight = fresh_reference(common, old, tmp_path / "ref8", STEPS, save_every=step)
-    four = resumed_reference(
-        common, new, tmp_path / "ref8" / "checkpoints" / f"step-{step:08d}", tmp_path / "ref4", STEPS
+    before = fresh_reference(common, old, tmp_path / "ref-old", STEPS, save_every=step)
+    after = resumed_reference(
+        common, new, tmp_path / "ref-old" / "checkpoints" / f"step-{step:08d}", tmp_path / "ref-new", STEPS
     )
-    want = {**{s: eight[s] for s in range(1, step + 1)}, **four}
+    want = {**{s: before[s] for s in range(1, step + 1)}, **after}
     diff = max_difference(got, want)
-    print(f"changed layout at step {step}: max |loss difference| vs the plain 8 -> 4 resume {diff:.2e}")
+    print(f"changed layout at step {step}: max |loss difference| vs the plain 4 -> 2 resume {diff:.2e}")
     assert diff <= 1e-5, (got, want)
