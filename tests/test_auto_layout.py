@@ -127,31 +127,33 @@ COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "parallel=auto"]
 
 @pytest.mark.slow
 def test_auto_runs_train_and_resume_on_fewer_processes_with_a_new_layout(tmp_path):
-    """gpt-dp chosen on 8 processes, checkpoint at step 3, 6 steps; resumed with parallel=auto on 4
+    """gpt-dp chosen on 4 processes, checkpoint at step 3, 6 steps; resumed with parallel=auto on 2
     processes from step 3: a different layout, the same losses (1e-5). llama-fsdp-tp trains with
-    parallel=auto and reports planned vs measured with the choice's check."""
+    parallel=auto on 2 processes and reports planned vs measured with the choice's check."""
     cache = [f"data.cache_dir={tmp_path / 'cache'}"]
-    eight = ["recipe=gpt-dp", "cluster.devices_per_node=8", *COMMON, *cache, "checkpoint.every_steps=3"]
-    straight = run_training(eight, tmp_path / "eight", 6)
-    chosen8 = json.loads((tmp_path / "eight" / RECORD_FILE).read_text())["chosen"]["layout"]
-    assert chosen8["dp"] * chosen8["tp"] * chosen8["pp"] == 8
+    many = ["recipe=gpt-dp", "cluster.devices_per_node=4", *COMMON, *cache, "checkpoint.every_steps=3"]
+    straight = run_training(many, tmp_path / "many", 6)
+    chosen_many = json.loads((tmp_path / "many" / RECORD_FILE).read_text())["chosen"]["layout"]
+    assert chosen_many["dp"] * chosen_many["tp"] * chosen_many["pp"] == 4
     block = straight.summary["planned_vs_measured"]
     assert block["memory"]["planned"] > 0 and block["tokens_per_s"]["planned"] > 0
-    assert block["auto"]["chosen"] == json.loads((tmp_path / "eight" / RECORD_FILE).read_text())["chosen"]["overrides"]
+    assert block["auto"]["chosen"] == json.loads((tmp_path / "many" / RECORD_FILE).read_text())["chosen"]["overrides"]
 
-    ckpt = tmp_path / "eight" / "checkpoints" / "step-00000003"
-    four = ["recipe=gpt-dp", "cluster.devices_per_node=4", *COMMON, *cache, f"checkpoint.resume={ckpt}"]
-    run_training(four, tmp_path / "four", 6)
-    chosen4 = json.loads((tmp_path / "four" / RECORD_FILE).read_text())["chosen"]["layout"]
-    assert chosen4["dp"] * chosen4["tp"] * chosen4["pp"] == 4 and chosen4 != chosen8
-    before, after = _losses(tmp_path / "eight"), _losses(tmp_path / "four")
+    ckpt = tmp_path / "many" / "checkpoints" / "step-00000003"
+    fewer = ["recipe=gpt-dp", "cluster.devices_per_node=2", *COMMON, *cache, f"checkpoint.resume={ckpt}"]
+    run_training(fewer, tmp_path / "fewer", 6)
+    chosen_fewer = json.loads((tmp_path / "fewer" / RECORD_FILE).read_text())["chosen"]["layout"]
+    assert chosen_fewer["dp"] * chosen_fewer["tp"] * chosen_fewer["pp"] == 2 and chosen_fewer != chosen_many
+    before, after = _losses(tmp_path / "many"), _losses(tmp_path / "fewer")
     assert sorted(after) == [4, 5, 6]
     diff = max_relative_difference([before[s] for s in after], [after[s] for s in after])
-    print(f"parallel=auto: 8 processes {chosen8} -> 4 processes {chosen4}: max relative loss difference {diff:.2e}")
+    print(
+        f"parallel=auto: 4 processes {chosen_many} -> 2 processes {chosen_fewer}: max relative loss difference {diff:.2e}"
+    )
     assert diff <= 1e-5
-    config = (tmp_path / "four" / "config.yaml").read_text()
-    assert f"dp: {chosen4['dp']}" in config and "auto: true" in config
+    config = (tmp_path / "fewer" / "config.yaml").read_text()
+    assert f"dp: {chosen_fewer['dp']}" in config and "auto: true" in config
 
-    llama = run_training(["recipe=llama-fsdp-tp", *COMMON, *cache], tmp_path / "llama", 3)
+    llama = run_training(["recipe=llama-fsdp-tp", "cluster.devices_per_node=2", *COMMON, *cache], tmp_path / "llama", 3)
     assert llama.summary["planned_vs_measured"]["auto"]["runner_up"] is not None
     assert len(llama.losses) == 3
