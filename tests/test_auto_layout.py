@@ -147,9 +147,7 @@ def test_auto_runs_train_and_resume_on_fewer_processes_with_a_new_layout(tmp_pat
     before, after = _losses(tmp_path / "many"), _losses(tmp_path / "fewer")
     assert sorted(after) == [4, 5, 6]
     diff = max_relative_difference([before[s] for s in after], [after[s] for s in after])
-    print(
-        f"parallel=auto: 4 processes {chosen_many} -> 2 processes {chosen_fewer}: max relative difference {diff:.2e}"
-    )
+    print(f"parallel=auto: 4 processes {chosen_many} -> 2 processes {chosen_fewer}: max relative difference {diff:.2e}")
     assert diff <= 1e-5
     config = (tmp_path / "fewer" / "config.yaml").read_text()
     assert f"dp: {chosen_fewer['dp']}" in config and "auto: true" in config
