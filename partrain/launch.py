@@ -33,6 +33,8 @@ HUB_RECORD = "hub.json"
 """RUN_DIR/hub.json: for each of model.pretrained, data.tokenizer, data.source given as a Hub id, the
 repo, repo_type, the commit it resolved to and the snapshot folder read."""
 
+STREAM_FACTS = "stream.json"
+"""RUN_DIR/stream.json: what a data.streaming run's batches depend on (partrain.data.streaming.stream_facts)."""
 TORCHRUN_LOG = "torchrun.log"
 """RUN_DIR/logs/torchrun.log: torchrun's own output and rank 0's stderr (tracebacks, warnings)."""
 
@@ -54,18 +56,30 @@ def _unique(path: Path) -> Path:
 def prepare_run_dir(v: ValidatedRun, run_dir: Path, auto_choice: Optional[dict] = None) -> Path:
     """Write the run folder: resolved config.yaml and data.json. The data is tokenized and checked
     by `partrain.preflight.check_before_launch` first; here it is found in the cache."""
-    from partrain.data import prepare_tokens
-
-    packed = prepare_tokens(v.run.data, Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     v.run.train.run_dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(v.run))
-    (run_dir / DATA_MANIFEST).write_text(json.dumps({"meta_path": str(packed.meta_path)}))
+    (run_dir / DATA_MANIFEST).write_text(json.dumps({"meta_path": str(_data_facts_file(v, run_dir))}))
     if auto_choice is not None:  # the planner's choice, which rank 0 compares with what it measures
         (run_dir / AUTO_RECORD_FILE).write_text(json.dumps(auto_choice, indent=1, default=str))
     if resolved := hub_record(v.run):  # the Hub repos and commits the run's folders came from
         (run_dir / HUB_RECORD).write_text(json.dumps(resolved, indent=1) + "\n")
     return run_dir
+
+
+def _data_facts_file(v: ValidatedRun, run_dir: Path) -> Path:
+    """The packed cache entry's meta.json, or for data.streaming the run folder's stream.json (the
+    facts the nodes of a run must agree on: no tokens are prepared ahead)."""
+    if v.run.data.streaming:
+        from partrain.data.stream_facts import stream_facts
+
+        facts = run_dir / STREAM_FACTS
+        facts.write_text(json.dumps(stream_facts(v.run.data), indent=1) + "\n")
+        return facts
+    from partrain.data import prepare_tokens
+
+    cache_root = Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None
+    return prepare_tokens(v.run.data, cache_root).meta_path
 
 
 def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvous] = None) -> list:

@@ -60,8 +60,12 @@ def _device(v: ValidatedRun, env: DistEnv):
 def _open_data(v: ValidatedRun, run_dir: Path):
     from partrain.data import EvalBatches, TokenBatches, open_packed
 
-    packed = open_packed(json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"])
     t = v.run.train
+    if v.run.data.streaming:  # tokenized on the fly by every rank, no cache entry
+        from partrain.data.streaming import open_stream
+
+        return open_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
+    packed = open_packed(json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"])
     batches = TokenBatches.from_packed(packed, t.seq_len, v.global_batch_size, t.seed)
     evals = EvalBatches.from_packed(packed, t.seq_len, v.global_batch_size) if t.eval_batches > 0 else None
     return batches, evals

@@ -174,6 +174,21 @@ def test_train_split_too_short_exits_2_without_a_run_folder(partrain, tmp_path):
     assert not Path("run").exists()
 
 
+def test_streaming_refusals_exit_2_before_anything_starts(partrain, tmp_path):
+    """data.streaming tokenizes nothing ahead, but a missing or empty source and a vocabulary larger
+    than the model's are still found before any process or folder exists."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n')
+    for source, words in ((tmp_path / "nope.jsonl", ["data.source="]), (empty, ["data.source=", "no text"])):
+        refused(partrain("train", *TINY, "data.streaming=true", f"data.source={source}", "train.run_dir=run"), *words)
+    refused(
+        partrain("train", *TINY, "data.streaming=true", "model.config.vocab_size=100", "train.run_dir=run"),
+        "model.config.vocab_size=100",
+        "256",
+    )
+    assert not Path("run").exists()
+
+
 @pytest.mark.parametrize("eval_batches", [0, 1])
 def test_preflight_length_rule_is_the_loaders_rule(tmp_path, eval_batches):
     """batch_problems refuses exactly what TokenBatches / EvalBatches refuse, at the boundary."""

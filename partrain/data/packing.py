@@ -295,7 +295,7 @@ def _remove_stale_temps(folder: Path) -> None:
 def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype, out) -> tuple:
     """Write ``doc eos doc eos ...`` to ``out``; returns (tokens written, documents)."""
     n_tokens = n_docs = 0
-    for batch in _batches(documents):
+    for batch in document_batches(documents):
         for ids in tokenizer.encode_batch(batch):
             if len(ids) and (int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0):
                 # Would wrap silently in the narrow dtype and train on garbage ids.
@@ -309,7 +309,8 @@ def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtyp
     return n_tokens, n_docs
 
 
-def _batches(documents: Iterable[str]) -> Iterator[List[str]]:
+def document_batches(documents: Iterable[str]) -> Iterator[List[str]]:
+    """Documents grouped for batch encoding: up to _BATCH_DOCS documents or _BATCH_BYTES characters each."""
     batch: List[str] = []
     size = 0
     for doc in documents:

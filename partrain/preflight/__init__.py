@@ -117,22 +117,38 @@ def _missing_or_cut(path: Path, record: dict) -> List[Problem]:
 
 
 def data_problems(v: ValidatedRun) -> List[Problem]:
-    """Tokenize (or reuse the cache), then check the vocabulary and that one global batch fits."""
+    """Tokenize (or reuse the cache), then check the vocabulary and that one global batch fits.
+    data.streaming: the source opens and holds text, and the tokenizer loads (nothing is tokenized
+    ahead, so a corpus too short for one batch is found by the workers)."""
     from partrain.data import batch_problems, prepare_tokens
 
     t = v.run.train
     try:
+        if v.run.data.streaming:
+            return _vocab_problems(v, _streamed_vocab_size(v))
         packed = prepare_tokens(v.run.data)
     except ConfigError as err:
         return list(err.problems)
-    problems = []
-    if packed.vocab_size > v.facts.vocab:
-        problems.append(
-            Problem(
-                "model.config.vocab_size",
-                v.facts.vocab,
-                f"smaller than the tokenizer's vocabulary ({packed.vocab_size})",
-                f"set model.config.vocab_size={packed.vocab_size} or more",
-            )
-        )
+    problems = _vocab_problems(v, packed.vocab_size)
     return problems + batch_problems(packed, t.seq_len, v.global_batch_size, with_eval=t.eval_batches > 0)
+
+
+def _streamed_vocab_size(v: ValidatedRun) -> int:
+    from partrain.data.corpus import Corpus
+    from partrain.data.tokenizer import load_tokenizer
+
+    next(iter(Corpus.from_config(v.run.data).documents()))  # a source without text raises ConfigError
+    return load_tokenizer(v.run.data.tokenizer).vocab_size
+
+
+def _vocab_problems(v: ValidatedRun, vocab_size: int) -> List[Problem]:
+    if vocab_size <= v.facts.vocab:
+        return []
+    return [
+        Problem(
+            "model.config.vocab_size",
+            v.facts.vocab,
+            f"smaller than the tokenizer's vocabulary ({vocab_size})",
+            f"set model.config.vocab_size={vocab_size} or more",
+        )
+    ]

@@ -24,7 +24,17 @@ NODE_LOCAL_KEYS = frozenset({"cluster.node_rank", "train.run_dir", "data.cache_d
 DATA_KEY = "data (packed tokens)"
 """The pseudo key under which the token data's facts are compared."""
 
-DATA_FACTS = ("format", "dtype", "vocab_size", "eos_id", "n_train_tokens", "n_eval_tokens", "n_documents", "tokenizer")
+DATA_FACTS = (
+    "format",
+    "dtype",
+    "vocab_size",
+    "eos_id",
+    "n_train_tokens",
+    "n_eval_tokens",
+    "n_documents",
+    "tokenizer",
+    "stream_source",
+)
 
 
 class Disagreement(Exception):

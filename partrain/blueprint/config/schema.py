@@ -236,8 +236,11 @@ class DataConfig:
     split: str = "train"
     """Split of a `datasets` source (save_to_disk DatasetDict or Hub dataset) to train on."""
     streaming: bool = False
-    """Read a `datasets` source as an IterableDataset (no Arrow copy of the whole split is made; the
-    text read, up to max_bytes, is still tokenized once into the packed cache)."""
+    """Tokenize on the fly instead of into the packed cache, for corpora too large to tokenize ahead: every
+    worker reads the source (a `datasets` source as an IterableDataset) and tokenizes it as it trains,
+    through a seeded shuffle buffer; batches stay the same for every layout, a resume replays the stream
+    to its step, and the first train.eval_batches global batches of windows are held out for evaluation
+    (data.eval_fraction is not used). See partrain.data.streaming."""
     tokenizer: str = "byte"
     """byte (256-symbol byte-level, no download), a local folder with an HF tokenizer, or a Hub id
     (gpt2, org/name@revision) resolved through the Hub cache."""
