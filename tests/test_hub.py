@@ -145,3 +145,11 @@ def test_hub_dataset_id_and_save_to_disk_folder_give_their_split(hub_home, monke
         assert list(Corpus.from_config(type(run.data)(**disk)).documents()) == TEXTS
     test_split = dict(run.data.__dict__, split="test")
     assert list(Corpus.from_config(type(run.data)(**test_split)).documents()) == ["held out"] * 3
+
+    from partrain.data.streaming import StreamBatches  # data.streaming trains from the IterableDataset
+
+    streamed = type(run.data)(**dict(run.data.__dict__, streaming=True))
+    inputs, labels = StreamBatches(streamed, 16, 4, seed=1).rank_batch(0)
+    assert inputs.shape == labels.shape == (4, 16)
+    text = bytes(inputs[0].tolist()).decode(errors="replace")
+    assert any(word in text for word in ("the", "cat", "dog", "mat", "park", "number")), text
