@@ -549,3 +549,31 @@ def test_export_copies_the_runs_hf_tokenizer(two_saves, tmp_path):
         assert (hf(input_ids=x).logits - model(input_ids=x).logits).abs().max().item() <= 1e-5
     with pytest.raises(ConfigError, match="tokenizer"):
         export_hf(root / "step-00000002", tmp_path / "hf2", tokenizer_folder=str(tmp_path / "nope"))
+
+
+def test_a_failed_export_leaves_the_earlier_export_whole_and_no_partial_files(two_saves, tmp_path, monkeypatch):
+    """The export is written into OUT/.partial and moved up only when complete: a shard write that
+    fails (a full disk here) leaves the earlier export's files byte for byte, and a new folder is
+    not left behind at all."""
+    import errno
+
+    import partrain.checkpoint.hf_shards as hf_shards
+
+    root = two_saves[0]
+    out = export_hf(root / "step-00000001", tmp_path / "hf", tokenizer_folder=None)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    real = hf_shards.write_shard
+
+    def full_disk(job):
+        Path(job.file).write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, "No space left on device", job.file)
+
+    monkeypatch.setattr(hf_shards, "write_shard", full_disk)
+    for target in (out, tmp_path / "new"):
+        with pytest.raises(OSError, match="No space"):
+            export_hf(root / "step-00000002", target, tokenizer_folder=None)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(hf_shards, "write_shard", real)
+    again = export_hf(root / "step-00000002", out, tokenizer_folder=None)
+    assert sorted(f.name for f in again.iterdir()) == sorted(before)

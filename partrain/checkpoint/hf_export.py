@@ -179,6 +179,13 @@ def plan_export(
 # ---- writing --------------------------------------------------------------------------------------
 
 
+def staging_dir(out_dir: Path) -> Path:
+    """Where an export is written before its files are moved up into out_dir: a crash, a full disk
+    or a failed shard leaves out_dir's files as they were (an earlier export stays whole). Inside
+    out_dir, so the renames stay on one file system and only out_dir needs to be writable."""
+    return out_dir / ".partial"
+
+
 def _clear_old_weights(out_dir: Path) -> None:
     """Weights of an earlier export into the same folder would mix with these: remove them."""
     for old in list(out_dir.glob("model*.safetensors")) + [out_dir / INDEX_FILE]:
@@ -187,33 +194,53 @@ def _clear_old_weights(out_dir: Path) -> None:
 
 
 def _prepare(path: Path, out_dir: Path, problems) -> None:
+    """Check the checkpoint's files, then create an empty staging folder (an old one is a dead export's)."""
     if problems:
         raise CorruptCheckpoint([corrupt(p, why, key=PATH_KEY).problems[0] for p, why in problems])
+    staging = staging_dir(out_dir)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)  # out_dir too, when it is new
     except OSError as exc:
         raise _out_problem(out_dir, f"cannot be created: {exc.strerror or exc}") from None
-    _clear_old_weights(out_dir)
 
 
 def _finish(
     out_dir: Path, model, jobs: List[ShardJob], wanted, record: Dict[str, Any], tokenizer: Optional[Path]
 ) -> None:
-    """What one process writes once every shard is on disk: index, configs, tokenizer files."""
+    """What one process writes once every shard is on disk (index, configs, tokenizer files), then
+    the move of the whole export from the staging folder into out_dir."""
     from partrain.checkpoint.export_model import write_configs
 
+    staging = staging_dir(out_dir)
     if len(jobs) > 1:
-        tmp = out_dir / (INDEX_FILE + ".tmp")
-        tmp.write_text(json.dumps(index_json(jobs), indent=2) + "\n")
-        os.replace(tmp, out_dir / INDEX_FILE)
+        (staging / INDEX_FILE).write_text(json.dumps(index_json(jobs), indent=2) + "\n")
     pretrained = record["model"].get("pretrained")
-    write_configs(model, out_dir, wanted, Path(pretrained) if pretrained and Path(pretrained).is_dir() else None)
+    write_configs(model, staging, wanted, Path(pretrained) if pretrained and Path(pretrained).is_dir() else None)
     if tokenizer is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer / name).is_file():
-                shutil.copy2(tokenizer / name, out_dir / name)
+                shutil.copy2(tokenizer / name, staging / name)
     elif (record.get("data") or {}).get("tokenizer") == "byte":
         log.info("the run used the byte tokenizer (ids = UTF-8 bytes): no tokenizer files to export")
+    _publish(staging, out_dir)
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Move every file of a complete export into out_dir (renames within one file system), the
+    index and config last, so a reader never finds an index naming shards that are not there yet."""
+    _clear_old_weights(out_dir)
+    last = {INDEX_FILE, "config.json"}
+    files = sorted(staging.iterdir(), key=lambda f: (f.name in last, f.name == INDEX_FILE, f.name))
+    for file in files:
+        os.replace(file, out_dir / file.name)
+    staging.rmdir()
+
+
+def _final_paths(reports: List[Optional[Dict[str, Any]]], out_dir: Path) -> None:
+    for report in reports:
+        if report is not None:
+            report["file"] = str(out_dir / Path(report["file"]).name)
 
 
 def export_hf_report(
@@ -234,14 +261,21 @@ def export_hf_report(
     tokenizer = _tokenizer_source(record, tokenizer_folder)
     if not has_checksums(record):
         warn_user(no_checksums_warning(path))
-    model, jobs = plan_export(path, record, out_dir, nproc, wanted)
-    if len(jobs) == 1:
-        _prepare(path, out_dir, file_problems(path, record))
-        jobs[0].verify_files = []
-        reports = [write_shard(jobs[0])]
-    else:
-        reports = run_shard_processes(jobs, lambda problems: _prepare(path, out_dir, problems))
-    _finish(out_dir, model, jobs, wanted, record, tokenizer)
+    model, jobs = plan_export(path, record, staging_dir(out_dir), nproc, wanted)
+    existed = out_dir.exists()
+    try:
+        if len(jobs) == 1:
+            _prepare(path, out_dir, file_problems(path, record))
+            jobs[0].verify_files = []
+            reports = [write_shard(jobs[0])]
+        else:
+            reports = run_shard_processes(jobs, lambda problems: _prepare(path, out_dir, problems))
+        _finish(out_dir, model, jobs, wanted, record, tokenizer)
+    finally:  # after a failure: no partial files, and no folder the export created
+        shutil.rmtree(staging_dir(out_dir), ignore_errors=True)
+        if not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+    _final_paths(reports, out_dir)
     return {"exported": str(out_dir), "dtype": dtype, "shards": reports}
 
 
@@ -266,7 +300,7 @@ def export_hf_collective(path: Path, out_dir: Path, dtype: str = "fp32") -> Opti
     wanted = export_dtype(dtype, "checkpoint.export_dtype")
     record = read_record(path, key=PATH_KEY)
     tokenizer = _tokenizer_source(record, None)
-    model, jobs = plan_export(path, record, out_dir, world, wanted, SHARD_TARGET_BYTES)
+    model, jobs = plan_export(path, record, staging_dir(out_dir), world, wanted, SHARD_TARGET_BYTES)
     if rank == 0:
         _prepare(path, out_dir, [])
     barrier()
@@ -278,4 +312,5 @@ def export_hf_collective(path: Path, out_dir: Path, dtype: str = "fp32") -> Opti
     if rank == 0:
         _finish(out_dir, model, jobs, wanted, record, tokenizer)
     barrier()
+    _final_paths([report], out_dir)
     return report
