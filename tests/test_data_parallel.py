@@ -1,8 +1,11 @@
-"""Data parallelism for real (torchrun, gloo, several processes) against the one-process run.
+"""Data parallelism for real (gloo, several processes) against the one-process run.
 
 Parity: per-step losses and global gradient norms within 1e-5 relative (fp32) for dp=2 and dp=4
 with every zero stage, and hybrid sharding 2 x 2. Memory: per-rank model-state bytes (parameters
 + gradients + optimizer state, summed over local shards) within 5% of the ZeRO formulas.
+`THROUGH_CLI` layouts run as `partrain train` (torchrun, the worker); the others share one launch
+per process count (`partrain.testing.in_process.train_cases`: the same mesh, engine and trainer
+step, without paying process start-up per layout).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import time
 
 import pytest
 
-from partrain.testing.parity import check_parity, reference_overrides, run_training
+from partrain.testing.in_process import train_cases
+from partrain.testing.multiproc import run_spawned
+from partrain.testing.parity import RunRecord, check_parity, reference_overrides, run_training
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +72,37 @@ def ideal_model_state_bytes(psi: int, zero_stage: int, dp: int, dp_shard: int) -
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 16 * psi / n, 3: 16 * psi / n}[zero_stage]
 
 
+THROUGH_CLI = ("dp2-zero3", "hybrid-2x2")
+"""Layouts trained by `partrain train` itself; the rest share a launch per process count."""
+
+
+def _processes(name: str) -> int:
+    return int(dict(o.split("=", 1) for o in LAYOUTS[name])["parallel.dp"])
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, reference):
+    """{layout: (RunRecord of rank 0, each rank's model-state bytes)} for the layouts not in THROUGH_CLI."""
+    out = {}
+    for world in (2, 4):
+        names = [n for n in LAYOUTS if n not in THROUGH_CLI and _processes(n) == world]
+        cases = [BASE + LAYOUTS[n] for n in names]
+        folder = tmp_path_factory.mktemp(f"spawn{world}")
+        per_rank = run_spawned(train_cases, world, folder, str(reference.run_dir), cases, STEPS, timeout_s=600)
+        for i, name in enumerate(names):
+            record = per_rank[0][i]
+            bytes_per_rank = [rank[i]["model_state_bytes"] for rank in per_rank]
+            out[name] = (RunRecord(record["losses"], record["grad_norms"], folder, {}), bytes_per_rank)
+    return out
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, reference, tmp_path, data_cache):
-    overrides = BASE + [f"data.cache_dir={data_cache}"] + LAYOUTS[name]
-    got = run_training(overrides, tmp_path / "run", STEPS)
+def test_layout_matches_single_process(name, reference, shared, tmp_path, data_cache):
+    if name in THROUGH_CLI:
+        got = run_training(BASE + [f"data.cache_dir={data_cache}"] + LAYOUTS[name], tmp_path / "run", STEPS)
+        state_bytes = [rank["model_state_bytes"] for rank in got.summary["ranks"]]
+    else:
+        got, state_bytes = shared[name]
     diffs = check_parity(reference, got, rtol=1e-5)
     print(f"{name}: {diffs}")
     assert got.losses[-1] < got.losses[0]  # it trains
@@ -80,8 +112,9 @@ def test_layout_matches_single_process(name, reference, tmp_path, data_cache):
     dp, zero = int(values["parallel.dp"]), int(values["parallel.zero_stage"])
     shard = int(values.get("parallel.dp_shard", dp))
     ideal = ideal_model_state_bytes(psi, zero, dp, shard)
-    for rank in got.summary["ranks"]:
-        assert abs(rank["model_state_bytes"] - ideal) / ideal < 0.05, (name, rank, ideal)
+    assert len(state_bytes) == dp
+    for held in state_bytes:
+        assert abs(held - ideal) / ideal < 0.05, (name, held, ideal)
 
 
 def test_reference_holds_sixteen_bytes_per_parameter(reference):

@@ -39,6 +39,7 @@ def train_cases(rank: int, world: int, data_run_dir: str, cases: Sequence[Sequen
         trainer = Trainer(v, mesh, engine, batches, None, MetricsWriter(Path(data_run_dir), enabled=False), False)
         results = [trainer.train_step() for _ in range(steps)]
         record = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results]}
+        record["model_state_bytes"] = trainer.state.model_state_bytes
         sync = getattr(getattr(engine, "dp", None), "sync", None)
         if sync is not None:
             record["counter"] = sync.counter.to_json()
