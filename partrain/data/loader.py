@@ -70,7 +70,7 @@ class _Windows:
         return torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
 
 
-def _rank_slice(batch_size: int, dp_rank: int, dp_size: int) -> slice:
+def rank_rows(batch_size: int, dp_rank: int, dp_size: int) -> slice:
     """Rows of a global batch that data-parallel rank ``dp_rank`` of ``dp_size`` owns."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is not a rank of a data-parallel group of {dp_size}")
@@ -88,7 +88,7 @@ def _rank_slice(batch_size: int, dp_rank: int, dp_size: int) -> slice:
     return slice(dp_rank * rows, (dp_rank + 1) * rows)
 
 
-def _split(rows: torch.Tensor) -> Batch:
+def split_inputs_labels(rows: torch.Tensor) -> Batch:
     """(inputs, labels): each window without its last token, and shifted by one."""
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
@@ -158,8 +158,8 @@ class TokenBatches:
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s
         contiguous rows of ``global_batch(step)``. Reads only those rows."""
-        rows = _rank_slice(self.global_batch_size, dp_rank, dp_size)
-        return _split(self._windows.rows(self.windows(step)[rows]))
+        rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
+        return split_inputs_labels(self._windows.rows(self.windows(step)[rows]))
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """``rank_batch`` at the current step, then advance one step."""
@@ -251,9 +251,9 @@ class EvalBatches:
         """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s rows of batch i."""
         if i < 0:
             raise ValueError(f"eval batch index must be >= 0, got {i}")
-        rows = _rank_slice(self.global_batch_size, dp_rank, dp_size)
+        rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
         first = (i % self.num_batches) * self.global_batch_size
-        return _split(self._windows.rows(np.arange(first + rows.start, first + rows.stop)))
+        return split_inputs_labels(self._windows.rows(np.arange(first + rows.start, first + rows.stop)))
 
     def batches(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
         """Eval batches 0..count-1 for one rank."""

@@ -297,9 +297,7 @@ def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtyp
     n_tokens = n_docs = 0
     for batch in document_batches(documents):
         for ids in tokenizer.encode_batch(batch):
-            if len(ids) and (int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0):
-                # Would wrap silently in the narrow dtype and train on garbage ids.
-                raise ValueError(f"tokenizer {tokenizer.name} produced an id outside [0, {tokenizer.vocab_size})")
+            check_ids(ids, tokenizer)
             row = np.empty(len(ids) + 1, dtype=dtype)
             row[:-1] = ids
             row[-1] = tokenizer.eos_id
@@ -307,6 +305,13 @@ def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtyp
             n_tokens += len(row)
             n_docs += 1
     return n_tokens, n_docs
+
+
+def check_ids(ids: np.ndarray, tokenizer: Tokenizer) -> None:
+    """Every id below the tokenizer's vocabulary: out-of-range ids would wrap silently in a narrow
+    dtype (or index past the embedding) and train on garbage."""
+    if len(ids) and (int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0):
+        raise ValueError(f"tokenizer {tokenizer.name} produced an id outside [0, {tokenizer.vocab_size})")
 
 
 def document_batches(documents: Iterable[str]) -> Iterator[List[str]]:

@@ -29,8 +29,8 @@ import torch
 
 from partrain.blueprint.config.schema import DataConfig
 from partrain.data.corpus import Corpus
-from partrain.data.loader import Batch, _rank_slice, _split
-from partrain.data.packing import document_batches
+from partrain.data.loader import Batch, rank_rows, split_inputs_labels
+from partrain.data.packing import check_ids, document_batches
 from partrain.data.stream_facts import stream_facts
 from partrain.data.tokenizer import Tokenizer, load_tokenizer
 from partrain.errors import ConfigError, Problem
@@ -45,8 +45,7 @@ def _pass_windows(corpus, tokenizer: Tokenizer, seq_len: int) -> Iterator[np.nda
     held = 0
     for batch in document_batches(corpus.documents()):
         for ids in tokenizer.encode_batch(batch):
-            if len(ids) and (int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0):
-                raise ValueError(f"tokenizer {tokenizer.name} produced an id outside [0, {tokenizer.vocab_size})")
+            check_ids(ids, tokenizer)
             pending += [np.asarray(ids, dtype=np.int64), np.array([tokenizer.eos_id], dtype=np.int64)]
             held += len(ids) + 1
             if held < seq_len + 1:
@@ -83,7 +82,6 @@ class StreamBatches:
             raise ConfigError(Problem("train.seq_len", seq_len, "must be >= 1", "train.seq_len=128"))
         if global_batch_size < 1:
             raise ConfigError(Problem("train.global_batch_size", global_batch_size, "must be >= 1", "set it"))
-        self.cfg = cfg
         self.corpus = Corpus.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.seq_len = seq_len
@@ -142,7 +140,7 @@ class StreamBatches:
 
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s rows of step's batch."""
-        return _split(self.global_batch(step)[_rank_slice(self.global_batch_size, dp_rank, dp_size)])
+        return split_inputs_labels(self.global_batch(step)[rank_rows(self.global_batch_size, dp_rank, dp_size)])
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """``rank_batch`` at the current step, then advance one step."""
@@ -199,7 +197,7 @@ class StreamEvalBatches:
     def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         start = (i % self.n_batches) * self.global_batch_size
         rows = self.windows[start : start + self.global_batch_size]
-        return _split(rows[_rank_slice(self.global_batch_size, dp_rank, dp_size)])
+        return split_inputs_labels(rows[rank_rows(self.global_batch_size, dp_rank, dp_size)])
 
     def batches(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
         for i in range(count):
