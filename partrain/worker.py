@@ -34,12 +34,15 @@ def setup_logging(run_dir: Path, env: DistEnv) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"rank-{env.rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{env.rank} %(levelname)s %(message)s"))
+    for old in log.handlers:  # a process that trains several runs (partrain.testing) logs each in its folder
+        old.close()
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
 
 
-def _threads(v: ValidatedRun, env: DistEnv) -> int:
+def threads_for(v: ValidatedRun, env: DistEnv) -> int:
+    """Threads per process: train.threads_per_process, or this machine's cores shared by its processes."""
     wanted = v.run.train.threads_per_process
     return wanted if wanted > 0 else max(1, cpu_count() // max(1, env.local_world_size))
 
@@ -457,7 +460,7 @@ def main(
         if stop is not None:
             stop.hard_exit_after_s = float(v.run.train.timeout_s)
             stop.exit_at_once = is_elastic(v.run.cluster)  # until the first step (train_process)
-        torch.set_num_threads(_threads(v, env))
+        torch.set_num_threads(threads_for(v, env))
         store = _restart_store(env, datetime.timedelta(seconds=v.run.train.timeout_s))
         with joined_group(
             v.run.cluster.backend, env.rank, env.world_size, v.run.train.timeout_s, store, env.init_method

@@ -1,9 +1,10 @@
 """Sequence/context parallelism (parallel.sp, Ulysses and zig-zag ring) for real against the one-process run.
 
-Every layout runs through `partrain train` (torchrun, gloo) and is compared with the single-process
-run of the same model, data and seed: per-step losses, gradient norms and the final eval loss
-within 1e-5 relative (fp32). One reference per (model, sequence length) is shared through a
-module fixture. Also: a checkpoint saved under sp2 resumed under sp4, and the bad inputs exit 2.
+Every layout trains in real processes (gloo) through the worker's code and is compared with the
+single-process run of the same model, data and seed: per-step losses, gradient norms and the final
+eval loss within 1e-5 relative (fp32). One reference per (model, sequence length); the runs of one
+process count share a launch (testing.in_process.train_all). Also: a checkpoint saved under sp2
+resumed under sp4 through `partrain train` itself, and the bad inputs exit 2.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import List
 
 import pytest
 
+from partrain.testing.in_process import train_all
 from partrain.testing.parity import RunRecord, max_relative_difference, reference_overrides
 
 pytestmark = pytest.mark.slow
@@ -87,19 +89,20 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
+def _reference_name(model: List[str], seq: int) -> str:
+    return f"reference-{'qwen2' if model == QWEN2 else model[0].split('=')[1]}-{seq}"
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data_cache):
-    """The one-process run for (model, seq_len), run once per module."""
-    cache = {}
-
-    def get(model: List[str], seq: int) -> RunRecord:
-        key = (tuple(model), seq)
-        if key not in cache:
-            run_dir = tmp_path_factory.mktemp("ref") / "run"
-            cache[key] = train(reference_overrides(_base(model, seq, data_cache)), run_dir)
-        return cache[key]
-
-    return get
+def runs(tmp_path_factory, data_cache):
+    """Every LAYOUTS entry and each one-process reference it needs, trained once per module through
+    the worker's code; the runs of one process count share one launch (testing.in_process.train_all).
+    The resume test below goes through `partrain train` itself."""
+    cases, steps = {}, [f"train.steps={STEPS}"]
+    for name, (model, seq, layout, procs) in LAYOUTS.items():
+        cases[_reference_name(model, seq)] = reference_overrides(_base(model, seq, data_cache)) + steps
+        cases[name] = _base(model, seq, data_cache) + layout + [f"cluster.devices_per_node={procs}", *steps]
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
 def _parity(ref: RunRecord, got: RunRecord) -> dict:
@@ -112,39 +115,24 @@ def _parity(ref: RunRecord, got: RunRecord) -> dict:
     return diffs
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory, data_cache):
-    """The run of each LAYOUTS entry, run once per module (the resume test reuses a checkpoint)."""
-    cache = {}
-
-    def get(name: str) -> RunRecord:
-        if name not in cache:
-            model, seq, layout, procs = LAYOUTS[name]
-            run_dir = tmp_path_factory.mktemp(name) / "run"
-            cache[name] = train(_base(model, seq, data_cache) + layout + [f"cluster.devices_per_node={procs}"], run_dir)
-            assert len(cache[name].summary["ranks"]) == procs
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, references, layouts):
-    model, seq, _, _ = LAYOUTS[name]
-    print(name, _parity(references(model, seq), layouts(name)))
+def test_layout_matches_single_process(name, runs):
+    model, seq, _, procs = LAYOUTS[name]
+    assert len(runs[name].summary["ranks"]) == procs
+    print(name, _parity(runs[_reference_name(model, seq)], runs[name]))
 
 
-def test_checkpoint_resumes_under_ring_sp4(references, layouts, tmp_path, data_cache):
+def test_checkpoint_resumes_under_ring_sp4(runs, tmp_path, data_cache):
     """Saved at step 3 under Ulysses sp2 x dp2 with FSDP, resumed under ring sp4 (DDP): steps 4-5 and the
     eval match the one-process run (sp holds no parameter shards, so the checkpoint does not depend on
     it)."""
-    saved = layouts("llama-ulysses-sp2-dp2-fsdp").run_dir / "checkpoints" / "step-00000003"
+    saved = runs["llama-ulysses-sp2-dp2-fsdp"].run_dir / "checkpoints" / "step-00000003"
     resumed = train(
         _base(LLAMA, 512, data_cache)
         + ["parallel.sp=4", "parallel.sp_mode=ring", "cluster.devices_per_node=4", f"checkpoint.resume={saved}"],
         tmp_path / "resumed",
     )
-    ref = references(LLAMA, 512)
+    ref = runs[_reference_name(LLAMA, 512)]
     assert len(resumed.losses) == 2 and len(resumed.summary["ranks"]) == 4
     print(
         "resume fsdp sp2 -> ring sp4",

@@ -1,7 +1,9 @@
-"""Expert parallelism for real (several gloo processes, the `partrain train` path) against ep=1.
+"""Expert parallelism for real (several gloo processes, the worker's code) against ep=1.
 
 Every layout is compared with the one-process run of the same model, data and seed (dropless,
-router losses on, fp32, 5 steps, 1e-5 relative on loss and gradient norm).
+router losses on, fp32, 5 steps, 1e-5 relative on loss and gradient norm). The layouts share one
+launch per process count (testing.in_process.train_all); the resume under another ep degree goes
+through `partrain train` itself.
 """
 
 from __future__ import annotations
@@ -11,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from partrain.testing.in_process import train_all
 from partrain.testing.multiproc import run_spawned
-from partrain.testing.parity import check_parity, max_relative_difference, reference_overrides, run_training
+from partrain.testing.parity import (
+    check_parity,
+    max_relative_difference,
+    parity_args,
+    reference_overrides,
+    run_training,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,31 +70,30 @@ def _base(model, data_cache):
     return model + COMMON + [f"data.cache_dir={data_cache}"]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, data_cache):
-    cache = {}
-
-    def get(model):
-        key = tuple(model)
-        if key not in cache:
-            cache[key] = run_training(
-                reference_overrides(_base(model, data_cache)), tmp_path_factory.mktemp("ref") / "run", STEPS
-            )
-        return cache[key]
-
-    return get
+def _reference_name(model) -> str:
+    return "reference-" + {tuple(MIXTRAL): "mixtral", tuple(QWEN): "qwen2", tuple(QWEN3): "qwen3"}[tuple(model)]
 
 
 @pytest.fixture(scope="module")
-def mixtral_ep2(tmp_path_factory, data_cache):
-    """The recipe as shipped (dp2 x ep2), saving a checkpoint at step 3."""
-    return run_training(
-        _base(MIXTRAL, data_cache) + ["checkpoint.every_steps=3"], tmp_path_factory.mktemp("ep2") / "run", STEPS
-    )
+def runs(tmp_path_factory, data_cache):
+    """Every LAYOUTS entry and the one-process reference of each model, trained once per module
+    through the worker's code; the runs of one process count share a launch (testing.in_process).
+    Also the recipe as shipped, saving a checkpoint at step 3 for the resume and export tests."""
+    cases = {"mixtral-ep2": parity_args(_base(MIXTRAL, data_cache) + ["checkpoint.every_steps=3"], STEPS)}
+    for name, (model, layout) in LAYOUTS.items():
+        cases[_reference_name(model)] = parity_args(reference_overrides(_base(model, data_cache)), STEPS)
+        cases[name] = parity_args(_base(model, data_cache) + layout, STEPS)
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
-def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_ep2, references):
-    ref = references(MIXTRAL)
+@pytest.fixture(scope="module")
+def mixtral_ep2(runs):
+    """The recipe as shipped (dp2 x ep2), which saved a checkpoint at step 3."""
+    return runs["mixtral-ep2"]
+
+
+def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_ep2, runs):
+    ref = runs[_reference_name(MIXTRAL)]
     print("mixtral-ep2", check_parity(ref, mixtral_ep2, rtol=1e-5))
     total = ref.summary["ranks"][0]["expert_param_bytes"]  # one process holds every expert
     for rank in mixtral_ep2.summary["ranks"]:
@@ -113,12 +121,12 @@ def test_mixtral_ep2_matches_single_process_and_holds_half_the_experts(mixtral_e
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, references, tmp_path, data_cache):
-    model, layout = LAYOUTS[name]
-    got = run_training(_base(model, data_cache) + layout, tmp_path / "run", STEPS)
-    print(name, check_parity(references(model), got, rtol=1e-5))
+def test_layout_matches_single_process(name, runs):
+    model, _ = LAYOUTS[name]
+    ref, got = runs[_reference_name(model)], runs[name]
+    print(name, check_parity(ref, got, rtol=1e-5))
     if name == "mixtral-ep4":
-        total = references(model).summary["ranks"][0]["expert_param_bytes"]
+        total = ref.summary["ranks"][0]["expert_param_bytes"]
         assert all(abs(r["expert_param_bytes"] - total / 4) <= 0.02 * total / 4 for r in got.summary["ranks"])
 
 

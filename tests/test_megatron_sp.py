@@ -12,8 +12,9 @@ from partrain.blueprint.planner import estimate
 from partrain.blueprint.planner.memory import dtypes, layer_activations
 from partrain.blueprint.planner.spec import spec_from_validated
 from partrain.blueprint.validate import validate
+from partrain.testing.in_process import train_all
 from partrain.testing.multiproc import run_spawned
-from partrain.testing.parity import check_parity, reference_overrides, run_training
+from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 STEPS = 5
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
@@ -48,30 +49,38 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
+def _model_overrides(overrides) -> tuple:
+    return tuple(o for o in overrides if o.startswith("model."))
+
+
+def _reference_name(recipe: str, model_overrides: tuple = ()) -> str:
+    return "reference-" + recipe.split("=")[1] + ("-dropout" if model_overrides else "")
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data_cache):
-    """One single-process reference per recipe, shared by its layouts."""
-    cache = {}
-
-    def get(recipe: str, model_overrides: tuple = ()):
-        key = (recipe, *model_overrides)
-        if key not in cache:
-            base = [recipe, *model_overrides] + COMMON + [f"data.cache_dir={data_cache}"]
-            cache[key] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
-        return cache[key]
-
-    return get
+def runs(tmp_path_factory, data_cache):
+    """Every layout and one single-process reference per (recipe, model overrides), plus the
+    reference without the dropout, trained once per module through the worker's code; the runs of
+    one process count share a launch (testing.in_process.train_all)."""
+    common = COMMON + [f"data.cache_dir={data_cache}"]
+    cases = {}
+    for name, overrides in LAYOUTS.items():
+        recipe, model = overrides[0], _model_overrides(overrides)
+        for ref_model in {model, ()}:
+            ref = reference_overrides([recipe, *ref_model] + common)
+            cases[_reference_name(recipe, ref_model)] = parity_args(ref, STEPS)
+        cases[name] = parity_args(overrides + common, STEPS)
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_megatron_sp_matches_single_process(name, references, tmp_path, data_cache):
+def test_megatron_sp_matches_single_process(name, runs):
     overrides = LAYOUTS[name]
-    got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    model_overrides = tuple(o for o in overrides if o.startswith("model."))
-    print(name, check_parity(references(overrides[0], model_overrides), got, rtol=1e-5))
-    if model_overrides:  # the dropout really changed the run
-        assert references(overrides[0], model_overrides).losses != references(overrides[0]).losses
+    recipe, model = overrides[0], _model_overrides(overrides)
+    print(name, check_parity(runs[_reference_name(recipe, model)], runs[name], rtol=1e-5))
+    if model:  # the dropout really changed the run
+        assert runs[_reference_name(recipe, model)].losses != runs[_reference_name(recipe)].losses
 
 
 # ---- saved bytes per layer: hooks vs planner ------------------------------------------------------

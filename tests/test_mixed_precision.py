@@ -1,4 +1,4 @@
-"""16-bit mixed precision for real (torchrun, gloo, several processes): bf16 and fp16 under
+"""16-bit mixed precision for real (gloo, several processes, the worker's code): bf16 and fp16 under
 autocast, FSDP's MixedPrecisionPolicy (16-bit all-gathers and compute, fp32 gradient reduction and
 master weights), and fp16's dynamic loss scaling.
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from partrain.testing.parity import check_parity, reference_overrides, run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import check_parity, parity_args, reference_overrides, run_training
 from partrain.train.loss_scale import DynamicLossScale
 
 RTOL = {"fp16": 1e-3, "bf16": 2e-3}
@@ -78,37 +79,50 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
+LAYOUTS = [
+    ("fsdp-dp2-zero3-fp16", "fp16", BASE + DP2_ZERO3),
+    ("fsdp-dp2-zero3-bf16", "bf16", BASE + DP2_ZERO3 + ["train.precision=bf16"]),
+    # The pipeline scales its loss inside the schedule: pp2 on 2 processes covers that path.
+    (
+        "pp2-1f1b-fp16",
+        "fp16",
+        [
+            "recipe=gpt-3d",
+            "parallel.dp=1",
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "cluster.devices_per_node=2",
+            "train.precision=fp16",
+            "train.seq_len=64",
+            "data.max_bytes=1000000",
+            "train.eval_every=0",
+        ],
+    ),
+]
+"""(name, precision, overrides): each against the one-process run of the same precision."""
+OVERFLOW = BASE + DP2_ZERO3 + ["train.loss_scale_init=4194304", "checkpoint.every_steps=4"]
+"""A loss scale of 2**22 overflows this model's fp16 backward: the first steps are skipped."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """The 16-bit layouts with their references (4 steps) and the overflowing run (8 steps), trained
+    once per module through the worker's code; the runs of one process count share a launch."""
+    cache = [f"data.cache_dir={data_cache}"]
+    cases = {"overflow": parity_args(OVERFLOW + cache, 8)}
+    for name, _, layout in LAYOUTS:
+        cases[f"reference-{name}"] = parity_args(reference_overrides(layout + cache), 4)
+        cases[name] = parity_args(layout + cache, 4)
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, precision, layout",
-    [
-        ("fsdp-dp2-zero3-fp16", "fp16", BASE + DP2_ZERO3),
-        ("fsdp-dp2-zero3-bf16", "bf16", BASE + DP2_ZERO3 + ["train.precision=bf16"]),
-        # The pipeline scales its loss inside the schedule: pp2 on 2 processes covers that path.
-        (
-            "pp2-1f1b-fp16",
-            "fp16",
-            [
-                "recipe=gpt-3d",
-                "parallel.dp=1",
-                "parallel.tp=1",
-                "parallel.pp=2",
-                "cluster.devices_per_node=2",
-                "train.precision=fp16",
-                "train.seq_len=64",
-                "data.max_bytes=1000000",
-                "train.eval_every=0",
-            ],
-        ),
-    ],
-)
-def test_16_bit_layouts_match_the_one_process_run(name, precision, layout, tmp_path, data_cache):
-    overrides = layout + [f"data.cache_dir={data_cache}"]
-    reference = run_training(reference_overrides(overrides), tmp_path / "ref", 4)
-    got = run_training(overrides, tmp_path / "run", 4)
+@pytest.mark.parametrize("name, precision, layout", LAYOUTS, ids=[name for name, _, _ in LAYOUTS])
+def test_16_bit_layouts_match_the_one_process_run(name, precision, layout, runs):
+    reference, got = runs[f"reference-{name}"], runs[name]
     diffs = check_parity(reference, got, rtol=RTOL[precision])
     print(f"{name}: {diffs}")
-    records = _records(tmp_path / "run")
+    records = _records(got.run_dir)
     if precision == "fp16":
         assert all(r["loss_scale"] == 65536.0 and not r["skipped"] for r in records)
     else:
@@ -169,22 +183,19 @@ def test_fsdp_computes_in_16_bits_and_keeps_fp32_shards(precision, compute, tmp_
 
 
 @pytest.mark.slow
-def test_overflowing_steps_are_skipped_everywhere_and_the_scale_survives_a_checkpoint(tmp_path, data_cache):
-    overrides = (
-        BASE + DP2_ZERO3 + [f"data.cache_dir={data_cache}", "train.loss_scale_init=4194304", "checkpoint.every_steps=4"]
-    )
-    first = tmp_path / "first"
-    run_training(overrides, first, 8)
+def test_overflowing_steps_are_skipped_everywhere_and_the_scale_survives_a_checkpoint(runs, tmp_path, data_cache):
+    first = runs["overflow"].run_dir
     records = _records(first)
     skipped = [r["step"] for r in records if r["skipped"]]
-    # 2**22 overflows this model's fp16 backward; each skipped step halves the scale, then it trains.
+    # Each skipped step halves the scale, then it trains.
     assert skipped[:3] == [1, 2, 3] and len(skipped) < 7, skipped
     for r, nxt in zip(records, records[1:]):
         assert nxt["loss_scale"] == (r["loss_scale"] / 2 if r["skipped"] else r["loss_scale"])
     taken = [r for r in records if not r["skipped"]]
     assert taken[-1]["loss"] < taken[0]["loss"]
 
-    resumed = tmp_path / "resumed"
+    resumed = tmp_path / "resumed"  # through `partrain train` itself
+    overrides = OVERFLOW + [f"data.cache_dir={data_cache}"]
     run_training(overrides + [f"checkpoint.resume={first / 'checkpoints' / 'step-00000004'}"], resumed, 8)
     again = {r["step"]: r for r in _records(resumed)}
     straight = {r["step"]: r for r in records}

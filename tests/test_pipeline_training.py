@@ -1,11 +1,13 @@
-"""Pipeline parallelism through the real trainer (torchrun, gloo) against the one-process run,
-up to the full 3D layout of the README's main job."""
+"""Pipeline parallelism through the real trainer (gloo processes, the worker's code) against the
+one-process run, up to the full 3D layout of the README's main job; the runs of one process count
+share a launch (testing.in_process.train_all)."""
 
 from __future__ import annotations
 
 import pytest
 
-from partrain.testing.parity import check_parity, reference_overrides, run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -43,23 +45,29 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
+def _reference(overrides) -> list:
+    """What the one-process reference keeps of a layout: its recipe and batch sizes."""
+    return [o for o in overrides if o.startswith(("recipe=", "train."))]
+
+
+def _reference_name(overrides) -> str:
+    return "reference-" + "-".join(o.split("=")[1] for o in _reference(overrides))
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data_cache):
-    cache = {}
-
-    def get(overrides):
-        key = tuple(o for o in overrides if o.startswith(("recipe=", "train.")))
-        if key not in cache:
-            base = list(key) + COMMON + [f"data.cache_dir={data_cache}"]
-            cache[key] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
-        return cache[key]
-
-    return get
+def runs(tmp_path_factory, data_cache):
+    """Every layout and each reference it needs, trained once per module through the worker's code;
+    the runs of one process count share a launch (testing.in_process.train_all)."""
+    common = COMMON + [f"data.cache_dir={data_cache}"]
+    cases = {}
+    for name, overrides in LAYOUTS.items():
+        cases[_reference_name(overrides)] = parity_args(reference_overrides(_reference(overrides) + common), STEPS)
+        cases[name] = parity_args(overrides + common, STEPS)
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipeline_layout_matches_single_process(name, references, tmp_path, data_cache):
-    overrides = LAYOUTS[name]
-    got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    print(name, check_parity(references(overrides), got, rtol=1e-5))
+def test_pipeline_layout_matches_single_process(name, runs):
+    got = runs[name]
+    print(name, check_parity(runs[_reference_name(LAYOUTS[name])], got, rtol=1e-5))
     assert got.losses[-1] < got.losses[0]

@@ -1,4 +1,7 @@
-"""Tensor parallelism (and Megatron-SP, and 2-D with FSDP) for real against the one-process run."""
+"""Tensor parallelism (and Megatron-SP, and 2-D with FSDP) for real against the one-process run.
+
+The layouts train in real gloo processes through the worker's code, one shared launch per process
+count (testing.in_process.train_all); the per-rank parameter bytes are checked against the ideal."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import pytest
 import torch
 
 from partrain.blueprint.config.schema import ModelConfig
+from partrain.testing.in_process import train_all
 from partrain.testing.multiproc import run_spawned
-from partrain.testing.parity import check_parity, reference_overrides, run_training
+from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -53,18 +57,26 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
+def _reference(name: str) -> tuple:
+    """The one-process reference's overrides for a LAYOUTS entry: its recipe (and model)."""
+    overrides, _ = LAYOUTS[name]
+    return tuple(QWEN3) if name.startswith("qwen3") else (overrides[0],)
+
+
+def _reference_name(name: str) -> str:
+    return "reference-" + "-".join(o.split("=")[1] for o in _reference(name))
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data_cache):
-    cache = {}
-
-    def get(recipe):
-        """`recipe`: one override, or a tuple of them (a recipe with another model)."""
-        if recipe not in cache:
-            base = list(recipe if isinstance(recipe, tuple) else [recipe]) + COMMON + [f"data.cache_dir={data_cache}"]
-            cache[recipe] = run_training(reference_overrides(base), tmp_path_factory.mktemp("ref") / "run", STEPS)
-        return cache[recipe]
-
-    return get
+def runs(tmp_path_factory, data_cache):
+    """Every layout and each reference it needs, trained once per module through the worker's code;
+    the runs of one process count share a launch (testing.in_process.train_all)."""
+    common = COMMON + [f"data.cache_dir={data_cache}"]
+    cases = {}
+    for name, (overrides, _) in LAYOUTS.items():
+        cases[_reference_name(name)] = parity_args(reference_overrides([*_reference(name), *common]), STEPS)
+        cases[name] = parity_args(overrides + common, STEPS)
+    return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
 def _sharded_by_plan(name: str) -> bool:
@@ -104,10 +116,9 @@ def _ideal_param_numel(model_cfg_overrides: dict, arch: str, tp: int, dp_shard: 
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, references, tmp_path, data_cache):
-    overrides, tp = LAYOUTS[name]
-    got = run_training(overrides + COMMON + [f"data.cache_dir={data_cache}"], tmp_path / "run", STEPS)
-    ref = references(tuple(QWEN3) if name.startswith("qwen3") else overrides[0])
+def test_layout_matches_single_process(name, runs):
+    _, tp = LAYOUTS[name]
+    got, ref = runs[name], runs[_reference_name(name)]
     print(name, check_parity(ref, got, rtol=1e-5))
 
     # Per-rank parameter bytes: replicated part + sharded part / tp (and / dp under FSDP).

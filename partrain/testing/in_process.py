@@ -1,5 +1,11 @@
 """Train several configs one after another inside processes that are already running.
 
+`train_all` is the general form: each case goes through what `partrain train` does before
+torchrun (prepare_run, in the test's process) and then through the worker's own code from the
+joined process group on (train_run_dirs), into a run folder of its own. The cases of one process
+count share one launch. `train_cases` (first) is the older, narrower form: cases that read one
+prepared data set and return only per-step records.
+
 One `run_spawned` launch pays process start-up and imports once; `train_cases` then composes,
 validates and trains each case through the real path (mesh -> build_engine -> Trainer.train_step)
 and returns the per-step losses and gradient norms, plus what the gradient sync reports (bytes,
@@ -10,8 +16,11 @@ overlap) where the case uses `parallel.dp_sync`. The data comes from a run folde
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Mapping, Sequence
+
+from partrain.testing.parity import RunRecord, read_record
 
 
 def train_cases(rank: int, world: int, data_run_dir: str, cases: Sequence[Sequence[str]], steps: int) -> List[dict]:
@@ -48,3 +57,71 @@ def train_cases(rank: int, world: int, data_run_dir: str, cases: Sequence[Sequen
                 sync.bucketed.close()
         out.append(record)
     return out
+
+
+def prepare_run(overrides: Sequence[str], run_dir: Path) -> int:
+    """What `partrain train OVERRIDES` does before torchrun, in this process: compose, validate,
+    refuse what train cannot run, check and tokenize the data, write the run folder. Returns the
+    number of processes the run needs. Raises ConfigError where the CLI would exit 2."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.trainable import unsupported_features
+    from partrain.blueprint.validate import validate
+    from partrain.errors import ConfigError, Problem
+    from partrain.launch import prepare_run_dir
+    from partrain.preflight import check_before_launch
+
+    v = validate(compose([*overrides, f"train.run_dir={run_dir}"]))
+    missing = unsupported_features(v)
+    if missing:
+        raise ConfigError([Problem("parallel", "layout", text, "see partrain.blueprint.trainable") for text in missing])
+    check_before_launch(v)
+    prepare_run_dir(v, Path(run_dir))
+    return v.world_size
+
+
+def train_run_dirs(rank: int, world: int, run_dirs: Sequence[str]) -> List[int]:
+    """For run_spawned: each prepared run folder (prepare_run) trained one after another by the
+    worker's own code (partrain.worker.train_process) in this process group; the exit codes.
+
+    The same as `partrain train` from the joined process group on: the run folder gets its
+    metrics.jsonl, summary.json, logs and checkpoints. Only torchrun and the group's start-up are
+    shared between the runs."""
+    import torch
+    import torch.distributed as dist
+
+    from partrain.blueprint.config.compose import load_resolved
+    from partrain.blueprint.validate import validate
+    from partrain.runtime.context import DistEnv
+    from partrain.train.relayout import layout_for_world
+    from partrain.worker import setup_logging, threads_for, train_process
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_addr="", master_port=0)
+    codes = []
+    for run_dir in map(Path, run_dirs):
+        v = validate(load_resolved(run_dir / "config.yaml"))
+        setup_logging(run_dir, env)
+        torch.set_num_threads(threads_for(v, env))
+        v, dropped = layout_for_world(v, run_dir, world)
+        codes.append(train_process(v, env, run_dir, dropped=dropped))
+        dist.barrier()  # the next run starts together (rank 0 writes the summary last)
+    return codes
+
+
+def train_all(cases: Mapping[str, Sequence[str]], root: Path, timeout_s: float = 900) -> Dict[str, RunRecord]:
+    """Every case (name -> `partrain train` overrides) trained through the worker's code into
+    root/NAME/run, sharing one launch of real processes per process count (run_spawned with
+    train_run_dirs); each case's RunRecord. Raises ConfigError for a case the CLI would refuse,
+    RuntimeError when a process fails."""
+    from partrain.testing.multiproc import run_spawned
+
+    by_world: Dict[int, List[str]] = {}
+    for name, overrides in cases.items():
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):  # it becomes a folder in a Hydra override
+            raise ValueError(f"case name {name!r}: use letters, digits, '.', '_' and '-' only")
+        run_dir = Path(root) / name / "run"
+        by_world.setdefault(prepare_run(overrides, run_dir), []).append(str(run_dir))
+    for world, run_dirs in sorted(by_world.items()):
+        folder = Path(root) / f"processes-{world}"
+        folder.mkdir(parents=True, exist_ok=True)
+        run_spawned(train_run_dirs, world, folder, run_dirs, timeout_s=timeout_s)
+    return {name: read_record(Path(root) / name / "run") for name in cases}

@@ -49,13 +49,7 @@ def run_training(
     overrides: Sequence[str], run_dir: Path, steps: int, extra_env: dict | None = None, timeout_s: int = 600
 ) -> RunRecord:
     """`partrain train OVERRIDES` for `steps` steps into run_dir; raises with the output on failure."""
-    args = [
-        *overrides,
-        f"train.steps={steps}",
-        f"train.run_dir={run_dir}",
-        "train.eval_every=0",
-        "train.eval_batches=0",
-    ]
+    args = [*parity_args(overrides, steps), f"train.run_dir={run_dir}"]
     proc = subprocess.run(
         [sys.executable, "-m", "partrain.cli", "train", *args],
         capture_output=True,
@@ -67,6 +61,16 @@ def run_training(
         raise RuntimeError(
             f"partrain train {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
+    return read_record(run_dir)
+
+
+def parity_args(overrides: Sequence[str], steps: int) -> List[str]:
+    """A parity run's overrides: `steps` steps, no eval (the gradient norms and losses are compared)."""
+    return [*overrides, f"train.steps={steps}", "train.eval_every=0", "train.eval_batches=0"]
+
+
+def read_record(run_dir: Path) -> RunRecord:
+    """A finished run's per-step losses and gradient norms (metrics.jsonl) and its summary.json."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_only = [r for r in records if "loss" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
