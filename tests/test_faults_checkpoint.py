@@ -444,12 +444,15 @@ def _train(args, run_dir: Path, steps: int) -> tuple:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """6 steps on 2 processes, checkpoints at 2, 4, 6."""
+    """6 steps on 2 processes, checkpoints at 2, 4, 6 (real processes through the worker's code,
+    testing.in_process; the damaged resume below goes through `partrain train`)."""
+    from partrain.testing.in_process import train_all
+    from partrain.testing.parity import parity_args
+
     base = tmp_path_factory.mktemp("faults")
-    run_dir = base / "straight"
     extra = [f"data.cache_dir={base / 'cache'}", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
-    _, losses = _train(extra, run_dir, 6)
-    return run_dir, losses, base / "cache"
+    run = train_all({"straight": parity_args([*TRAIN, *extra], 6)}, base)["straight"]
+    return run.run_dir, dict(enumerate(run.losses, start=1)), base / "cache"
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ import pytest
 from partrain.checkpoint import complete_checkpoints
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import LOCK_FILE, FolderLock, hold_folders, read_holder, retire_old_errors
-from partrain.testing.parity import max_relative_difference, run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import max_relative_difference, parity_args, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 DP2 = [
@@ -122,7 +123,8 @@ def test_sigterm_stops_after_the_step_saves_and_resumes_exactly(runs, tmp_path, 
     line; the run folder's lock is held while it runs (a stale one from a dead process is taken
     over), an old errors/ is moved aside, and resume=auto continues to the uninterrupted losses."""
     base = [*DP2, f"data.cache_dir={data_cache}", "checkpoint.every_steps=1000", "checkpoint.keep_last=0"]
-    straight = run_training(base, tmp_path / "straight", STEPS)
+    # The uninterrupted run, in real processes through the worker's code (testing.in_process.train_all).
+    straight = train_all({"straight": parity_args(base, STEPS)}, tmp_path)["straight"]
 
     run_dir = tmp_path / "stopped"
     (run_dir / "errors").mkdir(parents=True)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from partrain.testing.hf_check import export_with_cli, logits_difference
-from partrain.testing.parity import run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import parity_args
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,9 @@ CONSTANT = 96 * MIB
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
+    """llama-fsdp-tp for 2 steps in real processes through the worker's code (testing.in_process)."""
     base = tmp_path_factory.mktemp("llama-fsdp-tp")
-    run_training(LLAMA + [f"data.cache_dir={base / 'cache'}"], base / "run", 2)
-    return base / "run"
+    return train_all({"llama": parity_args(LLAMA + [f"data.cache_dir={base / 'cache'}"], 2)}, base)["llama"].run_dir
 
 
 def test_llama_fsdp_tp_checkpoint_exports_with_four_processes(llama_run, tmp_path):

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from partrain.testing.in_process import train_all
 from partrain.testing.multiproc import run_spawned
-from partrain.testing.parity import max_relative_difference, run_training
+from partrain.testing.parity import max_relative_difference, parity_args
 
 RTOL = 2e-3
 STEPS = 3
@@ -142,11 +143,12 @@ def test_resume_restores_the_fp32_master_weights_exactly(tmp_path):
         f"data.cache_dir={tmp_path / 'cache'}",
         "checkpoint.every_steps=2",
     ]
-    straight = run_training(overrides, tmp_path / "straight", 4)
-    ckpt = tmp_path / "straight" / "checkpoints" / "step-00000002"
-    resumed = run_training([*overrides, f"checkpoint.resume={ckpt}"], tmp_path / "resumed", 4)
+    # Both in real processes through the worker's code (testing.in_process.train_all).
+    straight = train_all({"straight": parity_args(overrides, 4)}, tmp_path)["straight"]
+    ckpt = straight.run_dir / "checkpoints" / "step-00000002"
+    resumed = train_all({"resumed": parity_args([*overrides, f"checkpoint.resume={ckpt}"], 4)}, tmp_path)["resumed"]
     assert resumed.losses == straight.losses[2:], (resumed.losses, straight.losses)
-    records = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [3, 4]
     # (Another layout and the autocast runtime resume the same checkpoint too: fp32 weights, per-fqn
     # Adam state; checked by hand at 2e-3, left out of the suite for time.)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from partrain.runtime.procs import workers_of_run
-from partrain.testing.parity import run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import parity_args
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,8 @@ def cache(tmp_path_factory):
 def one_and_two_nodes(layout, tmp: Path, cache: Path, steps: int, procs: int = 2):
     """The same run on one node of 2 x procs processes and on two nodes of procs; (losses, losses)."""
     common = [*layout, *BASE, f"data.cache_dir={cache}"]
-    one = run_training([*common, f"cluster.devices_per_node={2 * procs}"], tmp / "one", steps)
+    # The one-node run in real processes through the worker's code (a forked launch, testing.in_process).
+    one = train_all({"one": parity_args([*common, f"cluster.devices_per_node={2 * procs}"], steps)}, tmp)["one"]
     outs, dirs = run_two_nodes([*common, f"train.steps={steps}"], tmp / "two", procs=procs)
     for code, out, err in outs:
         assert code == 0, (out[-3000:], err[-3000:])

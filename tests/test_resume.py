@@ -1,4 +1,8 @@
-"""Checkpoints through the real trainer: exact resume, resharding across layouts, surviving kill -9."""
+"""Checkpoints through the real trainer: exact resume, resharding across layouts, surviving kill -9.
+
+The straight and resumed runs train in real processes through the worker's code, sharing a launch
+per process count (testing.in_process.train_all); the killed-worker run and the 4-process export go
+through `partrain train` and `partrain export` themselves."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from partrain.testing.hf_check import export_with_cli, logits_difference
-from partrain.testing.parity import max_relative_difference, run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import max_relative_difference, parity_args
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +39,27 @@ def _losses(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def straight_3d(tmp_path_factory, data_cache):
-    run_dir = tmp_path_factory.mktemp("straight3d") / "run"
+    """gpt-3d for 10 steps, saving every 5 and exporting at the end, in 8 real processes through the
+    worker's code (testing.in_process.train_all); the run folder."""
     extra = [f"data.cache_dir={data_cache}", "checkpoint.every_steps=5", "checkpoint.export_hf=true"]
-    run_training(THREE_D + COMMON + extra, run_dir, 10)
-    return run_dir
+    runs = train_all({"straight": parity_args(THREE_D + COMMON + extra, 10)}, tmp_path_factory.mktemp("straight3d"))
+    return runs["straight"].run_dir
+
+
+RESUME_LAYOUTS = {
+    "same-3d-layout": THREE_D,
+    "dp4": ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "cluster.devices_per_node=4"],
+    "one-process": ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "cluster.devices_per_node=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def resumed_3d(straight_3d, tmp_path_factory, data_cache):
+    """Each RESUME_LAYOUTS entry resuming the step-5 checkpoint to step 10 (one launch per process count)."""
+    ckpt = straight_3d / "checkpoints" / "step-00000005"
+    extra = [f"data.cache_dir={data_cache}", f"checkpoint.resume={ckpt}"]
+    cases = {name: parity_args(layout + COMMON + extra, 10) for name, layout in RESUME_LAYOUTS.items()}
+    return train_all(cases, tmp_path_factory.mktemp("resumed3d"))
 
 
 def test_3d_checkpoint_exports_to_hf_with_four_processes(straight_3d, tmp_path):
@@ -55,41 +77,27 @@ def test_3d_checkpoint_exports_to_hf_with_four_processes(straight_3d, tmp_path):
     assert logits_difference(straight_3d / "hf", ckpt) == 0.0
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(THREE_D, id="same-3d-layout"),
-        pytest.param(
-            ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "cluster.devices_per_node=4"], id="dp4"
-        ),
-        pytest.param(
-            ["recipe=gpt-3d", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "cluster.devices_per_node=1"],
-            id="one-process",
-        ),
-    ],
-)
-def test_3d_checkpoint_resumes_under_any_layout(layout, straight_3d, tmp_path, data_cache):
+@pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
+def test_3d_checkpoint_resumes_under_any_layout(name, straight_3d, resumed_3d):
     """Saved under dp2 x tp2 x pp2 at step 5; resumed under the same layout the remaining steps match
     the straight run within 1e-6, and under dp4 / one process the first loss after loading matches (1e-5)."""
-    ckpt = straight_3d / "checkpoints" / "step-00000005"
-    run_dir = tmp_path / "run"
-    run_training(layout + COMMON + [f"data.cache_dir={data_cache}", f"checkpoint.resume={ckpt}"], run_dir, 10)
-    straight, resumed = _losses(straight_3d), _losses(run_dir)
+    straight, resumed = _losses(straight_3d), _losses(resumed_3d[name].run_dir)
     assert sorted(resumed) == [6, 7, 8, 9, 10]
-    if layout == THREE_D:
+    if name == "same-3d-layout":
         assert max_relative_difference([straight[s] for s in resumed], [resumed[s] for s in resumed]) <= 1e-6
     else:
         assert abs(resumed[6] - straight[6]) / straight[6] <= 1e-5
 
 
 def test_dp_resume_is_exact_and_survives_a_killed_worker(tmp_path, data_cache):
+    """A straight dp2 run and one resuming its step-5 checkpoint (one shared launch, the worker's code):
+    the losses agree within 1e-6. Then a run through `partrain train` whose worker is SIGKILLed."""
     base = DP + COMMON + [f"data.cache_dir={data_cache}", "checkpoint.every_steps=5", "checkpoint.keep_last=0"]
-    straight = tmp_path / "straight"
-    run_training(base, straight, 20)
-
-    resumed = tmp_path / "resumed"
-    run_training(base + [f"checkpoint.resume={straight / 'checkpoints' / 'step-00000005'}"], resumed, 20)
-    a, b = _losses(straight), _losses(resumed)
+    straight = tmp_path / "straight" / "run"
+    resume = [f"checkpoint.resume={straight / 'checkpoints' / 'step-00000005'}"]
+    runs = train_all({"straight": parity_args(base, 20)}, tmp_path)
+    runs |= train_all({"resumed": parity_args(base + resume, 20)}, tmp_path)
+    a, b = _losses(straight), _losses(runs["resumed"].run_dir)
     assert sorted(b) == list(range(6, 21))
     assert max_relative_difference([a[s] for s in b], [b[s] for s in b]) <= 1e-6
 

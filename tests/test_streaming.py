@@ -16,7 +16,14 @@ import torch
 
 from partrain.blueprint.config.compose import compose
 from partrain.errors import ConfigError
-from partrain.testing.parity import check_parity, max_relative_difference, reference_overrides, run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import (
+    check_parity,
+    max_relative_difference,
+    parity_args,
+    reference_overrides,
+    run_training,
+)
 
 
 @pytest.fixture
@@ -88,14 +95,16 @@ STREAMED = [
 def test_streamed_dp2_matches_one_process_writes_no_cache_and_resumes_exactly(tmp_path):
     cache = tmp_path / "cache"
     base = [*STREAMED, f"data.cache_dir={cache}"]
-    reference = run_training(reference_overrides(base), tmp_path / "ref", 6)
     dp2 = [*base, "parallel.dp=2", "cluster.devices_per_node=2", "checkpoint.every_steps=3"]
-    got = run_training(dp2, tmp_path / "dp2", 6)
+    # Both in real processes through the worker's code (one forked launch each); the resume below
+    # goes through `partrain train` itself.
+    runs = train_all({"ref": parity_args(reference_overrides(base), 6), "dp2": parity_args(dp2, 6)}, tmp_path)
+    reference, got = runs["ref"], runs["dp2"]
     print("streamed dp2 vs one process:", check_parity(reference, got, rtol=1e-5))
     assert not cache.exists() or not any(cache.rglob("*.bin")), "a streaming run wrote a token cache"
-    assert json.loads((tmp_path / "dp2" / "stream.json").read_text())["format"].startswith("stream-")
+    assert json.loads((got.run_dir / "stream.json").read_text())["format"].startswith("stream-")
 
-    ckpt = tmp_path / "dp2" / "checkpoints" / "step-00000003"
+    ckpt = got.run_dir / "checkpoints" / "step-00000003"
     resumed = run_training([*dp2, f"checkpoint.resume={ckpt}"], tmp_path / "resumed", 6)
     assert len(resumed.losses) == 3
     diff = max_relative_difference(got.losses[3:], resumed.losses)

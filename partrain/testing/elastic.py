@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from partrain.testing.parity import run_training
+from partrain.testing.in_process import train_all
+from partrain.testing.parity import parity_args
 
 GPT_3D_SHORT = [
     "recipe=gpt-3d",
@@ -150,7 +151,7 @@ def resumed_reference(
         f"checkpoint.every_steps={save_every}",
     ]
     over += [f"checkpoint.dir={run_dir / 'checkpoints'}", "checkpoint.keep_last=100"]
-    rec = run_training(over, run_dir, steps)
+    rec = _train(over, run_dir, steps)
     first = _first_step(checkpoint)
     return {first + i + 1: loss for i, loss in enumerate(rec.losses)}
 
@@ -159,8 +160,14 @@ def fresh_reference(common: Sequence[str], brief: dict, run_dir: Path, steps: in
     """{step: loss} of an uninterrupted plain run of `brief`'s layout, saving every save_every steps."""
     over = [*common, *layout_overrides(brief), f"checkpoint.every_steps={save_every}", "checkpoint.keep_last=100"]
     over.append(f"checkpoint.dir={run_dir / 'checkpoints'}")
-    rec = run_training(over, run_dir, steps)
+    rec = _train(over, run_dir, steps)
     return {i + 1: loss for i, loss in enumerate(rec.losses)}
+
+
+def _train(overrides: Sequence[str], run_dir: Path, steps: int):
+    """A plain reference run in real processes through the worker's code (run folder run_dir/reference/run;
+    its checkpoints where the overrides say): forked from preloaded processes, not a `partrain train` launch."""
+    return train_all({"reference": parity_args(overrides, steps)}, run_dir)["reference"]
 
 
 def _first_step(checkpoint: Path) -> int:

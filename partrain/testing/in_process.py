@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
@@ -121,7 +122,8 @@ def train_all(cases: Mapping[str, Sequence[str]], root: Path, timeout_s: float =
         run_dir = Path(root) / name / "run"
         by_world.setdefault(prepare_run(overrides, run_dir), []).append(str(run_dir))
     for world, run_dirs in sorted(by_world.items()):
-        folder = Path(root) / f"processes-{world}"
-        folder.mkdir(parents=True, exist_ok=True)
+        # A folder of its own for each launch: a FileStore left by an earlier launch would hand the new
+        # processes the old ones' addresses.
+        folder = Path(tempfile.mkdtemp(prefix=f"processes-{world}-", dir=root))
         run_spawned(train_run_dirs, world, folder, run_dirs, timeout_s=timeout_s)
     return {name: read_record(Path(root) / name / "run") for name in cases}

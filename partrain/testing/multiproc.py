@@ -67,6 +67,7 @@ def _context():
 def run_spawned(fn: Callable, world: int, folder: Path, *args: Any, timeout_s: float = 180) -> List[Any]:
     ctx = _context()
     folder = Path(folder).resolve()
+    Path(folder, "store").unlink(missing_ok=True)  # an earlier launch's store would hand out its addresses
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(target=_child, args=(rank, world, str(folder), fn, args, environ, cwd)) for rank in range(world)
