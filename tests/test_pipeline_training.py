@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from partrain.testing.in_process import train_all
-from partrain.testing.parity import check_parity, parity_args, reference_overrides
+from partrain.testing.in_process import train_with_references
+from partrain.testing.parity import check_parity
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +59,12 @@ def runs(tmp_path_factory, data_cache):
     """Every layout and each reference it needs, trained once per module through the worker's code;
     the runs of one process count share a launch (testing.in_process.train_all)."""
     common = COMMON + [f"data.cache_dir={data_cache}"]
-    cases = {}
-    for name, overrides in LAYOUTS.items():
-        cases[_reference_name(overrides)] = parity_args(reference_overrides(_reference(overrides) + common), STEPS)
-        cases[name] = parity_args(overrides + common, STEPS)
-    return train_all(cases, tmp_path_factory.mktemp("runs"))
+    layouts = {name: overrides + common for name, overrides in LAYOUTS.items()}
+
+    def reference_of(name: str):
+        return _reference_name(LAYOUTS[name]), _reference(LAYOUTS[name]) + common
+
+    return train_with_references(layouts, reference_of, STEPS, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

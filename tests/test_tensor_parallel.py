@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from partrain.blueprint.config.schema import ModelConfig
-from partrain.testing.in_process import train_all
+from partrain.testing.in_process import train_with_references
 from partrain.testing.multiproc import run_spawned
-from partrain.testing.parity import check_parity, parity_args, reference_overrides
+from partrain.testing.parity import check_parity
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +72,12 @@ def runs(tmp_path_factory, data_cache):
     """Every layout and each reference it needs, trained once per module through the worker's code;
     the runs of one process count share a launch (testing.in_process.train_all)."""
     common = COMMON + [f"data.cache_dir={data_cache}"]
-    cases = {}
-    for name, (overrides, _) in LAYOUTS.items():
-        cases[_reference_name(name)] = parity_args(reference_overrides([*_reference(name), *common]), STEPS)
-        cases[name] = parity_args(overrides + common, STEPS)
-    return train_all(cases, tmp_path_factory.mktemp("runs"))
+    layouts = {name: overrides + common for name, (overrides, _) in LAYOUTS.items()}
+
+    def reference_of(name: str):
+        return _reference_name(name), [*_reference(name), *common]
+
+    return train_with_references(layouts, reference_of, STEPS, tmp_path_factory.mktemp("runs"))
 
 
 def _sharded_by_plan(name: str) -> bool:

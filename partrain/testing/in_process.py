@@ -19,9 +19,9 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
-from partrain.testing.parity import RunRecord, read_record
+from partrain.testing.parity import RunRecord, parity_args, read_record, reference_overrides
 
 
 def train_cases(rank: int, world: int, data_run_dir: str, cases: Sequence[Sequence[str]], steps: int) -> List[dict]:
@@ -127,3 +127,21 @@ def train_all(cases: Mapping[str, Sequence[str]], root: Path, timeout_s: float =
         folder = Path(tempfile.mkdtemp(prefix=f"processes-{world}-", dir=root))
         run_spawned(train_run_dirs, world, folder, run_dirs, timeout_s=timeout_s)
     return {name: read_record(Path(root) / name / "run") for name in cases}
+
+
+def train_with_references(
+    layouts: Mapping[str, Sequence[str]],
+    reference_of: Callable[[str], Tuple[str, Sequence[str]]],
+    steps: int,
+    root: Path,
+) -> Dict[str, RunRecord]:
+    """Parity runs (`steps` steps, no eval) of every layout and of the one-process reference each is
+    compared with: reference_of(name) gives (the reference's name, the overrides it keeps of the
+    layout; testing.parity.reference_overrides turns them into one process). A reference shared by
+    several layouts trains once; the runs share one launch per process count (train_all)."""
+    cases: Dict[str, List[str]] = {}
+    for name, overrides in layouts.items():
+        reference_name, kept = reference_of(name)
+        cases[reference_name] = parity_args(reference_overrides(kept), steps)
+        cases[name] = parity_args(overrides, steps)
+    return train_all(cases, root)
