@@ -125,7 +125,10 @@ def train_all(cases: Mapping[str, Sequence[str]], root: Path, timeout_s: float =
         # A folder of its own for each launch: a FileStore left by an earlier launch would hand the new
         # processes the old ones' addresses.
         folder = Path(tempfile.mkdtemp(prefix=f"processes-{world}-", dir=root))
-        run_spawned(train_run_dirs, world, folder, run_dirs, timeout_s=timeout_s)
+        codes = run_spawned(train_run_dirs, world, folder, run_dirs, timeout_s=timeout_s)
+        failed = [d for d, per_rank in zip(run_dirs, zip(*codes)) if any(per_rank)]
+        if failed:  # rank 0 returns 1 for a run that did not train (summary.json says why)
+            raise RuntimeError(f"runs that did not train: {failed}")
     return {name: read_record(Path(root) / name / "run") for name in cases}
 
 
