@@ -117,3 +117,45 @@ def cli(tmp_path, monkeypatch):
         return Ran(result.exit_code, result.stdout, stderr, cwd, home, list(spawned))
 
     return run
+
+
+SINGLE_PROCESS_FILES = frozenset(
+    f"test_{name}.py"
+    for name in (
+        "bench_compute",
+        "chunked_loss",
+        "cli",
+        "cli_polish",
+        "config",
+        "data",
+        "ep_planner",
+        "faults_config",
+        "gpu_memory",
+        "grad_clip",
+        "layout",
+        "packaging",
+        "plan_verdict",
+        "planner",
+        "planner_gpu_calibration",
+        "planner_gpu_time",
+        "planner_peaks_cpu",
+        "schedule_picture",
+        "schedules",
+        "simulate",
+        "sp_planner",
+        "validate",
+    )
+)
+"""Test files whose tests start at most one short process at a time (planner, validator, dry runs)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the tests that start
+    training processes run one at a time on one worker: each already keeps both cores busy, and two
+    at once were measured no faster (gloo's latency grows with every process sharing a core). The
+    single-process files run on the other worker beside them, each file on one worker so that its
+    module fixtures run once. A file not listed above counts as multi-process."""
+    for item in items:
+        name = item.path.name
+        group = name if name in SINGLE_PROCESS_FILES else "training-processes"
+        item.add_marker(pytest.mark.xdist_group(group))
