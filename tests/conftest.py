@@ -149,13 +149,22 @@ SINGLE_PROCESS_FILES = frozenset(
 """Test files whose tests start at most one short process at a time (planner, validator, dry runs)."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the tests that start
-    training processes run one at a time on one worker: each already keeps both cores busy, and two
-    at once were measured no faster (gloo's latency grows with every process sharing a core). The
-    single-process files run on the other worker beside them, each file on one worker so that its
-    module fixtures run once. A file not listed above counts as multi-process."""
-    for item in items:
-        name = item.path.name
-        group = name if name in SINGLE_PROCESS_FILES else "training-processes"
-        item.add_marker(pytest.mark.xdist_group(group))
+def xdist_work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file if that file is single-process, else one shared group."""
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return name if name in SINGLE_PROCESS_FILES else "training-processes"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n 2`, the README's command) the tests that start training processes
+    run one at a time on one worker: each already keeps both cores busy, and two at once were
+    measured no faster (gloo's latency grows with every process sharing a core). The single-process
+    files run on the other worker beside them, each file on one worker so that its module fixtures
+    run once. A file not listed in SINGLE_PROCESS_FILES counts as multi-process."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_work_unit(nodeid)
+
+    return ProcessGroupScheduling(config, log)
