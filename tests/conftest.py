@@ -146,7 +146,8 @@ SINGLE_PROCESS_FILES = frozenset(
         "validate",
     )
 )
-"""Test files whose tests start at most one short process at a time (planner, validator, dry runs)."""
+"""Test files whose tests run in pytest's process or start one short process at a time (planner,
+validator, dry runs, at most one one-rank training run)."""
 
 
 def xdist_work_unit(nodeid: str) -> str:
@@ -155,6 +156,7 @@ def xdist_work_unit(nodeid: str) -> str:
     return name if name in SINGLE_PROCESS_FILES else "training-processes"
 
 
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook is never called
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`-n 2`, the README's command) the tests that start training processes
     run one at a time on one worker: each already keeps both cores busy, and two at once were

@@ -152,9 +152,9 @@ _TERMS = ("params", "grads", "optimizer", "activations", "transient", "total")
 
 
 CPU_MEMORY_HINT = (
-    "; on CPU the RSS also holds what glibc's heap keeps after freeing (measured: 2-3x the bytes a "
-    "step frees) and the library code the step runs (about 15 MiB per process), which the planner "
-    "does not count"
+    "; on CPU the RSS also holds what glibc's heap keeps after freeing (measured: the training loop's "
+    "RSS grows by 2-3x the tensors it holds) and the library code the step runs (about 15 MiB per "
+    "process), which the planner does not count"
 )
 """Measured on gpt-dp and gpt-3d (issue 15's note): the file-backed RSS grows by 14-16 MiB per
 process from the baseline to the last step (torch's kernels paged in), and the anonymous RSS of the
