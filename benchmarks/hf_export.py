@@ -36,7 +36,7 @@ _GATHER = """
 import json, sys, time
 from pathlib import Path
 from partrain.checkpoint import load_model_weights
-from partrain.checkpoint.hf_shards import current_rss_bytes, peak_rss_bytes
+from partrain.runtime.resident import current_rss_bytes, peak_rss_bytes
 import transformers  # loaded before the measurement starts, as the exporters' code is
 before = current_rss_bytes()
 start = time.perf_counter()

@@ -17,11 +17,13 @@
    layouts; search over their techniques), and the time of a --search for a 1T GPT on 4096 GPUs.
 4. Every run's plan check (summary.json "planned_vs_measured", partrain/train/plan_check.py) for the
    recipes gpt-dp and gpt-3d as they are (short runs): predicted bytes per pipeline stage under the
-   runtime accounting against the measured peak RSS minus the RSS before the model was built, also
-   with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_: freed tensors go back to the
-   system, so the RSS follows live bytes more closely), and, for gpt-dp, the tensor-level peak of one
-   rank's step counted by torch's MemTracker in one process; predicted vs measured tokens/s, from the
-   nominal cluster and from `partrain bench compute` and `bench comm` profiles measured in the same invocation.
+   runtime accounting (tensors plus the worker's own resident memory, measured by the compute profile)
+   against the measured peak RSS; the tensors alone against the peak RSS minus the RSS before the model
+   was built; the peak RSS also with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_:
+   freed tensors go back to the system, so the RSS follows live bytes more closely), and, for gpt-dp,
+   the tensor-level peak of one rank's step counted by torch's MemTracker in one process; predicted vs
+   measured tokens/s, from the nominal cluster and from `partrain bench compute` and `bench comm`
+   profiles measured in the same invocation.
    `--plan-check` runs only this part (about 2 min).
 
 Ratios are predicted / measured (1.000 = exact).
@@ -346,10 +348,12 @@ def _stage_rows(recipe: str, summary: dict, threshold_summary: dict, tensor_peak
     block, mib = summary["planned_vs_measured"], 2**20
     rows = []
     for pp_rank, terms in block["planned_memory_terms"].items():
-        stage = [r for r in block["memory_per_rank"] if r["pp_rank"] == int(pp_rank)]
-        other = [r for r in threshold_summary["planned_vs_measured"]["memory_per_rank"] if r["pp_rank"] == int(pp_rank)]
-        worst, worst_t = max(r["measured"] for r in stage), max(r["measured"] for r in other)
-        peak_rss = max(r["peak_rss_bytes"] for r in summary["ranks"] if r["pp_rank"] == int(pp_rank))
+        stage = [r for r in summary["ranks"] if r["pp_rank"] == int(pp_rank)]
+        other = [r for r in threshold_summary["ranks"] if r["pp_rank"] == int(pp_rank)]
+        worst = max(stage, key=lambda r: r["peak_rss_bytes"])
+        worst_t = max(r["peak_rss_bytes"] for r in other)
+        tensors = terms["total"] - terms.get("process", 0)
+        above = worst["peak_rss_bytes"] - worst["baseline_memory_bytes"]
         tensor = tensor_peak.get(recipe)
         rows.append(
             [
@@ -357,13 +361,15 @@ def _stage_rows(recipe: str, summary: dict, threshold_summary: dict, tensor_peak
                 pp_rank,
                 len(stage),
                 f"{terms['total'] / mib:.1f}",
-                f"{worst / mib:.1f}",
-                f"{terms['total'] / worst:.3f}",
+                f"{worst['peak_rss_bytes'] / mib:.1f}",
+                f"{terms['total'] / worst['peak_rss_bytes']:.3f}",
                 f"{worst_t / mib:.1f}",
                 f"{terms['total'] / worst_t:.3f}",
+                f"{tensors / mib:.1f}",
+                f"{above / mib:.1f}",
+                f"{tensors / above:.3f}",
                 f"{tensor / mib:.1f}" if tensor else "-",
-                f"{terms['total'] / tensor:.3f}" if tensor else "-",
-                f"{peak_rss / mib:.0f}",
+                f"{tensors / tensor:.3f}" if tensor else "-",
             ]
         )
     return rows
@@ -401,20 +407,24 @@ def plan_check(steps: int) -> None:
             "pp stage",
             "ranks",
             "predicted MiB",
-            "RSS-base MiB",
+            "peak RSS MiB",
             "pred/meas",
-            "RSS-base mmap128K",
+            "peak RSS mmap128K",
+            "pred/meas",
+            "tensors MiB",
+            "RSS-base MiB",
             "pred/meas",
             "tensor peak MiB",
             "pred/meas",
-            "peak RSS MiB",
         ],
     )
     print(
-        "RSS-base: peak RSS minus the RSS before the model was built, the worst rank of the stage (what every run's\n"
-        "summary compares); tensor peak: torch's MemTracker over a steady step (after one untracked step) of one\n"
-        "microbatch of gpt-dp's rank model in one process (parameters, gradients, optimizer state, activations,\n"
-        "temporaries; gpt-dp's ranks run 2 microbatches, the second also holding the gradients the planner counts)\n"
+        "predicted: the planner's total for the stage, tensors plus the 'process' term the compute profile measured\n"
+        "(what every run's summary compares); peak RSS: VmHWM of the stage's worst rank; tensors: the predicted\n"
+        "total without 'process', against RSS-base: peak RSS minus the RSS before the model was built (the heap\n"
+        "glibc keeps and the library code paged in are in RSS-base; the code is in 'process'); tensor peak:\n"
+        "torch's MemTracker over a steady step (after one untracked step) of one microbatch of gpt-dp's rank model\n"
+        "in one process (parameters, gradients, optimizer state, activations, temporaries)\n"
     )
     table(
         speed,

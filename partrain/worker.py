@@ -167,7 +167,7 @@ def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: in
     """Every rank's memory and traffic record, gathered on rank 0 (None elsewhere)."""
     import torch.distributed as dist
 
-    from partrain.train.loop import peak_rss_bytes
+    from partrain.runtime.resident import peak_rss_bytes
     from partrain.train.plan_check import measured_memory
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}

@@ -149,3 +149,37 @@ def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
     fitted = ComputeModel(None, 1.0, "cpu", None, "", threads=profile["threads"], cores=profile["cpu_cores"])
     expected = fitted.cpu_sharing(8) / fitted.cpu_sharing(2)
     assert per_microbatch[8] / per_microbatch[2] == pytest.approx(expected, rel=1e-6)
+
+
+def test_cpu_profile_measures_what_a_worker_holds_beyond_tensors(cli, bench, tmp_path):
+    """On a CPU the planner counts each rank's "process" term: the runtime's resident memory and the
+    library code its steps page in, as the profile measured them (nominal without a profile); on a GPU
+    cluster the term is 0. A profile with a broken "process" block exits 2."""
+    from partrain.blueprint.planner.host_process import NOMINAL_CODE_BYTES, NOMINAL_RUNTIME_BYTES
+
+    path, profile = bench
+    process = profile["process"]
+    # torch + transformers alone are well over 100 MiB resident; the kernels paged in are a fraction of that
+    assert 100 * 2**20 < process["runtime_rss_bytes"] < 4 * 2**30
+    assert 0 < process["code_rss_bytes"] < process["runtime_rss_bytes"] / 2
+    measured = _estimate(cli, *TINY, f"cluster.compute_profile={path}")
+    nominal = _estimate(cli, *TINY)
+    want = process["runtime_rss_bytes"] + process["code_rss_bytes"]
+    for est, expected, source in (
+        (measured, want, f"measured by the compute profile {path}"),
+        (nominal, NOMINAL_RUNTIME_BYTES + NOMINAL_CODE_BYTES, "nominal"),
+    ):
+        m = est["memory_bytes"]
+        assert m["process"] == expected and all(s["process"] == expected for s in est["memory_bytes_per_stage"])
+        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "transient", "process"))
+        assert any(n.startswith("process: ") and source in n for n in est["notes"])
+    gpu = _estimate(cli, *TINY, "cluster=h100x8", "cluster.devices_per_node=1")
+    assert gpu["memory_bytes"]["process"] == 0 and not any(n.startswith("process: ") for n in gpu["notes"])
+    broken = dict(profile, process={"runtime_rss_bytes": 0, "code_rss_bytes": 1})
+    broken.pop("path", None)
+    bad = tmp_path / "broken.json"
+    bad.write_text(json.dumps(broken))
+    ran = cli("plan", *TINY, f"cluster.compute_profile={bad}", "--json")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    (err,) = json.loads(ran.stdout)["errors"]
+    assert err["key"] == "cluster.compute_profile" and "runtime_rss_bytes" in err["rule"]

@@ -626,7 +626,7 @@ def test_estimate_json_contract(recipe):
     assert all(isinstance(x, int) for x in est["memory_bytes"].values())
     m = est["memory_bytes"]
     assert m["total"] == pytest.approx(
-        m["params"] + m["grads"] + m["optimizer"] + m["activations"] + m["transient"], abs=8
+        m["params"] + m["grads"] + m["optimizer"] + m["activations"] + m["transient"] + m["process"], abs=8
     )
     assert set(est["comm_bytes_per_step"]) == {"tp", "dp", "pp", "ep", "sp"}
     for key in ("flops_per_step", "pipeline_bubble_fraction", "step_time_s", "tokens_per_s", "mfu"):

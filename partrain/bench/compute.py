@@ -9,7 +9,10 @@ device type (CPU, or the first CUDA device):
 - one decoder layer of the real HF model (fp32 weights; under torch.autocast for 16-bit, as
   partrain's ZeRO 0/1 runtime trains), forward + backward at micro batch x seq tokens, unsliced (tp
   1: a layer alone needs no process group), with its saved-tensor bytes (runtime/activations.py);
-- an elementwise bandwidth: a large fp32 copy (bytes read + written per second).
+- an elementwise bandwidth: a large fp32 copy (bytes read + written per second);
+- on CPU, what a training process holds beyond its tensors (planner/host_process.py): this process's
+  resident memory once the runtime and the model's module are imported, before anything is measured,
+  and the file-backed resident memory (library code) the measurements then page in.
 
 It writes a profile (format in `partrain/blueprint/compute_profile.py`) that
 `cluster.compute_profile` points the planner at.
@@ -29,6 +32,7 @@ from partrain.blueprint.planner.compute_model import layer_gemms
 from partrain.blueprint.planner.compute_time import shape_of_spec
 from partrain.blueprint.planner.spec import PlanSpec
 from partrain.runtime.activations import SavedActivations
+from partrain.runtime.resident import resident_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
@@ -168,6 +172,9 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
         torch.set_num_threads(run.train.threads_per_process or max(1, cpu_count() // run.cluster.devices_per_node))
     timed = _timer(device)
     dtype = DTYPES[spec.precision]
+    if device.type == "cpu":  # before anything this bench runs: the runtime a worker holds before its model
+        _import_model_module(run)
+        runtime_anon, runtime_file = resident_bytes()
     shapes = gemm_shapes(spec)
     progress(f"{len(shapes)} matmul shapes")
     gemm = measure_gemms(shapes, dtype, device, timed, iters)
@@ -176,6 +183,10 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
     progress("one decoder layer, forward + backward")
     layer = measure_layer(run, spec, device, timed, iters)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    process = {}
+    if device.type == "cpu" and runtime_anon:
+        code = max(1, resident_bytes()[1] - runtime_file)  # the kernels the matmuls and the layer paged in
+        process = {"process": {"runtime_rss_bytes": runtime_anon + runtime_file, "code_rss_bytes": code}}
     return check_profile(
         {
             "format": FORMAT,
@@ -194,8 +205,21 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
             "layers": [layer],
             "units": "seconds; bytes; tflops = 10**12 FLOP/s; hbm_bytes_per_s = bytes read + written per second",
             "source": f"partrain bench compute ({run.model.arch}, micro {spec.mbs} x seq {spec.seq}, tp {spec.tp})",
+            **process,
         }
     )
+
+
+def _import_model_module(run) -> None:
+    """Import the model's transformers module now, as a worker has before it builds the model."""
+    from transformers import AutoModelForCausalLM
+
+    from partrain.models.build import hf_config
+
+    try:
+        AutoModelForCausalLM._model_mapping[type(hf_config(run.model))]
+    except (KeyError, ValueError):  # a custom architecture: its module comes with the model
+        pass
 
 
 def cpu_cores() -> int:

@@ -17,12 +17,16 @@ Format (version 1; seconds, bytes, FLOP/s)::
       "gemm": [{"m", "k", "n", "seconds", "tflops"}, ...],       # m x k @ k x n, median seconds
       "layers": [{"arch", "hidden", "heads", "kv_heads", "ffn", "seq", "micro", "tp", "recompute",
                   "activation", "dropout", "autocast", "layer_fwd_bwd_s", "layer_saved_bytes"}, ...],
-      "source": "what produced it (bench compute, or the calibration file converted)"
+      "source": "what produced it (bench compute, or the calibration file converted)",
+      "process": {"runtime_rss_bytes", "code_rss_bytes"}   # CPU only, optional (below)
     }
 
 `gemm` rows are what the planner interpolates matmul rates from; `layers` rows (one decoder layer's
 forward + backward time, with its shape) are what it fits the rest of its compute model to (attention
-kernel rate, effective bandwidth, per-op host overhead).
+kernel rate, effective bandwidth, per-op host overhead). `process` (CPU profiles) is what a training
+process holds beyond its tensors: the resident memory of the runtime once imported (interpreter, torch,
+transformers with the model's module, partrain) and the library code its first steps page in
+(planner/host_process.py); a profile without it gets the planner's nominal figures.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ def check_profile(data) -> dict:
             bad = [k for k in keys if k not in ("arch", "recompute") and not _positive(row[k])]
             if bad:
                 raise ComputeProfileError(f"{name}[{i}].{bad[0]} = {row[bad[0]]!r} is not a positive finite number")
+    process = data.get("process")
+    if process is not None:
+        keys = ("runtime_rss_bytes", "code_rss_bytes")
+        if not isinstance(process, dict) or not all(_positive(process.get(k)) for k in keys):
+            raise ComputeProfileError(f'has a "process" block without positive {" and ".join(keys)}')
     return data
 
 

@@ -11,8 +11,6 @@ batch, not one shard and never the model. Reports its peak RSS so tests and benc
 
 from __future__ import annotations
 
-import os
-import resource
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -21,33 +19,10 @@ import torch
 
 from partrain.checkpoint.hf_plan import ShardJob, Source, reverse_conversion
 from partrain.checkpoint.safetensors_stream import StreamingSafetensors
+from partrain.runtime.resident import current_rss_bytes, peak_rss_bytes
 
 READ_BATCH_BYTES = 32 << 20
 """Checkpoint bytes one DCP load reads at most (a bigger single tensor is read alone)."""
-
-
-def current_rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; 0 where it is not available)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process: VmHWM, the high-water mark of its own address space.
-
-    Not getrusage's ru_maxrss: Linux folds the pre-exec address space into it, so a process
-    started by fork + exec from a big parent reports the parent's size as its own peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def release_freed_memory() -> None:

@@ -8,7 +8,6 @@ reported loss of any layout equals the single-process loss of the same global ba
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -20,6 +19,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.data import EvalBatches, TokenBatches
 from partrain.parallel.compile import compile_enabled, compile_errors
 from partrain.runtime.mesh import ParallelMesh
+from partrain.runtime.resident import peak_rss_bytes
 from partrain.train.engine import Engine
 from partrain.train.gpu_memory import step_memory_fields
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
@@ -276,10 +276,6 @@ class Trainer:
         if self.is_main:
             self.events("eval", step=step, eval_loss=value)
         log.info("step %d eval loss %.4f", step, value)
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_bytes(device: torch.device) -> int:

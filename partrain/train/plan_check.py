@@ -5,10 +5,11 @@ TensorBoard scalars, the launcher's run summary), with a warning when they diffe
 Measured memory, one definition per device:
 - cuda: `torch.cuda.max_memory_allocated` minus what was allocated before the model was built (the
   planner counts tensors, not the caching allocator's slack); `max_memory_reserved` is kept beside it;
-- cpu: the process's peak RSS (ru_maxrss) minus its RSS just before the model was built, with the
-  modules the run imports later (the model's transformers module, TensorBoard) imported first: what
-  the Python interpreter, torch, transformers and the process group take is a baseline the planner
-  does not model. The raw peak RSS and the baseline are kept.
+- cpu: the process's peak RSS (VmHWM), the whole process: on a CPU the planner counts what a worker
+  holds beyond its tensors too (its "process" term: interpreter, torch, transformers, partrain, the
+  library code the steps page in; planner/host_process.py). The RSS just before the model was built,
+  with the modules the run imports later (the model's transformers module, TensorBoard) imported
+  first, is kept beside it as the baseline.
 Measured tokens/s: global tokens per step over the mean step time, skipping warm-up steps (the first
 two when the run has four or more, else the first).
 
@@ -19,12 +20,12 @@ the end. A planner that cannot estimate this layout never fails the run: the blo
 from __future__ import annotations
 
 import logging
-import resource
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from partrain.runtime.resident import current_rss_bytes, peak_rss_bytes
 from partrain.train.auto_check import EARLY_CHECK_AFTER_WARMUP, auto_verdict, read_auto_record
 
 log = logging.getLogger("partrain")
@@ -36,20 +37,12 @@ ACCOUNTING = "autocast"
 """The planner's accounting compared with the run: partrain's own runtime (fp32 weights under autocast)."""
 
 MEMORY_DEFINITION = {
-    "cpu": "peak RSS (ru_maxrss) minus the RSS just before the model was built (interpreter, torch, "
-    "transformers and process group excluded: the planner does not model them)",
+    "cpu": "peak RSS (VmHWM) of the whole process, as the planner counts a CPU worker: its tensors plus its "
+    "'process' term (interpreter, torch, transformers, partrain and their code); baseline_memory_bytes is the "
+    "RSS just before the model was built",
     "cuda": "torch.cuda.max_memory_allocated minus the bytes allocated before the model was built "
     "(max_memory_reserved kept beside it)",
 }
-
-
-def current_rss_bytes() -> int:
-    """Resident set size now (Linux /proc; elsewhere the peak, the best there is)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _warm_imports(v, with_tensorboard: bool) -> None:
@@ -92,8 +85,8 @@ def measured_memory(device: torch.device, baseline: int) -> Dict[str, int]:
             "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "baseline_memory_bytes": baseline,
         }
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"measured_memory_bytes": peak - baseline, "peak_rss_bytes": peak, "baseline_memory_bytes": baseline}
+    peak = peak_rss_bytes()
+    return {"measured_memory_bytes": peak, "peak_rss_bytes": peak, "baseline_memory_bytes": baseline}
 
 
 def warmup_steps(n: int) -> int:
@@ -148,17 +141,17 @@ def _world_of(layout: dict) -> int:
     return layout["dp"] * layout["tp"] * layout["pp"] * layout["sp"]
 
 
-_TERMS = ("params", "grads", "optimizer", "activations", "transient", "total")
+_TERMS = ("params", "grads", "optimizer", "activations", "transient", "process", "total")
 
 
 CPU_MEMORY_HINT = (
-    "; on CPU the RSS also holds what glibc's heap keeps after freeing (measured: the training loop's "
-    "RSS grows by 2-3x the tensors it holds) and the library code the step runs (about 15 MiB per "
-    "process), which the planner does not count"
+    "; on CPU the RSS also holds what glibc's heap keeps after freeing tensors, which the planner does not "
+    "count (measured: 1.6-4x the planned activations), and the 'process' term is nominal unless "
+    "cluster.compute_profile names a `partrain bench compute` profile of this machine"
 )
-"""Measured on gpt-dp and gpt-3d (issue 15's note): the file-backed RSS grows by 14-16 MiB per
-process from the baseline to the last step (torch's kernels paged in), and the anonymous RSS of the
-loop by 2.0-2.9x the tensors the planner counts there (freed chunks stay in glibc's heap)."""
+"""Measured on gpt-dp and gpt-3d (issue 15's notes): beyond the baseline, the file-backed RSS grows by
+13-18 MiB per process (torch's kernels paged in: counted), and the anonymous RSS of the loop by
+1.6-4x the activations the planner counts there (freed chunks stay in glibc's heap: not counted)."""
 
 
 def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List[str]:

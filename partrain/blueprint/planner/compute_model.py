@@ -177,6 +177,9 @@ class ComputeModel:
     """CPU profiles: the threads the measuring process used (0: unknown, or a GPU)."""
     cores: int = 0
     """CPU profiles: the cores the measuring machine let the process use (0: unknown, or a GPU)."""
+    process_bytes: Tuple[float, float] = (0.0, 0.0)
+    """CPU profiles: (runtime, library code) resident bytes of a training process beyond its tensors
+    (host_process.py); (0, 0) when the profile did not measure them, or a GPU."""
 
     def cpu_sharing(self, processes_per_node: int) -> float:
         """How much slower a CPU rank computes than the profile measured alone: partrain gives each
@@ -355,7 +358,9 @@ def _model(key: Tuple[str, int, int]) -> Tuple[ComputeModel, float]:
     )
     constants, worst = fit_constants(base, prof["layers"])
     cpu = (int(prof.get("threads") or 0), int(prof.get("cpu_cores") or 0)) if base.device == "cpu" else (0, 0)
-    return ComputeModel(base.rates, base.hbm, base.device, constants, path, base.dtype, *cpu), worst
+    process = prof.get("process") if base.device == "cpu" else None
+    held = (float(process["runtime_rss_bytes"]), float(process["code_rss_bytes"])) if process else (0.0, 0.0)
+    return ComputeModel(base.rates, base.hbm, base.device, constants, path, base.dtype, *cpu, held), worst
 
 
 def compute_model(path: str) -> ComputeModel:

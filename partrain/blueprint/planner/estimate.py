@@ -54,6 +54,8 @@ of the microbatches in flight (bubble.py) + transients: the all-gathered paramet
 final norm, head - plus two layers), and the larger of the forward's peak (logits and their fp32
 copy on the last stage; under full recompute, autocast's cached weight copies) and the backward's
 (the fp32 loss gradients, or one layer's full activations while it is recomputed): peaks.py.
+On a CPU device (runtime accounting) each rank also counts "process": the resident memory of the
+worker beyond its tensors, interpreter, libraries and their code (host_process.py).
 It fits when the total is at most USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA
 context, allocator fragmentation, communication buffers).
 """
@@ -80,6 +82,7 @@ from partrain.blueprint.planner.flops import (
     head_forward_flops,
     step_flops,
 )
+from partrain.blueprint.planner.host_process import process_note, process_terms
 from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
@@ -118,7 +121,7 @@ USABLE_MEMORY_FRACTION = 0.95
 """Share of device memory the estimate may fill and still call the layout fitting."""
 
 
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "total")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "transient", "process", "total")
 
 
 @dataclass
@@ -132,10 +135,12 @@ class RankMemory:
     transient: float
     unsharded_param_elements: int
     """Elements of this rank's parameters before FSDP sharding (what FSDP gathers and syncs)."""
+    process: float = 0.0
+    """What the process holds beyond tensors on a CPU device (host_process.py); 0 on GPUs."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.process
 
     def rounded(self) -> Dict[str, int]:
         return {k: int(round(getattr(self, k))) for k in MEMORY_KEYS}
@@ -181,6 +186,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
         activations=activations,
         transient=transient,
         unsharded_param_elements=unsharded,
+        process=0.0 if spec.mixed == "zero" else process_terms(spec.cluster.device, s.compute)[0],
     )
 
 
@@ -397,6 +403,8 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
         rec = s.passes_extra if spec.recompute == "full" else 0.0
         detail["moe"] = moe_report(spec, s.tokens, s.act_bytes, rec, max(e.rank.sparse for e in per_rank), s.dt)
     detail["notes"] = _notes(spec, {**out, **detail}, worst.memory.total, worst.rank.pp_rank, eff)
+    if worst.memory.process:
+        detail["notes"].insert(1, process_note(worst.memory.process, process_terms(cl.device, s.compute)[1]))
     return detail
 
 

@@ -71,18 +71,27 @@ def _render_memory(est: dict, console) -> None:
     from rich.table import Table
 
     mem = Table(title="estimated memory of the worst rank (GiB = 2**30 bytes)", title_justify="left")
-    for col in ("params", "grads", "optimizer", "activations", "transient", "total", "device"):
-        mem.add_column(col, justify="right")
     m = est["memory_bytes"]
-    mem.add_row(
-        *(_gib(m[k]) for k in ("params", "grads", "optimizer", "activations", "transient", "total")),
-        _gib(est["device_memory_bytes"]),
-    )
+    # "process" (a CPU worker's own resident memory) only where it is counted.
+    terms = [k for k in ("params", "grads", "optimizer", "activations", "transient", "process") if m.get(k, 1)]
+    for col in (*terms, "total", "device"):
+        mem.add_column(col, justify="right")
+    mem.add_row(*(_gib(m[k]) for k in (*terms, "total")), _gib(est["device_memory_bytes"]))
     console.print(mem)
     stages = est.get("memory_bytes_per_stage") or []
     if len(stages) > 1:
         per = Table(title="memory per pipeline rank (GiB)", title_justify="left")
-        for col in ("pp rank", "layers", "in flight", "states", "activations", "transient", "total"):
+        process = any(s.get("process") for s in stages)
+        for col in (
+            "pp rank",
+            "layers",
+            "in flight",
+            "states",
+            "activations",
+            "transient",
+            *(("process",) * process),
+            "total",
+        ):
             per.add_column(col, justify="right")
         shown = stages if len(stages) <= 16 else stages[:8] + stages[-8:]
         for s in shown:
@@ -93,6 +102,7 @@ def _render_memory(est: dict, console) -> None:
                 _gib(s["params"] + s["grads"] + s["optimizer"]),
                 _gib(s["activations"]),
                 _gib(s["transient"]),
+                *((_gib(s["process"]),) * process),
                 _gib(s["total"]),
             )
         console.print(per)
