@@ -397,6 +397,7 @@ def plan_check(steps: int) -> None:
                     f"{t['planned']:,.0f}",
                     f"{t['measured']:,.0f}",
                     f"{t['planned'] / t['measured']:.3f}",
+                    f"{t['measured'] / t['planned']:.3f}",
                     f"{cores:.2f}",
                 ]
             )
@@ -435,6 +436,7 @@ def plan_check(steps: int) -> None:
             "with profile",
             "measured tokens/s",
             "pred/meas",
+            "meas/pred (runs' check)",
             "other load (cores)",
         ],
     )

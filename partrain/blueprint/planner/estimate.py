@@ -76,13 +76,13 @@ from partrain.blueprint.planner.comm import (
     family_groups,
     link_of,
 )
-from partrain.blueprint.planner.compute_model import compute_assumptions, compute_note
+from partrain.blueprint.planner.compute_model import compute_assumptions, compute_model, compute_note
 from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
 from partrain.blueprint.planner.flops import (
     head_forward_flops,
     step_flops,
 )
-from partrain.blueprint.planner.host_process import process_note, process_terms
+from partrain.blueprint.planner.host_process import oversubscribed_note, process_note, process_terms
 from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
@@ -476,6 +476,8 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
         comm_note = "communication at the cluster's link speeds"
     if cl.compute_profile:
         notes.append(f"{compute_note(cl.compute_profile)}; {comm_note}")
+        shared = oversubscribed_note(compute_model(cl.compute_profile), cl.devices_per_node)
+        notes += [shared] if shared else []
     else:
         notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")
     if not est["fits"]:
