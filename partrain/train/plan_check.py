@@ -145,13 +145,12 @@ _TERMS = ("params", "grads", "optimizer", "activations", "transient", "process",
 
 
 CPU_MEMORY_HINT = (
-    "; on CPU the RSS also holds what glibc's heap keeps after freeing tensors, which the planner does not "
-    "count (measured: 1.6-4x the planned activations), and the 'process' term is nominal unless "
-    "cluster.compute_profile names a `partrain bench compute` profile of this machine"
+    "; a CPU RSS counts the planner's 'process' term (interpreter, libraries, their code, glibc's heap), "
+    "nominal unless cluster.compute_profile names a `partrain bench compute` profile of this machine, and "
+    "its heap share is an empirical rule (planner/host_process.py)"
 )
-"""Measured on gpt-dp and gpt-3d (issue 15's notes): beyond the baseline, the file-backed RSS grows by
-13-18 MiB per process (torch's kernels paged in: counted), and the anonymous RSS of the loop by
-1.6-4x the activations the planner counts there (freed chunks stay in glibc's heap: not counted)."""
+"""Why a CPU run can still measure above its plan: the runtime and code figures of another machine or
+library version, and a heap that keeps more than the rule (fitted to partrain's CPU recipes)."""
 
 
 def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List[str]:

@@ -55,7 +55,7 @@ final norm, head - plus two layers), and the larger of the forward's peak (logit
 copy on the last stage; under full recompute, autocast's cached weight copies) and the backward's
 (the fp32 loss gradients, or one layer's full activations while it is recomputed): peaks.py.
 On a CPU device (runtime accounting) each rank also counts "process": the resident memory of the
-worker beyond its tensors, interpreter, libraries and their code (host_process.py).
+worker beyond its tensors, interpreter, libraries, their code and the heap glibc keeps (host_process.py).
 It fits when the total is at most USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA
 context, allocator fragmentation, communication buffers).
 """
@@ -179,6 +179,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
         transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
     activations = saved + chunk_mbs * (ends + rotary_extra)
     transient += _grad_sync_buffer(spec, g * dt.grad, activations + transient)
+    process = 0.0 if spec.mixed == "zero" else process_terms(spec.cluster.device, s.compute, activations + transient)[0]
     return RankMemory(
         params=p * dt.param,
         grads=g * dt.grad,
@@ -186,7 +187,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
         activations=activations,
         transient=transient,
         unsharded_param_elements=unsharded,
-        process=0.0 if spec.mixed == "zero" else process_terms(spec.cluster.device, s.compute)[0],
+        process=process,
     )
 
 

@@ -8,14 +8,17 @@ of the progress line) also holds:
 - the runtime: the Python interpreter with torch, transformers (with the model's module), partrain
   and the process group, before the model's first tensor. It is about 350 MiB whatever the model's
   size, so for small models on CPU it is most of the process.
-- the library code the steps run, paged in on first use (torch's CPU kernels, about 16 MiB).
+- the library code the steps run, paged in on first use (torch's CPU kernels, about 16 MiB);
+- the heap glibc keeps after tensors are freed: its adaptive mmap threshold serves activation-sized
+  buffers from the heap after the first step, and freed chunks there stay resident and fragment.
 
-`partrain bench compute` measures both on the machine that runs it (the profile's "process" block).
-Without a profile, or with one that predates the block, the nominal figures below stand in. They were
-measured with torch 2.13 (CPU) and transformers 5 on partrain's 2-core reference machine.
-
-Not counted: what glibc's heap keeps after tensors are freed. It was measured at 1.6-4x the planned
-activations of the same run, with no rule that held across pipeline stages (issue 15's notes).
+`partrain bench compute` measures the first two on the machine that runs it (the profile's "process"
+block). Without a profile, or with one that predates the block, the nominal figures below stand in.
+They were measured with torch 2.13 (CPU) and transformers 5 on partrain's 2-core reference machine.
+The heap is an empirical rule, HEAP_FIXED_BYTES + HEAP_PER_TRANSIENT_BYTE x (activations + transients):
+fitted to the peak RSS of 7 pipeline stages of the CPU recipes gpt-dp, gpt-3d, llama-fsdp-tp,
+mixtral-ep, llama-long-sp and llama-long-ring. Their whole peak RSS then came within 0.99-1.04 of
+the plan; without the heap term it was 1.04-1.26.
 """
 
 from __future__ import annotations
@@ -31,25 +34,34 @@ NOMINAL_RUNTIME_BYTES = 350 * MIB
 measured: 348-352 MiB on gpt-dp's ranks)."""
 
 NOMINAL_CODE_BYTES = 16 * MIB
-"""Library code a CPU worker's steps page in after that (measured: 14-18 MiB of file-backed RSS)."""
+"""Library code a CPU worker's steps page in after that (measured: 13-18 MiB of file-backed RSS)."""
+
+HEAP_FIXED_BYTES = 12 * MIB
+"""The heap glibc keeps whatever the activations (the module docstring's fit)."""
+
+HEAP_PER_TRANSIENT_BYTE = 1.0
+"""Heap glibc keeps per byte of the rank's planned activations and transients (the module docstring's fit)."""
 
 
-def process_terms(device: str, model: Optional[ComputeModel]) -> Tuple[float, str]:
-    """(bytes, where they come from) of the "process" term on one rank: 0 off CPU."""
+def process_terms(device: str, model: Optional[ComputeModel], transient_bytes: float = 0.0) -> Tuple[float, str]:
+    """(bytes, where the runtime and code figures come from) of the "process" term on one rank whose
+    activations and transients are `transient_bytes`: 0 off CPU."""
     if device != "cpu":
         return 0.0, "none"
+    heap = HEAP_FIXED_BYTES + HEAP_PER_TRANSIENT_BYTE * transient_bytes
     if model is not None and model.device == "cpu" and model.process_bytes[0] > 0:
         runtime, code = model.process_bytes
-        return runtime + code, f"measured by the compute profile {model.source}"
-    return float(NOMINAL_RUNTIME_BYTES + NOMINAL_CODE_BYTES), "nominal (torch 2.13 CPU, transformers 5)"
+        return runtime + code + heap, f"measured by the compute profile {model.source}"
+    return NOMINAL_RUNTIME_BYTES + NOMINAL_CODE_BYTES + heap, "nominal (torch 2.13 CPU, transformers 5)"
 
 
 def process_note(nbytes: float, source: str) -> str:
     """The report's line on the term (CPU only)."""
     return (
-        f"process: {nbytes / MIB:.0f} MiB per rank that a CPU process holds beyond its tensors (the interpreter, "
-        f"torch, transformers, partrain and the library code its steps run; {source}); the heap glibc keeps "
-        "after freeing tensors is not counted"
+        f"process: {nbytes / MIB:.0f} MiB per rank that a CPU process holds beyond its tensors: the interpreter, "
+        f"torch, transformers, partrain and the library code its steps run ({source}), and the heap glibc keeps "
+        f"after freeing tensors ({HEAP_FIXED_BYTES / MIB:.0f} MiB + {HEAP_PER_TRANSIENT_BYTE:g}x the activations "
+        "and transients, an empirical rule)"
     )
 
 
