@@ -93,6 +93,22 @@ def test_plan_check_exit_codes(cli):
     assert ran.code == 2 and "--accounting" in ran.stderr
 
 
+def test_a_cpu_node_shares_its_memory_between_its_processes(cli):
+    """On a CPU cluster device_memory_gib is the node's memory: each of its processes may fill its share, and
+    counts its own resident memory beyond tensors (the "process" term). 0.6 GiB holds one gpt-dp rank (about
+    0.45 GiB) but not two: the 2-process layout does not fit and `--check` exits 3."""
+    one = ["recipe=gpt-dp", "cluster.devices_per_node=1", "parallel.dp=1", "cluster.device_memory_gib=0.6"]
+    two = ["recipe=gpt-dp", "cluster.device_memory_gib=0.6"]
+    alone, shared = (estimate(validate(compose(o))) for o in (one, two))
+    assert alone["fits"] and alone["capacity_bytes"] == pytest.approx(0.6 * 0.95 * 2**30)
+    assert not shared["fits"] and shared["capacity_bytes"] == pytest.approx(0.3 * 0.95 * 2**30)
+    assert shared["memory_bytes"]["process"] > 300 * 2**20  # the worker's runtime, code and heap
+    assert "shared by its 2 processes" in shared["notes"][0]
+    assert cli("plan", *one, "--check").code == 0
+    ran = cli("plan", *two, "--check")
+    assert ran.code == 3 and "does not fit" in ran.stdout, ran.stdout
+
+
 def test_search_starts_from_an_invalid_layout(cli):
     """tp=3 divides neither the world nor the heads, and dp=-1 cannot absorb it: the search still
     runs from the model, cluster and global batch, and names the ignored problems."""

@@ -201,7 +201,17 @@ def resolve_degrees(degrees: Dict[str, int], world_size: int) -> Dict[str, int]:
 
 
 def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of n in increasing order ([] for n < 1). Up to sqrt(n) trials: a config value
+    of 2**31 heads or ranks is answered at once, not after 2**31 trials."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def factorizations(world_size: int, fixed: Dict[str, int], free: Sequence[str]) -> List[Dict[str, int]]:

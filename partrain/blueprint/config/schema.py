@@ -117,7 +117,8 @@ class ClusterConfig:
     backend: str = "gloo"
     """torch.distributed backend: gloo (CPU) or nccl (CUDA)."""
     device_memory_gib: float = 24.0
-    """Memory of one device in GiB (2**30 bytes), for the fit verdict and the planner."""
+    """Memory of one device in GiB (2**30 bytes), for the fit verdict and the planner. On a cpu cluster: the memory
+    of one node, which its devices_per_node processes share (each rank may fill its share)."""
     peak_tflops: float = 0.1
     """Peak dense throughput of one device in TFLOP/s at the training precision (planner)."""
     intra_node_gbps: float = 10.0

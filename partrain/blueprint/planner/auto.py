@@ -22,7 +22,7 @@ from typing import Dict, List, Sequence
 from partrain.blueprint.layout import divisors
 from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION
 from partrain.blueprint.planner.search import SearchSpace, search
-from partrain.blueprint.planner.spec import GIB
+from partrain.blueprint.planner.spec import GIB, rank_memory_gib
 from partrain.errors import ConfigError, Problem
 
 FIXABLE_KEYS = (
@@ -227,7 +227,7 @@ def _with_layout(run, lay: dict):
 
 def _nothing_fits(run, fixed: Dict[str, object], usable: float) -> Problem:
     world = run.cluster.nodes * run.cluster.devices_per_node
-    cap = run.cluster.device_memory_gib * usable
+    cap = rank_memory_gib(run.cluster) * usable
     if fixed:
         what = ", ".join(f"{k}={v}" for k, v in fixed.items())
         return Problem(
@@ -254,7 +254,7 @@ def _record(validated, picked: List[dict], fixed: Dict[str, object], margin: flo
     out = {
         "fixed": fixed,
         "memory_margin": margin,
-        "usable_memory_gib": validated.run.cluster.device_memory_gib * usable,
+        "usable_memory_gib": rank_memory_gib(validated.run.cluster) * usable,
         "compute_source": chosen_est.get("compute_source"),
         "bandwidth_source": chosen_est.get("bandwidth_source"),
         "searched": picked[0]["search"],

@@ -414,7 +414,13 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
     notes = [
         f"memory in bytes and GiB (2**30); worst rank is pipeline rank {worst_pp_rank} "
         f"({worst_total / GIB:.2f} GiB of {cl.device_memory_bytes / GIB:.2f} GiB, "
-        f"{USABLE_MEMORY_FRACTION:.0%} usable)"
+        f"{USABLE_MEMORY_FRACTION:.0%} usable"
+        + (
+            f"; a CPU node's {cl.device_memory_bytes * cl.devices_per_node / GIB:.2f} GiB (cluster.device_memory_gib)"
+            f" shared by its {cl.devices_per_node} processes)"
+            if cl.device == "cpu"
+            else ")"
+        )
     ]
     if spec.precision != "fp32":
         d = dtypes(spec.precision, "autocast")

@@ -264,6 +264,12 @@ class PlanSpec:
         return replace(self, **changes)
 
 
+def rank_memory_gib(cl) -> float:
+    """Memory one rank may fill, in GiB: a GPU's own memory; on a CPU cluster the node's memory
+    (cluster.device_memory_gib) shared by its devices_per_node processes."""
+    return cl.device_memory_gib / (cl.devices_per_node if cl.device == "cpu" else 1)
+
+
 def cluster_spec(cl) -> ClusterSpec:
     intra, inter = cl.intra_node_gbps * GB, cl.inter_node_gbps * GB
     measured: Tuple[Tuple[str, float], ...] = ()
@@ -283,7 +289,7 @@ def cluster_spec(cl) -> ClusterSpec:
         nodes=cl.nodes,
         devices_per_node=cl.devices_per_node,
         device=cl.device,
-        device_memory_bytes=cl.device_memory_gib * GIB,
+        device_memory_bytes=rank_memory_gib(cl) * GIB,
         peak_flops=cl.peak_tflops * 1e12,
         intra_bw=intra,
         inter_bw=inter,
