@@ -19,7 +19,7 @@ The heap is an empirical rule, HEAP_FIXED_BYTES + HEAP_PER_TRANSIENT_BYTE x (act
 fitted to the peak RSS of 7 pipeline stages of the CPU recipes gpt-dp, gpt-3d, llama-fsdp-tp,
 mixtral-ep, llama-long-sp and llama-long-ring: their whole peak RSS then came within 0.99-1.04 of
 the plan (1.04-1.26 without the heap term). Three layouts left out of the fit (gpt-dp under ZeRO-3,
-gpt-dp at micro 8 x seq 256, llama-fsdp-tp at seq 256) came within 0.92-1.03: the heap grows less
+gpt-dp at micro 8 x seq 256, llama-fsdp-tp at seq 256) came within 0.89-1.03 (by rank): the heap grows less
 than linearly with large activations (123.7 MiB planned kept 86.7 MiB).
 """
 
