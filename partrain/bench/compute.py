@@ -31,6 +31,7 @@ from partrain.blueprint.compute_profile import FORMAT, VERSION, check_profile
 from partrain.blueprint.planner.compute_model import layer_gemms
 from partrain.blueprint.planner.compute_time import shape_of_spec
 from partrain.blueprint.planner.spec import PlanSpec
+from partrain.models.build import import_model_module
 from partrain.runtime.activations import SavedActivations
 from partrain.runtime.resident import resident_bytes
 
@@ -172,8 +173,12 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
         torch.set_num_threads(run.train.threads_per_process or max(1, cpu_count() // run.cluster.devices_per_node))
     timed = _timer(device)
     dtype = DTYPES[spec.precision]
+    runtime_anon = runtime_file = 0
     if device.type == "cpu":  # before anything this bench runs: the runtime a worker holds before its model
-        _import_model_module(run)
+        try:
+            import_model_module(run.model)
+        except (KeyError, ValueError):  # a custom architecture: its module comes with the model
+            pass
         runtime_anon, runtime_file = resident_bytes()
     shapes = gemm_shapes(spec)
     progress(f"{len(shapes)} matmul shapes")
@@ -184,7 +189,7 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
     layer = measure_layer(run, spec, device, timed, iters)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     process = {}
-    if device.type == "cpu" and runtime_anon:
+    if runtime_anon:
         code = max(1, resident_bytes()[1] - runtime_file)  # the kernels the matmuls and the layer paged in
         process = {"process": {"runtime_rss_bytes": runtime_anon + runtime_file, "code_rss_bytes": code}}
     return check_profile(
@@ -208,18 +213,6 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
             **process,
         }
     )
-
-
-def _import_model_module(run) -> None:
-    """Import the model's transformers module now, as a worker has before it builds the model."""
-    from transformers import AutoModelForCausalLM
-
-    from partrain.models.build import hf_config
-
-    try:
-        AutoModelForCausalLM._model_mapping[type(hf_config(run.model))]
-    except (KeyError, ValueError):  # a custom architecture: its module comes with the model
-        pass
 
 
 def cpu_cores() -> int:

@@ -133,3 +133,12 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
                 "fix the named setting",
             )
         ) from exc
+
+
+def import_model_module(model_cfg: ModelConfig) -> None:
+    """Import the transformers module of the model's architecture now (what building the model would
+    import later), so that a memory baseline taken next already holds it. Raises what transformers
+    raises for an architecture it does not map (a custom model: its module comes with the model)."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM._model_mapping[type(hf_config(model_cfg))]

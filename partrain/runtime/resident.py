@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
-from typing import Tuple
+from typing import Dict, Tuple
 
 
 def current_rss_bytes() -> int:
@@ -21,25 +21,24 @@ def peak_rss_bytes() -> int:
 
     Not getrusage's ru_maxrss: Linux folds the pre-exec address space into it, so a process
     started by fork + exec from a big parent (torchrun's agent) reports the parent's size as its own peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_bytes("VmHWM").get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def resident_bytes() -> Tuple[int, int]:
     """(anonymous, file-backed incl. shared memory) resident bytes now; (0, 0) where /proc does not say."""
+    found = _status_bytes("RssAnon", "RssFile", "RssShmem")
+    return found.get("RssAnon", 0), found.get("RssFile", 0) + found.get("RssShmem", 0)
+
+
+def _status_bytes(*keys: str) -> Dict[str, int]:
+    """The named kB fields of /proc/self/status, in bytes ({} where it cannot be read)."""
     found = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("RssAnon", "RssFile", "RssShmem"):
+                if key in keys:
                     found[key] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0, 0
-    return found.get("RssAnon", 0), found.get("RssFile", 0) + found.get("RssShmem", 0)
+        return {}
+    return found

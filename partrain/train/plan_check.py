@@ -48,11 +48,9 @@ MEMORY_DEFINITION = {
 def _warm_imports(v, with_tensorboard: bool) -> None:
     """Import now what the run imports after the baseline, so the baseline holds it."""
     try:
-        from transformers import AutoModelForCausalLM
+        from partrain.models.build import import_model_module
 
-        from partrain.models.build import hf_config
-
-        AutoModelForCausalLM._model_mapping[type(hf_config(v.run.model))]  # imports the modeling module
+        import_model_module(v.run.model)
     except Exception as exc:  # noqa: BLE001 - a custom model: the baseline is only a little lower
         log.info("plan check: the model's module was not imported before the baseline (%s)", exc)
     if with_tensorboard:  # rank 0's trackers (train.loggers)

@@ -82,7 +82,7 @@ from partrain.blueprint.planner.flops import (
     head_forward_flops,
     step_flops,
 )
-from partrain.blueprint.planner.host_process import oversubscribed_note, process_note, process_terms
+from partrain.blueprint.planner.host_process import oversubscribed_note, process_bytes, process_note
 from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
@@ -179,7 +179,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
         transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
     activations = saved + chunk_mbs * (ends + rotary_extra)
     transient += _grad_sync_buffer(spec, g * dt.grad, activations + transient)
-    process = 0.0 if spec.mixed == "zero" else process_terms(spec.cluster.device, s.compute, activations + transient)[0]
+    process = 0.0 if spec.mixed == "zero" else process_bytes(spec.cluster.device, s.compute, activations + transient)
     return RankMemory(
         params=p * dt.param,
         grads=g * dt.grad,
@@ -405,7 +405,7 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
         detail["moe"] = moe_report(spec, s.tokens, s.act_bytes, rec, max(e.rank.sparse for e in per_rank), s.dt)
     detail["notes"] = _notes(spec, {**out, **detail}, worst.memory.total, worst.rank.pp_rank, eff)
     if worst.memory.process:
-        detail["notes"].insert(1, process_note(worst.memory.process, process_terms(cl.device, s.compute)[1]))
+        detail["notes"].insert(1, process_note(worst.memory.process, s.compute))
     return detail
 
 

@@ -25,7 +25,7 @@ than linearly with large activations (123.7 MiB planned kept 86.7 MiB).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from partrain.blueprint.planner.compute_model import ComputeModel
 
@@ -45,20 +45,25 @@ HEAP_PER_TRANSIENT_BYTE = 1.0
 """Heap glibc keeps per byte of the rank's planned activations and transients (the module docstring's fit)."""
 
 
-def process_terms(device: str, model: Optional[ComputeModel], transient_bytes: float = 0.0) -> Tuple[float, str]:
-    """(bytes, where the runtime and code figures come from) of the "process" term on one rank whose
-    activations and transients are `transient_bytes`: 0 off CPU."""
+def _measured(model: Optional[ComputeModel]) -> bool:
+    return model is not None and model.device == "cpu" and model.process_bytes[0] > 0
+
+
+def process_bytes(device: str, model: Optional[ComputeModel], transient_bytes: float) -> float:
+    """The "process" term of one rank whose activations and transients are `transient_bytes`: 0 off CPU."""
     if device != "cpu":
-        return 0.0, "none"
-    heap = HEAP_FIXED_BYTES + HEAP_PER_TRANSIENT_BYTE * transient_bytes
-    if model is not None and model.device == "cpu" and model.process_bytes[0] > 0:
-        runtime, code = model.process_bytes
-        return runtime + code + heap, f"measured by the compute profile {model.source}"
-    return NOMINAL_RUNTIME_BYTES + NOMINAL_CODE_BYTES + heap, "nominal (torch 2.13 CPU, transformers 5)"
+        return 0.0
+    runtime, code = model.process_bytes if _measured(model) else (NOMINAL_RUNTIME_BYTES, NOMINAL_CODE_BYTES)
+    return runtime + code + HEAP_FIXED_BYTES + HEAP_PER_TRANSIENT_BYTE * transient_bytes
 
 
-def process_note(nbytes: float, source: str) -> str:
-    """The report's line on the term (CPU only)."""
+def process_note(nbytes: float, model: Optional[ComputeModel]) -> str:
+    """The report's line on the term (CPU only): what it holds and where its figures come from."""
+    source = (
+        f"measured by the compute profile {model.source}"
+        if _measured(model)
+        else "nominal (torch 2.13 CPU, transformers 5)"
+    )
     return (
         f"process: {nbytes / MIB:.0f} MiB per rank that a CPU process holds beyond its tensors: the interpreter, "
         f"torch, transformers, partrain and the library code its steps run ({source}), and the heap glibc keeps "

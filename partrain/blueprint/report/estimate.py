@@ -73,7 +73,7 @@ def _render_memory(est: dict, console) -> None:
     mem = Table(title="estimated memory of the worst rank (GiB = 2**30 bytes)", title_justify="left")
     m = est["memory_bytes"]
     # "process" (a CPU worker's own resident memory) only where it is counted.
-    terms = [k for k in ("params", "grads", "optimizer", "activations", "transient", "process") if m.get(k, 1)]
+    terms = ["params", "grads", "optimizer", "activations", "transient"] + (["process"] if m.get("process") else [])
     for col in (*terms, "total", "device"):
         mem.add_column(col, justify="right")
     mem.add_row(*(_gib(m[k]) for k in (*terms, "total")), _gib(est["device_memory_bytes"]))
