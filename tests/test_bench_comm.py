@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 
@@ -29,10 +30,16 @@ CPU_CLUSTER = {"name": "local-cpu", "nodes": 1, "devices_per_node": 2, "backend"
 
 
 def synthetic(
-    path: Path, gbps: dict, links=("intra",), cluster=CPU_CLUSTER, unsupported=(), latency_s: float = 0.0
+    path: Path,
+    gbps: dict,
+    links=("intra",),
+    cluster=CPU_CLUSTER,
+    unsupported=(),
+    latency_s: float = 0.0,
+    cpu_s: Optional[float] = None,
 ) -> Path:
     """A profile whose busbw at the largest size is gbps[op] (GB/s) on each link class, written
-    through profile.py as `bench comm` writes it."""
+    through profile.py as `bench comm` writes it; `cpu_s`: every call's CPU seconds (none: not measured)."""
     entries = {}
     for link in links:
         ops = {}
@@ -43,7 +50,7 @@ def synthetic(
                 continue
             big = 1 << 24
             # Both sizes at the same bus bandwidth: no fixed cost per call (latency tests add one).
-            rows = [result(n, n * factor / (gbps[op] * GB) + latency_s, factor) for n in (4096, big)]
+            rows = [result(n, n * factor / (gbps[op] * GB) + latency_s, factor, cpu_s) for n in (4096, big)]
             ops[op] = {"supported": True, "torch_op": op, "bus_factor": factor, "results": rows}
         entries[link] = {"group_size": 2, "groups": [[0, 1]], "ops": ops}
     return write_profile(
@@ -91,6 +98,7 @@ def test_bench_comm_measures_every_op_and_plan_uses_the_profile(run_partrain):
             assert math.isfinite(r["time_s"]) and r["time_s"] > 0 and r["algbw"] > 0
             assert r["algbw"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
             assert r["busbw"] == pytest.approx(r["algbw"] * {"all_reduce": 1.0, "send_recv": 1.0}.get(op, 0.5))
+            assert math.isfinite(r["cpu_s"]) and r["cpu_s"] > 0  # the ranks' CPU per call, gloo's threads too
         assert profile["summary"]["intra"][op] == rec["results"][-1]["busbw"]  # largest size
 
     plan = run_partrain("plan", "recipe=gpt-3d", f"cluster.comm_profile={path}", "--json")

@@ -146,12 +146,24 @@ def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
             f"cluster.compute_profile={path}",
         )
         per_microbatch[devices] = est["time_breakdown_s"]["compute"] / (batch // (devices * 2))
-        # more ranks than cores: the report says the time is a lower bound (per-call CPU work not modelled)
-        shared = [n for n in est["notes"] if "CPU cores: the step time is a lower bound" in n]
+        # more ranks than cores: the report says the step is their CPU work over the cores (host_work.py)
+        shared = [n for n in est["notes"] if "CPU cores: the step is at least their CPU work" in n]
         assert len(shared) == (devices > profile["cpu_cores"])
     fitted = ComputeModel(None, 1.0, "cpu", None, "", threads=profile["threads"], cores=profile["cpu_cores"])
     expected = fitted.cpu_sharing(8) / fitted.cpu_sharing(2)
     assert per_microbatch[8] / per_microbatch[2] == pytest.approx(expected, rel=1e-6)
+
+
+def test_cpu_profile_measures_the_per_call_host_work(bench):
+    """On CPU the bench times what planner/host_work.py charges ranks that share cores: the optimizer
+    step and the gradient clip per parameter tensor (DTensors cost more: DTensor's dispatch per op),
+    and what the TP wrappers add to a layer and to the embedding, head and loss."""
+    _, profile = bench
+    host = profile["host"]
+    for key in ("optimizer_s_per_tensor", "clip_s_per_tensor"):
+        assert 0 < host[key]["plain"] < 0.01 and 0 < host[key]["dtensor"] < 0.05
+    assert host["optimizer_s_per_tensor"]["dtensor"] > host["optimizer_s_per_tensor"]["plain"]
+    assert 0 <= host["tp_layer_s"] < 1 and 0 <= host["tp_ends_s"] < 1
 
 
 def test_cpu_profile_measures_what_a_worker_holds_beyond_tensors(cli, bench, tmp_path):

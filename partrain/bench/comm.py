@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from partrain.bench.comm_parent import FAILURE, PROGRESS, BenchSettings
 from partrain.blueprint.comm_profile import (
@@ -98,6 +98,13 @@ class _Bench:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def world_mean(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.env.world_size
+
     def runner(self, op: str, count: int, group, members: List[int]):
         """(call, input, output) for `op` on `count` elements (the full size; chunks are count / n)."""
         import torch.distributed as dist
@@ -155,18 +162,21 @@ class _Bench:
         }[op]
         return 0 if torch.equal(out, expected) else 2
 
-    def time_op(self, op: str, count: int, group, members: List[int]) -> float:
-        """Slowest rank's mean seconds per call, over every group of the class running at once."""
+    def time_op(self, op: str, count: int, group, members: List[int]) -> Tuple[float, float]:
+        """(slowest rank's mean seconds per call, the ranks' mean CPU seconds per call), over every
+        group of the class running at once. The CPU time is the whole process's (the backend's
+        threads too): what a call costs the cores that ranks sharing them could have computed on."""
         call, _, _ = self.runner(op, count, group, members)
         for _ in range(self.s.warmup):
             call()
         self.sync()
         self.barrier()  # every group of the class starts together
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         for _ in range(self.s.iters):
             call()
         self.sync()
-        return self.world_max((time.perf_counter() - start) / self.s.iters)
+        wall, cpu = (time.perf_counter() - start) / self.s.iters, (time.process_time() - cpu) / self.s.iters
+        return self.world_max(wall), self.world_mean(cpu)
 
 
 def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = lambda text: None) -> dict:
@@ -204,8 +214,8 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
                 for nbytes in s.sizes:
                     count = max(n, nbytes // ELEMENT_BYTES // n * n)  # a whole number of chunks
                     progress(f"{op} over {link} groups of {n}: {count * ELEMENT_BYTES:,} bytes")
-                    t = bench.time_op(op, count, group, members)
-                    rec["results"].append(result(count * ELEMENT_BYTES, t, rec["bus_factor"]))
+                    t, cpu = bench.time_op(op, count, group, members)
+                    rec["results"].append(result(count * ELEMENT_BYTES, t, rec["bus_factor"], cpu))
             ops[op] = rec
         links[link] = {"group_size": n, "groups": groups, "ops": ops}
     cluster = {

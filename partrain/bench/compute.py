@@ -10,6 +10,9 @@ device type (CPU, or the first CUDA device):
   partrain's ZeRO 0/1 runtime trains), forward + backward at micro batch x seq tokens, unsliced (tp
   1: a layer alone needs no process group), with its saved-tensor bytes (runtime/activations.py);
 - an elementwise bandwidth: a large fp32 copy (bytes read + written per second);
+- on CPU, the per-call work the cores do besides kernels (host_costs.py): the optimizer and the
+  gradient clip per parameter tensor (plain and DTensor), and what tensor parallelism's wrappers add
+  to a layer;
 - on CPU, what a training process holds beyond its tensors (planner/host_process.py): this process's
   resident memory once the runtime and the model's module are imported, before anything is measured,
   and the file-backed resident memory (library code) the measurements then page in.
@@ -23,10 +26,12 @@ from __future__ import annotations
 import datetime
 import socket
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
+from partrain.bench.host_costs import measure_host
+from partrain.bench.one_layer import DTYPES, layer_step, one_layer
 from partrain.blueprint.compute_profile import FORMAT, VERSION, check_profile
 from partrain.blueprint.planner.compute_model import layer_gemms
 from partrain.blueprint.planner.compute_time import shape_of_spec
@@ -35,7 +40,6 @@ from partrain.models.build import import_model_module
 from partrain.runtime.activations import SavedActivations
 from partrain.runtime.resident import resident_bytes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 """Bytes of the fp32 tensor the bandwidth copy reads (and writes): well past the caches."""
 
@@ -100,44 +104,12 @@ def measure_bandwidth(device, timed, iters: int) -> float:
     return 2 * x.numel() * 4 / t
 
 
-def _one_layer(run, device):
-    """The run's HF model cut to one decoder layer, materialised (HF's own init) on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    from partrain.models.adapters import get_adapter
-    from partrain.models.build import hf_config
-
-    config = hf_config(run.model)
-    config.num_hidden_layers = 1
-    for key in ("mlp_only_layers", "layer_types"):  # per-layer lists sized for the full model
-        if isinstance(getattr(config, key, None), list):
-            setattr(config, key, getattr(config, key)[:1])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
-    model.train()  # dropout as training runs it
-    adapter = get_adapter(model)
-    return model, adapter.layers(model)[0], adapter.rotary(model)
-
-
 def measure_layer(run, spec: PlanSpec, device, timed, iters: int) -> dict:
     """One decoder layer's forward + backward seconds and saved bytes at micro batch x seq tokens."""
-    model, layer, rotary = _one_layer(run, device)
+    model, layer, rotary = one_layer(run, device)
     b, s, h = spec.mbs, spec.seq, spec.facts.hidden
-    hs = torch.randn(b, s, h, device=device, requires_grad=True)
-    kwargs: Dict[str, object] = {}
-    if rotary is not None:
-        pos = torch.arange(s, device=device)[None].expand(b, s)
-        kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": rotary(hs, pos)}
-    dtype = DTYPES[spec.precision]
     cast = spec.precision != "fp32"
-
-    def forward():
-        with torch.autocast(device.type, dtype=dtype, enabled=cast):
-            out = layer(hs, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-    def step():
-        forward().float().sum().backward()
-
+    forward, step = layer_step(layer, rotary, spec, device)
     with SavedActivations(layer.parameters()) as saved:
         out = forward()
     del out
@@ -188,31 +160,31 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
     progress("one decoder layer, forward + backward")
     layer = measure_layer(run, spec, device, timed, iters)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    process = {}
+    profile = {
+        "format": FORMAT,
+        "version": VERSION,
+        "device": {"type": device.type, "name": name},
+        "torch": torch.__version__,
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": spec.precision,
+        "hbm_bytes_per_s": bw,
+        "hbm_source": "measured",
+        "threads": torch.get_num_threads(),
+        "cpu_cores": cpu_cores() if device.type == "cpu" else 0,
+        "iters": iters,
+        "gemm": gemm,
+        "layers": [layer],
+        "units": "seconds; bytes; tflops = 10**12 FLOP/s; hbm_bytes_per_s = bytes read + written per second",
+        "source": f"partrain bench compute ({run.model.arch}, micro {spec.mbs} x seq {spec.seq}, tp {spec.tp})",
+    }
+    if device.type == "cpu":
+        progress("per-tensor optimizer and clip, and the tensor-parallel wrappers")
+        profile.update(measure_host(run, spec, device, iters, check_profile(dict(profile))))
     if runtime_anon:
-        code = max(1, resident_bytes()[1] - runtime_file)  # the kernels the matmuls and the layer paged in
-        process = {"process": {"runtime_rss_bytes": runtime_anon + runtime_file, "code_rss_bytes": code}}
-    return check_profile(
-        {
-            "format": FORMAT,
-            "version": VERSION,
-            "device": {"type": device.type, "name": name},
-            "torch": torch.__version__,
-            "hostname": socket.gethostname(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "dtype": spec.precision,
-            "hbm_bytes_per_s": bw,
-            "hbm_source": "measured",
-            "threads": torch.get_num_threads(),
-            "cpu_cores": cpu_cores() if device.type == "cpu" else 0,
-            "iters": iters,
-            "gemm": gemm,
-            "layers": [layer],
-            "units": "seconds; bytes; tflops = 10**12 FLOP/s; hbm_bytes_per_s = bytes read + written per second",
-            "source": f"partrain bench compute ({run.model.arch}, micro {spec.mbs} x seq {spec.seq}, tp {spec.tp})",
-            **process,
-        }
-    )
+        code = max(1, resident_bytes()[1] - runtime_file)  # the kernels the measurements paged in
+        profile["process"] = {"runtime_rss_bytes": runtime_anon + runtime_file, "code_rss_bytes": code}
+    return check_profile(profile)
 
 
 def cpu_cores() -> int:

@@ -15,7 +15,7 @@ Format (version 1; bandwidths in GB/s = 10**9 bytes/s, as the cluster config sta
           "group_size": 2, "groups": [[0, 1]],
           "ops": {
             "all_reduce": {"supported": true, "torch_op": "all_reduce", "bus_factor": 1.0,
-                           "results": [{"bytes", "time_s", "algbw", "busbw"}, ...]},
+                           "results": [{"bytes", "time_s", "algbw", "busbw", "cpu_s"}, ...]},
             "all_gather": ..., "reduce_scatter": ..., "all_to_all": ..., "send_recv": ...
           }},
         "inter": {...},                       # one rank per node (only when nodes > 1)
@@ -32,6 +32,10 @@ reduce-scatter "bytes" is the full (gathered) size, for all-to-all what one rank
 send/recv what one rank sends (every rank sends to the next and receives from the previous).
 Bus bandwidth is what the planner's model needs: comm.py divides exactly these ring volumes
 (factor x bytes) by a link bandwidth, so volume / busbw reproduces the measured time.
+
+"cpu_s" (optional) is the ranks' mean CPU seconds per call, the whole process's (the backend's threads
+too): on a CPU cluster whose ranks share cores, the planner charges every collective call that CPU
+(planner/host_work.py).
 
 The summary keeps, per link class and op, the busbw at the largest message measured: the planner
 ignores latency (large messages), so the small sizes are there for people, not for the planner.
@@ -102,10 +106,22 @@ def human_bytes(n: float) -> str:
     return f"{int(n)}"
 
 
-def result(nbytes: int, time_s: float, factor: float) -> dict:
-    """One row of a results list, nccl-tests style (bandwidths in GB/s)."""
+def result(nbytes: int, time_s: float, factor: float, cpu_s: Optional[float] = None) -> dict:
+    """One row of a results list, nccl-tests style (bandwidths in GB/s); `cpu_s`: the ranks' mean
+    CPU seconds per call (the whole process, the backend's threads too), when measured."""
     algbw = nbytes / time_s / GB
-    return {"bytes": int(nbytes), "time_s": time_s, "algbw": algbw, "busbw": algbw * factor}
+    row = {"bytes": int(nbytes), "time_s": time_s, "algbw": algbw, "busbw": algbw * factor}
+    if cpu_s is not None:
+        row["cpu_s"] = cpu_s
+    return row
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Messages one rank sends and receives in a call over n ranks: 2(n - 1) for a ring all-reduce
+    (reduce-scatter then all-gather), n - 1 for the other collectives, 1 for a send/recv pair."""
+    if op == "send_recv":
+        return 1
+    return max(1, (2 if op == "all_reduce" else 1) * (n - 1))
 
 
 def summarize(profile: dict) -> dict:
@@ -220,6 +236,27 @@ def planner_latencies(path: Path | str) -> Tuple[Tuple[str, float], ...]:
             factor = ops[op].get("bus_factor", 1.0)
             alpha = max(0.0, small["time_s"] - small["bytes"] * factor / (busbw * GB))
             out.append((f"{link}/{op}", alpha if op == "send_recv" else alpha / steps))
+    return tuple(sorted(out))
+
+
+def planner_cpu_costs(path: Path | str) -> Tuple[Tuple[str, float], ...]:
+    """(("intra/all_reduce", CPU seconds), ...): what one ring step of each op costs a CPU rank's
+    cores: the smallest message's measured CPU seconds per call (every rank of the node calling at
+    once, as in training) over the call's `ring_steps`. Only for profiles measured on CPU devices
+    (elsewhere the host's CPU is not the device's) and only rows that carry "cpu_s" (profiles
+    before it have none: empty)."""
+    profile = load_profile(path)
+    if profile["cluster"].get("device") != "cpu":
+        return ()
+    out = []
+    for link in PLANNER_LINKS:
+        entry = (profile.get("links") or {}).get(link, {})
+        n = int(entry.get("group_size", 2))
+        for op, rec in entry.get("ops", {}).items():
+            rows = [r for r in rec.get("results", []) if _positive(r.get("cpu_s"))]
+            if op in OPS and rows:
+                small = min(rows, key=lambda r: r["bytes"])
+                out.append((f"{link}/{op}", small["cpu_s"] / ring_steps(op, n)))
     return tuple(sorted(out))
 
 

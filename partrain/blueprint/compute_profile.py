@@ -18,7 +18,9 @@ Format (version 1; seconds, bytes, FLOP/s)::
       "layers": [{"arch", "hidden", "heads", "kv_heads", "ffn", "seq", "micro", "tp", "recompute",
                   "activation", "dropout", "autocast", "layer_fwd_bwd_s", "layer_saved_bytes"}, ...],
       "source": "what produced it (bench compute, or the calibration file converted)",
-      "process": {"runtime_rss_bytes", "code_rss_bytes"}   # CPU only, optional (below)
+      "process": {"runtime_rss_bytes", "code_rss_bytes"},  # CPU only, optional (below)
+      "host": {"optimizer_s_per_tensor": {"plain", "dtensor"},  # CPU only, optional (below)
+               "clip_s_per_tensor": {"plain", "dtensor"}, "tp_layer_s", "tp_ends_s"}
     }
 
 `gemm` rows are what the planner interpolates matmul rates from; `layers` rows (one decoder layer's
@@ -26,7 +28,12 @@ forward + backward time, with its shape) are what it fits the rest of its comput
 kernel rate, effective bandwidth, per-op host overhead). `process` (CPU profiles) is what a training
 process holds beyond its tensors: the resident memory of the runtime once imported (interpreter, torch,
 transformers with the model's module, partrain) and the library code its first steps page in
-(planner/host_process.py); a profile without it gets the planner's nominal figures.
+(planner/host_process.py); a profile without it gets the planner's nominal figures. `host` (CPU
+profiles) is per-call CPU work besides kernels: seconds per parameter tensor of the optimizer's step
+and of the gradient clip, for plain tensors and DTensors, and the seconds partrain's tensor-parallel
+wrappers add to one layer's forward + backward (`tp_layer_s`) and to the rest of a microbatch, embedding,
+head and loss (`tp_ends_s`; both absent when not measured); the planner
+charges it to ranks that share cores (planner/host_work.py), and counts none without it.
 """
 
 from __future__ import annotations
@@ -87,7 +94,26 @@ def check_profile(data) -> dict:
         keys = ("runtime_rss_bytes", "code_rss_bytes")
         if not isinstance(process, dict) or not all(_positive(process.get(k)) for k in keys):
             raise ComputeProfileError(f'has a "process" block without positive {" and ".join(keys)}')
+    _check_host(data.get("host"))
     return data
+
+
+def _check_host(host) -> None:
+    if host is None:
+        return
+    ok = isinstance(host, dict)
+    for key in ("optimizer_s_per_tensor", "clip_s_per_tensor"):
+        table = host.get(key) if ok else None
+        ok = ok and isinstance(table, dict) and all(_positive(table.get(k)) for k in ("plain", "dtensor"))
+    for key in ("tp_layer_s", "tp_ends_s"):
+        value = host.get(key, 0.0) if ok else None
+        ok = ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and value >= 0
+    if not ok:
+        raise ComputeProfileError(
+            'has a "host" block without positive optimizer_s_per_tensor and clip_s_per_tensor (plain and dtensor) '
+            "or with a tp_layer_s or tp_ends_s that is not a finite number >= 0"
+        )
 
 
 def load_profile(path: Path | str) -> dict:

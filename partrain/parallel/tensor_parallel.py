@@ -297,9 +297,11 @@ def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:
         weight.register_hook(lambda g: g.redistribute(mesh, placements) if g.placements != placements else g)
 
 
-def _parallelize_layers(
+def parallelize_layers(
     model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, sharded_saves: bool
 ) -> None:
+    """Slice the model's decoder layers over the TP mesh (apply_tp's layer half). It works on a mesh of
+    one rank too, which `partrain bench compute` uses to time what the wrappers add to a layer."""
     layers = adapter.layers(model)
     entries = layers.values() if isinstance(layers, nn.ModuleDict) else layers
     if adapter.conv1d_weights:
@@ -339,9 +341,10 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def _parallelize_ends(
+def parallelize_ends(
     model: nn.Module, adapter: Adapter, mesh: DeviceMesh, sequence_parallel: bool, use_loss_parallel: bool
 ) -> None:
+    """Slice the token embedding and the output head over the TP mesh (apply_tp's other half)."""
     token_embedding = adapter.embedding_paths[0]
     plan: Dict[str, object] = {}
     if _has(model, token_embedding):
@@ -380,8 +383,8 @@ def apply_tp(
     family, SP only) uses torch's styles, which save the gathered inputs (benchmark comparison)."""
     if mesh.size() == 1:
         return
-    _parallelize_layers(model, adapter, mesh, sequence_parallel, sharded_saves or bool(adapter.conv1d_weights))
-    _parallelize_ends(model, adapter, mesh, sequence_parallel, use_loss_parallel)
+    parallelize_layers(model, adapter, mesh, sequence_parallel, sharded_saves or bool(adapter.conv1d_weights))
+    parallelize_ends(model, adapter, mesh, sequence_parallel, use_loss_parallel)
 
 
 def loss_context(tp_size: int, use_loss_parallel: bool) -> Callable[[], ContextManager]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from partrain.blueprint.compute_profile import GemmRates, gemm_rates, load_profile, profile_key
 
@@ -164,6 +164,22 @@ class Parts:
 
 
 @dataclass(frozen=True)
+class HostCosts:
+    """A CPU profile's per-call work besides kernels (its "host" block; planner/host_work.py)."""
+
+    optimizer_plain_s: float
+    """The optimizer's step, per plain parameter tensor."""
+    optimizer_dtensor_s: float
+    """The optimizer's step, per DTensor parameter (tensor-parallel or FSDP)."""
+    clip_plain_s: float
+    clip_dtensor_s: float
+    tp_layer_s: float
+    """What partrain's tensor-parallel wrappers add to one layer's forward + backward."""
+    tp_ends_s: float = 0.0
+    """What they add to a microbatch's embedding, head and loss (forward + backward)."""
+
+
+@dataclass(frozen=True)
 class ComputeModel:
     """A profile's matmul rates, bandwidth and fitted constants."""
 
@@ -180,6 +196,8 @@ class ComputeModel:
     process_bytes: Tuple[float, float] = (0.0, 0.0)
     """CPU profiles: (runtime, library code) resident bytes of a training process beyond its tensors
     (host_process.py); (0, 0) when the profile did not measure them, or a GPU."""
+    host: Optional[HostCosts] = None
+    """CPU profiles: per-call CPU work besides kernels (None: not measured, or a GPU)."""
 
     def cpu_sharing(self, processes_per_node: int) -> float:
         """How much slower a CPU rank computes than the profile measured alone: partrain gives each
@@ -189,6 +207,14 @@ class ComputeModel:
             return 1.0
         run_threads = max(1, self.cores // max(1, processes_per_node))
         return self.threads / min(run_threads, self.cores / max(1, processes_per_node))
+
+    def core_share(self, processes_per_node: int) -> float:
+        """Cores' worth of CPU a CPU rank burns while it computes: its threads, or its share of the
+        node's cores when the ranks' threads outnumber them (host_work.py). 1.0 on GPUs."""
+        if self.device != "cpu" or not self.cores:
+            return 1.0
+        p = max(1, processes_per_node)
+        return min(max(1, self.cores // p), self.cores / p)
 
     def parts(self, w: LayerWork) -> Parts:
         t = self.rates.time
@@ -346,21 +372,40 @@ def _fit_all(model: ComputeModel, rows) -> Constants:
 
 @functools.lru_cache(maxsize=16)
 def _model(key: Tuple[str, int, int]) -> Tuple[ComputeModel, float]:
-    path = key[0]
-    prof = load_profile(path)
+    return model_of_profile(load_profile(key[0]), key[0])
+
+
+def model_of_profile(prof: dict, source: str) -> Tuple[ComputeModel, float]:
+    """The fitted compute model of a (checked) profile dict and its worst layer-row error; `partrain
+    bench compute` also uses it on the rows it has just measured (host_costs.py)."""
     base = ComputeModel(
         rates=gemm_rates(prof["gemm"]),
         hbm=float(prof["hbm_bytes_per_s"]),
         device=prof["device"]["type"],
         constants=Constants(),
-        source=path,
+        source=source,
         dtype=prof["dtype"],
     )
     constants, worst = fit_constants(base, prof["layers"])
     cpu = (int(prof.get("threads") or 0), int(prof.get("cpu_cores") or 0)) if base.device == "cpu" else (0, 0)
     process = prof.get("process") if base.device == "cpu" else None
     held = (float(process["runtime_rss_bytes"]), float(process["code_rss_bytes"])) if process else (0.0, 0.0)
-    return ComputeModel(base.rates, base.hbm, base.device, constants, path, base.dtype, *cpu, held), worst
+    host = _host_costs(prof.get("host")) if base.device == "cpu" else None
+    return ComputeModel(base.rates, base.hbm, base.device, constants, source, base.dtype, *cpu, held, host), worst
+
+
+def _host_costs(block) -> Optional[HostCosts]:
+    if not block:
+        return None
+    opt, clip = block["optimizer_s_per_tensor"], block["clip_s_per_tensor"]
+    return HostCosts(
+        float(opt["plain"]),
+        float(opt["dtensor"]),
+        float(clip["plain"]),
+        float(clip["dtensor"]),
+        float(block.get("tp_layer_s", 0.0)),
+        float(block.get("tp_ends_s", 0.0)),
+    )
 
 
 def compute_model(path: str) -> ComputeModel:

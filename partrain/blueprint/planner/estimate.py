@@ -34,6 +34,9 @@ Step-time model (documented in every report's "assumptions"):
 - With `cluster.compute_profile` (a `partrain bench compute` profile) compute is timed per matmul
   shape, attention, elementwise bytes and host overhead instead, plus the optimizer update
   (compute_model.py); "compute_source" in the report says which.
+- On a CPU node whose ranks outnumber the profile's cores, the step is at least the ranks' CPU work
+  over the cores (host_work.py: kernels, per-tensor optimizer and clip, TP wrappers, every collective
+  call's measured CPU); what that adds to the critical path is "cpu_shared" in the breakdown.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
   link it spans (see comm.py). The optimizer update itself is not timed (without a compute profile).
 - Bandwidths: the cluster's nominal link speeds, or with `cluster.comm_profile` the bus bandwidth
@@ -78,11 +81,9 @@ from partrain.blueprint.planner.comm import (
 )
 from partrain.blueprint.planner.compute_model import compute_assumptions, compute_model, compute_note
 from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
-from partrain.blueprint.planner.flops import (
-    head_forward_flops,
-    step_flops,
-)
-from partrain.blueprint.planner.host_process import oversubscribed_note, process_bytes, process_note
+from partrain.blueprint.planner.flops import head_forward_flops, step_flops
+from partrain.blueprint.planner.host_process import process_bytes, process_note
+from partrain.blueprint.planner.host_work import shared_core_step, shared_cores_note
 from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
@@ -90,9 +91,7 @@ from partrain.blueprint.planner.memory import (
     sp_attention_transient,
 )
 from partrain.blueprint.planner.moe_report import moe_report
-from partrain.blueprint.planner.params import (
-    param_count,
-)
+from partrain.blueprint.planner.params import param_count
 from partrain.blueprint.planner.peaks import phase_transient, pipeline_copies_correction
 from partrain.blueprint.planner.rank_state import (
     PipelineRank,
@@ -314,6 +313,8 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     t_dp_exposed = max(e.t_dp_exposed_per_step(spec.dp_overlap) for e in per_rank)
     t_optimizer = max(e.compute.t_optimizer for e in per_rank)
     step = (m + units) * slowest.t_microbatch + t_dp_exposed + t_optimizer
+    shared = {"cpu_shared": max(0.0, shared_core_step(spec, s.compute, per_rank, s.cpu_call) - step)}
+    step += shared["cpu_shared"]
     flops = step_flops(spec.facts, spec.extras, spec.global_batch, spec.seq, spec.recompute, spec.recompute_every)
     capacity = spec.cluster.device_memory_bytes * USABLE_MEMORY_FRACTION
     per_step = [e.traffic.per_step(m) for e in per_rank]
@@ -328,7 +329,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
         "tokens_per_s": spec.tokens_per_step / step if step > 0 else 0.0,
         "mfu": flops["model"] / (step * spec.world * spec.cluster.peak_flops) if step > 0 else 0.0,
         "fits": worst.memory.total <= capacity,
-        "time_breakdown_s": {**_time_breakdown(slowest, m, units, t_dp_exposed), "optimizer": t_optimizer},
+        "time_breakdown_s": {**_time_breakdown(slowest, m, units, t_dp_exposed), "optimizer": t_optimizer, **shared},
         "worst_memory_pp_rank": worst.rank.pp_rank,
         "capacity_bytes": capacity,
     }
@@ -483,7 +484,7 @@ def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, ef
         comm_note = "communication at the cluster's link speeds"
     if cl.compute_profile:
         notes.append(f"{compute_note(cl.compute_profile)}; {comm_note}")
-        shared = oversubscribed_note(compute_model(cl.compute_profile), cl.devices_per_node)
+        shared = shared_cores_note(spec, compute_model(cl.compute_profile), est["time_breakdown_s"]["cpu_shared"])
         notes += [shared] if shared else []
     else:
         notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")

@@ -70,19 +70,3 @@ def process_note(nbytes: float, model: Optional[ComputeModel]) -> str:
         f"after freeing tensors ({HEAP_FIXED_BYTES / MIB:.0f} MiB + {HEAP_PER_TRANSIENT_BYTE:g}x the activations "
         "and transients, an empirical rule)"
     )
-
-
-def oversubscribed_note(model: Optional[ComputeModel], processes_per_node: int) -> Optional[str]:
-    """A warning when a CPU profile's cores are fewer than the ranks of a node (None otherwise).
-
-    The compute model scales matmul and layer time by the share of a core each rank gets, but on such a layout
-    a rank's CPU time is mostly per-call work the model does not count: DTensor dispatch around TP layers, gloo
-    copying and waking for every collective, the per-tensor optimizer, gradient clipping. Measured for gpt-3d
-    (8 ranks on 2 cores): 0.14 CPU-s per rank and step against 0.02 s of modelled compute; tokens/s 0.47x the plan."""
-    if model is None or model.device != "cpu" or not model.cores or processes_per_node <= model.cores:
-        return None
-    return (
-        f"{processes_per_node} processes per node share {model.cores} CPU cores: the step time is a lower bound "
-        "(per-call CPU work of collectives, DTensor dispatch and the per-tensor optimizer is not modelled; "
-        "gpt-3d, 8 ranks on 2 cores, measured 0.47x the planned tokens/s)"
-    )

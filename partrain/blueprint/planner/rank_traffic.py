@@ -4,7 +4,7 @@ each takes; the rules are in the docstring of estimate.py."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict
 
 from partrain.blueprint.planner.comm import (
@@ -43,6 +43,15 @@ class RankTraffic:
     t_ep: float = 0.0
     t_pp: float = 0.0
     t_dp_microbatch: float = 0.0
+    calls: Dict[str, float] = field(default_factory=dict)
+    """Collective calls per microbatch by "family/op" (what host_work.py charges CPU for)."""
+    calls_step: Dict[str, float] = field(default_factory=dict)
+    """Collective calls once per step by "family/op"."""
+
+    def call(self, key: str, n: float, per_step: bool = False) -> None:
+        book = self.calls_step if per_step else self.calls
+        if n:
+            book[key] = book.get(key, 0.0) + n
 
     def per_step(self, m: int) -> Dict[str, float]:
         return {
@@ -72,6 +81,8 @@ def tp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
     calls = n_ar * (2 if spec.tp_sp else 1)
     alpha = per_call if spec.tp_sp else s.alpha.get("tp/all_reduce", 0.0)
     out.t_tp = (out.tp / s.tp_bw if out.tp else 0.0) + calls * alpha
+    for op in ("all_gather", "reduce_scatter") if spec.tp_sp else ("all_reduce",):
+        out.call(f"tp/{op}", n_ar)
 
 
 def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_flops: float, out: RankTraffic) -> None:
@@ -100,6 +111,7 @@ def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_fl
         per_pass = all_to_all_bytes((2 * qt + 2 * kvt) * s.act_bytes, sp)
         out.sp = r.layers * per_pass * (forwards + 1)
         out.t_sp = out.sp / s.bw["sp/all_to_all"] + r.layers * 4 * (forwards + 1) * s.alpha.get("sp/all_to_all", 0.0)
+        out.call("sp/all_to_all", r.layers * 4 * (forwards + 1))
         return
     link = s.bw["sp/send_recv"]
     kv, dkv = 2 * kvt * s.act_bytes, 2 * kvt * 4
@@ -108,6 +120,7 @@ def sp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, attention_core_fl
     exposed_fwd = (sp - 1) * max(0.0, t_kv - t_blk)
     exposed_bwd = (sp - 1) * max(0.0, t_kv + t_dkv - 2 * t_blk) + t_dkv
     out.t_sp = r.layers * (exposed_fwd * forwards + exposed_bwd)
+    out.call("sp/send_recv", r.layers * ((sp - 1) * (forwards + 1) + sp))
 
 
 def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
@@ -117,6 +130,7 @@ def ep_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
     out.ep = r.sparse * all_to_all_layer_bytes(spec, s.tokens, s.act_bytes, rec)["total"]
     calls = r.sparse * (4 + 2 * rec)  # dispatch and combine, forward and backward (and the recomputed forward)
     out.t_ep = out.ep / s.bw["ep/all_to_all"] + calls * s.alpha.get("ep/all_to_all", 0.0)
+    out.call("ep/all_to_all", calls)
 
 
 def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic) -> None:
@@ -125,6 +139,7 @@ def pp_traffic(spec: PlanSpec, r: PipelineRank, s: StepInputs, out: RankTraffic)
     sends = sum((0 if c == r.n_chunks - 1 else 1) + (0 if c == 0 else 1) for c in r.chunks)
     out.pp = sends * s.ar_size / spec.tp
     out.t_pp = out.pp / s.bw["pp/send_recv"] + sends * s.alpha.get("pp/send_recv", 0.0)
+    out.call("pp/send_recv", sends)
 
 
 def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, out: RankTraffic) -> None:
@@ -163,7 +178,26 @@ def dp_traffic(spec: PlanSpec, r: PipelineRank, grad_elems: int, s: StepInputs, 
         out.dp_link = shard_link if replicas == 1 else min(shard_link, out.dp_link)
     if spec.dp_sync != "allreduce" and spec.zero_stage == 0 and spec.ep == 1:
         strategy_traffic(spec, grad_elems * dt.grad, out)
+    dp_calls(spec, r, grad_elems * dt.grad, out)
     out.t_dp_microbatch = out.dp_microbatch / out.dp_link if out.dp_microbatch else 0.0
+
+
+def dp_calls(spec: PlanSpec, r: PipelineRank, grad_bytes: float, out: RankTraffic) -> None:
+    """The data-parallel collective calls of a rank: ZeRO 0/1 reduce its gradients in buckets of
+    parallel.dp_bucket_mb once per step (ZeRO-1 also all-gathers the updated parameters); FSDP gathers
+    every layer (and the root: embeddings, final norm, head) per microbatch, twice under ZeRO 3, and
+    reduce-scatters each layer's gradients per microbatch (once per step with fsdp_grad_sync=last_microbatch)."""
+    if spec.dp * spec.sp == 1:
+        return
+    if spec.zero_stage <= 1:
+        buckets = max(1, math.ceil(grad_bytes / (spec.dp_bucket_mb * 2**20)))
+        out.call("dp_sp/all_reduce", buckets, per_step=True)
+        if spec.zero_stage == 1:
+            out.call("dp_shard/all_gather", buckets, per_step=True)
+        return
+    units = r.layers + 1
+    out.call("dp_shard/all_gather", units * (1 if spec.zero_stage == 2 else 2))
+    out.call("dp_shard/reduce_scatter", units, per_step=spec.fsdp_sync_once)
 
 
 def strategy_traffic(spec: PlanSpec, grad_bytes: float, out: RankTraffic) -> None:

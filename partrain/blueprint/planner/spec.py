@@ -142,6 +142,9 @@ class ClusterSpec:
     """Where the bandwidths come from: "nominal" (the cluster config) or "profile:<path>"."""
     latencies: Tuple[Tuple[str, float], ...] = ()
     """Seconds per call of each op, keyed "link/op", from the comm profile (comm_profile.planner_latencies)."""
+    cpu_costs: Tuple[Tuple[str, float], ...] = ()
+    """CPU seconds per ring step of each op, keyed "link/op", from a comm profile measured on CPU devices
+    (comm_profile.planner_cpu_costs); empty: unknown (planner/host_work.py then counts no collective CPU)."""
     compute_profile: str = ""
     """A compute profile written by `partrain bench compute` (compute_model.py times compute from it);
     empty = FLOPs / (peak x efficiency)."""
@@ -154,6 +157,12 @@ class ClusterSpec:
             if key == f"{link}/{op}":
                 return value
         return 0.0
+
+    def cpu_per_step(self, link: str, op: str) -> float:
+        """CPU seconds per ring step of `op` on a link class (comm profile on CPU devices; an op it did not
+        measure costs what its all-reduce does); 0 when unknown."""
+        costs = dict(self.cpu_costs)
+        return costs.get(f"{link}/{op}", costs.get(f"{link}/all_reduce", 0.0))
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
@@ -274,14 +283,16 @@ def cluster_spec(cl) -> ClusterSpec:
     intra, inter = cl.intra_node_gbps * GB, cl.inter_node_gbps * GB
     measured: Tuple[Tuple[str, float], ...] = ()
     latencies: Tuple[Tuple[str, float], ...] = ()
+    cpu_costs: Tuple[Tuple[str, float], ...] = ()
     source = "nominal"
     if getattr(cl, "comm_profile", ""):
         # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
         # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
-        from partrain.blueprint.comm_profile import planner_bandwidths, planner_latencies
+        from partrain.blueprint.comm_profile import planner_bandwidths, planner_cpu_costs, planner_latencies
 
         measured = planner_bandwidths(cl.comm_profile)
         latencies = planner_latencies(cl.comm_profile)
+        cpu_costs = planner_cpu_costs(cl.comm_profile)
         by_key = dict(measured)
         intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
         source = f"profile:{cl.comm_profile}"
@@ -296,6 +307,7 @@ def cluster_spec(cl) -> ClusterSpec:
         measured=measured,
         bandwidth_source=source,
         latencies=latencies,
+        cpu_costs=cpu_costs,
         compute_profile=getattr(cl, "compute_profile", "") or "",
         compute_source=f"profile:{cl.compute_profile}" if getattr(cl, "compute_profile", "") else "nominal",
     )

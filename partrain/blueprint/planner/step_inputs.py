@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from partrain.blueprint.comm_profile import ring_steps
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups, link_of
 from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
 from partrain.blueprint.planner.compute_time import matmul_rate
@@ -85,6 +86,21 @@ def group_latencies(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_s
     }
 
 
+@functools.lru_cache(maxsize=4096)
+def group_cpu_costs(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
+    """CPU seconds one call costs a rank, "tp/<op>" etc. for every family and op (empty without a comm
+    profile measured on CPU devices): the profile's CPU per ring step times the call's ring steps."""
+    if not cl.cpu_costs:
+        return {}
+    groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
+    return {
+        f"{name}/{op}": cl.cpu_per_step(link_of(cl, members), op) * ring_steps(op, len(members))
+        for name, members in groups.items()
+        for op in COMM_OPS
+        if len(members) > 1
+    }
+
+
 def mixed_bandwidth(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
     """Bandwidth of traffic split over ops in these volume proportions: total / sum(volume / bw)."""
     rates = {op: bw[f"{family}/{op}"] for op in volumes}
@@ -114,6 +130,8 @@ class StepInputs:
     bw: Dict[str, float]
     alpha: Dict[str, float]
     """Seconds of fixed cost per call by "family/op" (empty: none known, 0)."""
+    cpu_call: Dict[str, float]
+    """CPU seconds per call by "family/op" on a CPU cluster with a measured comm profile (empty: unknown)."""
     tp_bw: float
     dp_ops: Dict[str, float]
     acts: Dict[bool, Tuple[float, float]]
@@ -147,6 +165,9 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         rate=matmul_rate(model, spec, tokens) if model else spec.cluster.peak_flops * matmul_efficiency(spec),
         bw=bw,
         alpha=group_latencies(
+            spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
+        ),
+        cpu_call=group_cpu_costs(
             spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
         ),
         tp_bw=tp_bw,
