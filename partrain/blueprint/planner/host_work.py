@@ -50,8 +50,8 @@ from partrain.blueprint.planner.spec import PlanSpec
 LOSS_PARALLEL_CALLS = 3
 """All-reduces per microbatch that loss parallel's cross-entropy makes on the last stage beyond the
 head's one (the logits' max, their exp-sum, the target logits; counted on gpt-3d)."""
-CLIP_GROUPS_TP = 3
-"""Gradient-norm all-reduces over TP per step: one per DTensor placement group (counted: 2-4)."""
+CLIP_CALLS_TP = 1
+"""Gradient-norm all-reduces over TP per step: one for the TP-sharded gradients (grad_norm.py)."""
 
 
 def _param_tensors(spec: PlanSpec, r: PipelineRank) -> List[bool]:
@@ -98,7 +98,7 @@ def control_calls(spec: PlanSpec, r: PipelineRank, microbatches: int) -> Dict[st
         out["pp/all_gather"] = 1.0  # the loss broadcast: n - 1 steps, as an all-gather
         out["pp/all_reduce"] = 1.0 + (1.0 if spec.facts.tied_embeddings else 0.0)
     if spec.tp > 1:
-        out["tp/all_reduce"] = CLIP_GROUPS_TP + (LOSS_PARALLEL_CALLS * microbatches if r.last else 0.0)
+        out["tp/all_reduce"] = CLIP_CALLS_TP + (LOSS_PARALLEL_CALLS * microbatches if r.last else 0.0)
     if spec.zero_stage >= 2:
         out["dp_shard/all_reduce"] = 1.0
     return out
