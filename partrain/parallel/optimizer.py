@@ -37,8 +37,83 @@ def optimizer_class(cfg: OptimConfig) -> Tuple[type, Dict]:
     return torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **impl}
 
 
+class LocalStepAdamW(torch.optim.AdamW):
+    """torch's AdamW (for_loop) whose steps after the first run torch's own update function on the
+    parameters', gradients' and moments' local tensors.
+
+    On DTensor parameters (tensor parallelism, FSDP) every one of the update's ops otherwise goes through
+    DTensor's dispatch: 0.5-0.7 ms per parameter tensor against 0.06 ms plain on a CPU core. The update
+    is elementwise, so on the local shards it computes the same numbers, op for op; the state stays
+    DTensors of the parameters' layout (what distributed checkpoints save and reshard). A gradient in
+    another layout than its parameter is first brought to the parameter's (`_like_param`). The first step,
+    and any step where a parameter with a gradient has no state yet, is torch's own (it creates the state).
+    """
+
+    def _has_state(self) -> bool:
+        return all("step" in self.state[p] for g in self.param_groups for p in g["params"] if p.grad is not None)
+
+    def step(self, closure=None):
+        if closure is not None or not self._has_state():
+            return super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                self._step_group(group)
+        return None
+
+    def _step_group(self, group: Dict) -> None:
+        from torch.optim.adam import adam
+
+        from partrain.parallel.local_tensors import local
+
+        params, grads, avgs, squares, maxima, steps = [], [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            params.append(local(p))
+            grads.append(local(_like_param(p.grad, p)))
+            avgs.append(local(state["exp_avg"]))
+            squares.append(local(state["exp_avg_sq"]))
+            if group["amsgrad"]:
+                maxima.append(local(state["max_exp_avg_sq"]))
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            avgs,
+            squares,
+            maxima,
+            steps,
+            foreach=False,
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", True),
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient in its parameter's layout: a DTensor gradient whose placements differ (a Partial sum
+    still pending, as Qwen3-MoE's per-head norms leave under sequence parallelism) is redistributed once,
+    which DTensor's own update would do implicitly at each op that reads it."""
+    if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 def make_torch_optimizer(groups: List[Dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class(cfg)
+    if cls is torch.optim.AdamW and cfg.implementation == "for_loop":
+        cls = LocalStepAdamW
     return cls(groups, **kwargs)
 
 
