@@ -40,6 +40,8 @@ from partrain.models.build import import_model_module
 from partrain.runtime.activations import SavedActivations
 from partrain.runtime.resident import resident_bytes
 
+LAYER_ITERS = 15
+"""Fewest timed calls of the decoder layer (whatever --iters says)."""
 COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 """Bytes of the fp32 tensor the bandwidth copy reads (and writes): well past the caches."""
 
@@ -113,7 +115,9 @@ def measure_layer(run, spec: PlanSpec, device, timed, iters: int) -> dict:
     with SavedActivations(layer.parameters()) as saved:
         out = forward()
     del out
-    seconds = timed(step, iters, 2)
+    # The layer row sets the fitted host and bandwidth constants: a median of at least LAYER_ITERS calls,
+    # as a handful of calls on a shared CPU moved it by a third from one run to the next.
+    seconds = timed(step, max(iters, LAYER_ITERS), 3)
     f, x = spec.facts, spec.extras
     return {
         "arch": f.arch,
