@@ -260,7 +260,8 @@ class OptimConfig:
     whose sharded state and checkpoints hold AdamW's moments)."""
     implementation: str = "for_loop"
     """The optimizer's kernel: for_loop (one tensor at a time: bit-identical updates whatever the layout shards,
-    the parity tests' choice), foreach (batched over tensors, faster) or fused (one fused kernel, fastest)."""
+    the parity tests' choice; DTensor parameters are stepped on their local shards), foreach (batched over
+    tensors, faster) or fused (one fused kernel, fastest)."""
     lr: float = 1e-3
     """Peak learning rate."""
     schedule: str = "cosine"

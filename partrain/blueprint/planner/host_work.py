@@ -23,13 +23,15 @@ its flat buffers (one per parameter group). Besides the collectives `rank_traffi
 loop makes a few per step, counted in `control_calls` (counted on gpt-3d with torch 2.13).
 
 Measured for gpt-3d (8 ranks on 2 cores, 1 thread each; per-phase CPU probes in every rank's loop, not
-committed): 0.12-0.14 CPU-s per rank and step (forward + backward 93-113 ms, gradient clip 14, optimizer
-14), cores 93% busy, so the step is the work over the cores. This model counts 0.08-0.09 s of it: the
-optimizer (12 of 14 ms), every collective call (21-25 ms; counted in the run: 21-29 ms) and each TP
-layer (11.4 ms per layer and microbatch with its collectives; measured 11.8) come out right. What it
-misses is around the ends and the step: the embedding, head and loss under loss parallel take about
-28 ms per microbatch in a real 2-rank run against 15 counted, and the clip's DTensor norms 14 ms
-against 4 (their all-reduces wait for partners still in their backward, and gloo spins while it waits).
+committed): 86-104 CPU-ms per rank and step (forward + backward 78-96, clip 3, optimizer 3.5); this
+model counts 72-77. Each TP layer (11.4 ms per layer and microbatch with its collectives; measured
+11.8), the optimizer and the collectives come out right; the embedding, head and loss under loss
+parallel take more on a real mesh than on the bench's fake one (the last stage's forward + backward is
+15-25 ms above the count). The bound is not what sets gpt-3d's step here, though: the same layout
+ran at the same speed when its ranks spent 124-143 CPU-ms a step (before the optimizer and the clip
+moved to local shards), because gloo spins while a rank waits for a partner that is not scheduled.
+The step follows the chain of those waits, which the per-call alpha of `bench comm` (every rank
+calling in lockstep) underestimates: gpt-3d measured 0.59-0.76x the planned tokens/s.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def shared_cores_note(spec: PlanSpec, model: Optional[ComputeModel], cpu_shared_
     missing = "" if model.host is not None else " (the compute profile has no host block: measure it again)"
     return (
         f"{ranks} processes per node share {model.cores} CPU cores: the step is at least their CPU work over the cores "
-        f"({', '.join(counted)}{missing}){bound}. Not counted: Python around the pipeline schedule, and what DTensor's "
-        "redistributions and the waits for late partners cost on a real mesh beyond the fake one the bench times "
-        "them on; gpt-3d (8 ranks on 2 cores) measured 0.49-0.66x the planned tokens/s"
+        f"({', '.join(counted)}{missing}){bound}. A lower bound: ranks also wait for partners that are not "
+        "scheduled, and gloo spins while it waits; gpt-3d (8 ranks on 2 cores) measured 0.59-0.76x the planned "
+        "tokens/s"
     )
