@@ -3,6 +3,7 @@ state sharded over the dp_shard ranks for ZeRO-1 (`ShardedOptimizer`, AdamW only
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import torch
@@ -37,6 +38,17 @@ def optimizer_class(cfg: OptimConfig) -> Tuple[type, Dict]:
     return torch.optim.AdamW, {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, **impl}
 
 
+@functools.lru_cache(maxsize=1)
+def _decoupled_adam() -> bool:
+    """Whether this torch's functional `adam` does AdamW's decoupled weight decay (torch >= 2.7, where
+    AdamW became Adam with that flag); older ones keep torch's own step."""
+    import inspect
+
+    from torch.optim.adam import adam
+
+    return "decoupled_weight_decay" in inspect.signature(adam).parameters
+
+
 class LocalStepAdamW(torch.optim.AdamW):
     """torch's AdamW (for_loop) whose steps after the first run torch's own update function on the
     parameters', gradients' and moments' local tensors.
@@ -53,7 +65,7 @@ class LocalStepAdamW(torch.optim.AdamW):
         return all("step" in self.state[p] for g in self.param_groups for p in g["params"] if p.grad is not None)
 
     def step(self, closure=None):
-        if closure is not None or not self._has_state():
+        if closure is not None or not self._has_state() or not _decoupled_adam():
             return super().step(closure)
         with torch.no_grad():
             for group in self.param_groups:
