@@ -8,8 +8,10 @@ from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
 from partrain.blueprint.config.schema import OptimConfig
+from partrain.parallel.local_tensors import local
 from partrain.parallel.zero1_optimizer import ShardedOptimizer
 from partrain.runtime.mesh import ParallelMesh
 
@@ -44,8 +46,6 @@ def _decoupled_adam() -> bool:
     AdamW became Adam with that flag); older ones keep torch's own step."""
     import inspect
 
-    from torch.optim.adam import adam
-
     return "decoupled_weight_decay" in inspect.signature(adam).parameters
 
 
@@ -73,10 +73,6 @@ class LocalStepAdamW(torch.optim.AdamW):
         return None
 
     def _step_group(self, group: Dict) -> None:
-        from torch.optim.adam import adam
-
-        from partrain.parallel.local_tensors import local
-
         params, grads, avgs, squares, maxima, steps = [], [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:

@@ -200,17 +200,16 @@ class ComputeModel:
     """CPU profiles: per-call CPU work besides kernels (None: not measured, or a GPU)."""
 
     def cpu_sharing(self, processes_per_node: int) -> float:
-        """How much slower a CPU rank computes than the profile measured alone: partrain gives each
-        of P processes max(1, cores // P) threads; when P x threads exceed the cores, they share them
-        (the profile ran with `threads` threads on cores of its own). 1.0 on GPUs."""
+        """How much slower a CPU rank computes than the profile measured alone: the profile ran with
+        `threads` threads on cores of its own, a rank gets `core_share` cores' worth. 1.0 on GPUs."""
         if self.device != "cpu" or not self.threads or not self.cores:
             return 1.0
-        run_threads = max(1, self.cores // max(1, processes_per_node))
-        return self.threads / min(run_threads, self.cores / max(1, processes_per_node))
+        return self.threads / self.core_share(processes_per_node)
 
     def core_share(self, processes_per_node: int) -> float:
-        """Cores' worth of CPU a CPU rank burns while it computes: its threads, or its share of the
-        node's cores when the ranks' threads outnumber them (host_work.py). 1.0 on GPUs."""
+        """Cores' worth of CPU a CPU rank gets while it computes: partrain gives each of P processes
+        max(1, cores // P) threads, and when P x threads exceed the cores they share them (also what a
+        rank's computing costs the node's cores: host_work.py). 1.0 on GPUs."""
         if self.device != "cpu" or not self.cores:
             return 1.0
         p = max(1, processes_per_node)
