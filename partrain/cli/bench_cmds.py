@@ -34,7 +34,7 @@ def bench_comm_cmd(
     recipes: Optional[List[Path]] = RECIPES,
 ) -> None:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all and send/recv bandwidth over the cluster's process
-    groups (nccl-tests' algbw/busbw by size) and save a profile for `cluster.comm_profile`."""
+    groups (nccl-tests' algbw/busbw by size, and each call's CPU) and save a profile for `cluster.comm_profile`."""
     from partrain.bench.comm_parent import (
         bench_problems,
         bench_settings,
@@ -88,7 +88,7 @@ def bench_compute_cmd(
     iters: int = typer.Option(
         5,
         "--iters",
-        help="Timed calls per matmul shape and of the layer (median kept).",
+        help="Timed calls per matmul shape (median kept); the layer gets at least 15.",
     ),
     out: Optional[Path] = typer.Option(
         None, "--out", help="Profile file to write (default runs/bench-compute/<cluster>-<time>.json)."
@@ -98,6 +98,8 @@ def bench_compute_cmd(
 ) -> None:
     """Measure this machine's matmul rates for the model's shapes, one decoder layer's forward + backward time and
     saved bytes, and an elementwise bandwidth, at the run's precision, and save a profile for `cluster.compute_profile`.
+    On CPU also what a worker holds beyond its tensors and the per-call work besides kernels (optimizer and clip per
+    parameter tensor, what the TP wrappers add).
     """
     from partrain.bench.compute_parent import bench_spec, default_out, render_profile
 
