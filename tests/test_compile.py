@@ -23,8 +23,20 @@ LAYOUTS = {
     # Megatron-SP off here, on in "-sp"
     "llama-fsdp-tp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8", "parallel.tp_sequence_parallel=false"],
     "llama-fsdp-tp-sp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8"],
-    # compiling Llama's DTensor TP blocks is refused (validate_runtime): its FSDP half compiles here
-    "llama-fsdp": ["recipe=llama-fsdp-tp", "train.global_batch_size=8", "parallel.tp=1", "parallel.dp=4"],
+    # MoE with every axis but pp: Ulysses sp2 x Megatron-SP tp2 x ep2 under ZeRO-3 and full recompute
+    # (routed experts run eagerly inside the compiled block; torch's MoE SP styles stay)
+    "moe-sp-tp-ep": [
+        "recipe=mixtral-ep",
+        "parallel.dp=1",
+        "parallel.sp=2",
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "cluster.devices_per_node=4",
+        "train.global_batch_size=4",
+        "parallel.zero_stage=3",
+        "parallel.recompute=full",
+        "parallel.tp_sequence_parallel=true",
+    ],
     "gpt-tp-pp": ["recipe=gpt-3d", "parallel.dp=1", "cluster.devices_per_node=4", "train.global_batch_size=4"],
 }
 EAGER = ["train.compile=false", "train.loss_chunk_tokens=0"]
@@ -36,9 +48,11 @@ VARIANTS = {
     ("gpt-dp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("llama-fsdp-tp", "eager"): EAGER,
     ("llama-fsdp-tp", "chunked"): CHUNKED,
-    ("llama-fsdp", "eager"): EAGER,
-    ("llama-fsdp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
+    ("llama-fsdp-tp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("llama-fsdp-tp-sp", "chunked"): CHUNKED,
+    ("llama-fsdp-tp-sp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
+    ("moe-sp-tp-ep", "eager"): EAGER,
+    ("moe-sp-tp-ep", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("gpt-tp-pp", "eager"): EAGER,
     ("gpt-tp-pp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
 }
@@ -111,12 +125,24 @@ def test_chunked_loss_matches_plain_under_fsdp_and_loss_parallel(results, chunke
         _close(rank_result["llama-fsdp-tp/eager"]["norms"], rank_result[chunked]["norms"])
 
 
-@pytest.mark.parametrize("layout", ["gpt-dp", "llama-fsdp", "gpt-tp-pp"])
+# layout: (the eager run it is compared with, the compiled run)
+COMPILED_PAIRS = {
+    "gpt-dp": ("gpt-dp/eager", "gpt-dp/compiled"),
+    "llama-fsdp-tp": ("llama-fsdp-tp/eager", "llama-fsdp-tp/compiled"),
+    "llama-fsdp-tp-sp": ("llama-fsdp-tp-sp/chunked", "llama-fsdp-tp-sp/compiled"),
+    "moe-sp-tp-ep": ("moe-sp-tp-ep/eager", "moe-sp-tp-ep/compiled"),
+    "gpt-tp-pp": ("gpt-tp-pp/eager", "gpt-tp-pp/compiled"),
+}
+
+
+@pytest.mark.parametrize("layout", list(COMPILED_PAIRS))
 def test_compiled_blocks_match_eager(results, layout):
-    """gpt-tp-pp and llama-fsdp compile with the chunked loss on: compared with the plain eager
-    run, so chunking (pipeline last stage included) is checked there too."""
+    """Every TP flavour compiles: partrain's own TP modules for Llama (FSDP x TP, with and without
+    Megatron-SP) and GPT-2 (tp x pp); gpt-tp-pp compiles with the chunked loss on and is compared
+    with the plain eager run, so chunking (pipeline last stage included) is checked there too."""
+    eager_key, compiled_key = COMPILED_PAIRS[layout]
     for rank_result in results:
-        eager, compiled = rank_result[f"{layout}/eager"], rank_result[f"{layout}/compiled"]
+        eager, compiled = rank_result[eager_key], rank_result[compiled_key]
         _close(eager["losses"], compiled["losses"])
         _close(eager["norms"], compiled["norms"])
         first, last = compiled["graphs"]
@@ -124,7 +150,7 @@ def test_compiled_blocks_match_eager(results, layout):
         assert last == first, f"recompiled after the first step: {first} -> {last} graphs"
 
 
-# ---- in-process: settings, refusals, CUDA defaults ----------------------------------------------
+# ---- in-process: settings, bad values, CUDA defaults ----------------------------------------------
 
 
 def test_compile_setting_resolves_by_device_and_layout():
@@ -137,7 +163,23 @@ def test_compile_setting_resolves_by_device_and_layout():
     assert not compile_enabled(run()) and compile_enabled(run("train.compile=true"))
     cuda = ["cluster.device=cuda", "cluster.backend=nccl"]
     assert compile_enabled(run(*cuda)) and not compile_enabled(run(*cuda, "train.compile=false"))
-    assert not compile_enabled(run(*cuda, "parallel.recompute=full"))  # auto: eager where it cannot compile
+    # auto compiles every layout on CUDA: TP with Megatron-SP and full recompute included
+    assert compile_enabled(run(*cuda, "parallel.recompute=full", "parallel.tp_sequence_parallel=true"))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "recipe=gpt-3d train.compile=true parallel.recompute=full",
+        "recipe=llama-fsdp-tp train.compile=true",
+        "recipe=gpt-3d train.compile=true parallel.tp_sequence_parallel=true",
+    ],
+)
+def test_tensor_parallel_layouts_that_were_refused_now_validate(override):
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+
+    validate(compose(override.split()))
 
 
 @pytest.mark.parametrize(
@@ -146,9 +188,6 @@ def test_compile_setting_resolves_by_device_and_layout():
         ("recipe=gpt-dp train.compile=sometimes", "train.compile"),
         ("recipe=gpt-dp train.compile_backend=tvm", "train.compile_backend"),
         ("recipe=gpt-dp train.loss_chunk_tokens=-1", "train.loss_chunk_tokens"),
-        ("recipe=gpt-3d train.compile=true parallel.recompute=full", "train.compile"),
-        ("recipe=llama-fsdp-tp train.compile=true", "train.compile"),  # DTensor TP blocks
-        ("recipe=gpt-3d train.compile=true parallel.tp_sequence_parallel=true", "train.compile"),
     ],
 )
 def test_bad_runtime_settings_are_config_errors(override, key):

@@ -18,20 +18,11 @@ def compile_value(setting) -> str:
     return str(setting).strip().lower()
 
 
-def _compile_blocked(run: RunConfig) -> bool:
-    """Compositions that compiling does not support yet (refused when asked for, eager under auto)."""
-    p = run.parallel
-    if p.tp == 1:
-        return False
-    # TP through torch's DTensor styles (every family but GPT-2, whose TP is partrain's own modules)
-    return run.model.arch != "gpt2" or p.recompute == "full" or bool(p.tp_sequence_parallel)
-
-
 def compile_resolved(run: RunConfig) -> bool:
-    """Whether this run compiles its blocks: true, or auto on CUDA where the layout allows it."""
+    """Whether this run compiles its blocks: true, or auto on CUDA (every layout compiles)."""
     value = compile_value(run.train.compile)
     if value == "auto":
-        return run.cluster.device == "cuda" and not _compile_blocked(run)
+        return run.cluster.device == "cuda"
     return value == "true"
 
 
@@ -57,13 +48,4 @@ def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
         t.loss_chunk_tokens,
         "must be >= 0 (0 = one head call over the whole microbatch)",
         "e.g. train.loss_chunk_tokens=4096",
-    )
-    c.check(
-        not (compile_value(t.compile) == "true" and _compile_blocked(run)),
-        "train.compile",
-        t.compile,
-        "compiles tensor-parallel blocks only for GPT-2 without Megatron-SP or full recompute (torch 2.13: "
-        "DTensor-parallel blocks fail or give wrong gradients when compiled; a checkpointed TP block saves a "
-        "DeviceMesh)",
-        "train.compile=auto (eager for this layout) or false; or parallel.tp=1",
     )

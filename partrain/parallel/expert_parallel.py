@@ -282,6 +282,10 @@ class RoutedExperts(nn.Module):
     def _local(self, p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if hasattr(p, "to_local") else p
 
+    # Eager inside a compiled block (train.compile): routing has data-dependent shapes (rows per expert,
+    # .tolist() splits) that would recompile every step, the all-to-alls are collectives, and the
+    # statistics are Python state. The attention, norms and router around it stay compiled.
+    @torch.compiler.disable(recursive=True)
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -20,8 +20,8 @@ keeps its parameters (same names, DTensors sharded like ColwiseParallel / GPT-2'
 so FSDP2 and distributed checkpoints see the usual global shapes). A forward pre-hook on the block
 takes the sequence shard, runs `_GatherColumns` and hands each `SequenceColumn` its output; the
 block itself receives a zero-byte stand-in of the full [b, s, h] shape (HF reads only its shape).
-Row-parallel projections end the block with a reduce-scatter to sequence shards (torch's
-RowwiseParallel(output_layouts=Shard(1)), or `SequenceRowConv1D` for GPT-2).
+Row-parallel projections end the block with a reduce-scatter to sequence shards
+(`partrain.parallel.tp_layers`' row-parallel modules with `to_sequence`).
 
 Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) is
 `SequenceDropout`: each rank draws the whole tensor's mask with the generator every rank seeds alike
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.parallel.compile import eager
@@ -240,26 +240,6 @@ def install_block(block: nn.Module, names: Sequence[str], mesh: DeviceMesh, conv
     block.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-class SequenceRowConv1D(nn.Module):
-    """GPT-2 row-parallel Conv1D under SP: partial sums reduce-scattered to sequence shards, then
-    the (replicated) bias added on the shard as a DTensor, so its gradient is summed over TP."""
-
-    def __init__(self, conv: nn.Module, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.nf = conv.nf
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.weight = _sharded(conv.weight, mesh, Shard(0))
-        self.bias = _sharded(conv.bias, mesh, Replicate())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to_local()
-        partial = (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[1])
-        local = _ReduceScatterToSequence_eager(partial, self.group)
-        out = DTensor.from_local(local, self.mesh, [Shard(SEQ_DIM)], run_check=False) + self.bias
-        return out.to_local()
-
-
 class SequenceDropout(nn.Module):
     """Dropout on a sequence shard with the masks of the unsplit run: every rank draws the mask of the
     whole [b, s, ...] tensor (same kernel, same generator state on every tp rank) and keeps its chunk.
@@ -304,5 +284,5 @@ def scatter_positions(embedding: nn.Module, mesh: DeviceMesh) -> None:
 
 # Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
 _GatherColumns_eager = eager(_GatherColumns.apply)
-_ReduceScatterToSequence_eager = eager(ReduceScatterToSequence.apply)
+reduce_scatter_to_sequence = eager(ReduceScatterToSequence.apply)
 _ScatterToSequence_eager = eager(ScatterToSequence.apply)

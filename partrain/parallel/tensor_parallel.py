@@ -5,8 +5,11 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
 `full_tensor()` see the true global shapes.
 
 - Llama family (llama, qwen2, mistral, and the attention of MoE models): transformers' own
-  `base_model_tp_plan` (colwise q/k/v, gate/up; rowwise o, down) is translated into torch's
-  parallel styles, so an HF architecture that ships a plan needs no new code here. Routed experts
+  `base_model_tp_plan` (colwise q/k/v, gate/up; rowwise o, down) says which projection is which,
+  so an HF architecture that ships a plan needs no new code here. The projections become
+  partrain's own local-tensor modules (`partrain.parallel.tp_layers`: DTensor parameters, plain
+  compute, eager collectives), which `train.compile` can trace; torch's styles remain for what has
+  no own module (Qwen3-MoE's head norms, the MoE block's gather under SP). Routed experts
   are replicated over the TP group (their MoE plan entries are skipped; expert parallelism shards
   them instead). Qwen3-MoE's per-head q_norm / k_norm ("replicated_with_grad_allreduce") stay
   whole on every rank and their gradients are summed over TP.
@@ -23,20 +26,19 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
   reduce-scatter, and each block's column-parallel projections start with one all-gather and save
   only the sequence shard (re-gathered in backward: `partrain.parallel.megatron_sp`). GPT-2's
   learned positions are looked up whole and each rank keeps its chunk before the add.
-  `sharded_saves=False` keeps torch's styles instead (Llama family; they save the gathered input),
-  for comparison in benchmarks/sp_memory.py.
+  `sharded_saves=False` keeps torch's styles throughout instead (Llama family; they save the
+  gathered input), for comparison in benchmarks/sp_memory.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Dict
+from typing import Callable, ContextManager, Dict, List
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -46,12 +48,10 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.errors import ConfigError, Problem
 from partrain.models.adapters import Adapter
-from partrain.parallel import megatron_sp
-from partrain.parallel.compile import eager
+from partrain.parallel import megatron_sp, tp_layers
 
 LAYER_WILDCARD = ".*."
 MOE_STYLES = ("packed_colwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts")
@@ -59,80 +59,6 @@ BLOCK_OUTPUTS = ("o_proj", "down_proj")
 """Row-parallel projections that end an attention or MLP block (their output is the residual)."""
 HEAD_NORMS = ("q_norm", "k_norm")
 """Per-head norms inside attention (Qwen3-MoE), after the column-parallel q/k projections."""
-
-
-# -- Megatron's f and g for hand-written (Conv1D) layers --------------------------------------------
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; all-reduce of the input gradient backward (entering a column-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """All-reduce forward; identity backward (leaving a row-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
-    param = getattr(module, name)
-    sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
-    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-
-
-class ColumnParallelConv1D(nn.Module):
-    """HF Conv1D (y = x @ W + b, W [in, out]) with the output features split over the TP group."""
-
-    def __init__(self, conv: nn.Module, mesh: DeviceMesh, fused_parts: int) -> None:
-        super().__init__()
-        self.nf = conv.nf
-        self.weight, self.bias = conv.weight, conv.bias
-        self.group = mesh.get_group()
-        weight_place = _StridedShard(1, split_factor=fused_parts) if fused_parts > 1 else Shard(1)
-        bias_place = _StridedShard(0, split_factor=fused_parts) if fused_parts > 1 else Shard(0)
-        _shard_param(self, "weight", mesh, weight_place)
-        _shard_param(self, "bias", mesh, bias_place)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTensorParallel_eager(x, self.group)
-        w, b = self.weight.to_local(), self.bias.to_local()
-        out = torch.addmm(b, x.reshape(-1, x.shape[-1]), w)
-        return out.view(*x.shape[:-1], w.shape[1])
-
-
-class RowParallelConv1D(nn.Module):
-    """HF Conv1D with the input features split over the TP group; outputs summed by all-reduce."""
-
-    def __init__(self, conv: nn.Module, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.nf = conv.nf
-        self.weight, self.bias = conv.weight, conv.bias
-        self.group = mesh.get_group()
-        _shard_param(self, "weight", mesh, Shard(0))
-        _shard_param(self, "bias", mesh, Replicate())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight.to_local(), self.bias.to_local()
-        partial = x.reshape(-1, x.shape[-1]) @ w
-        out = _ReduceFromTensorParallel_eager(partial, self.group) + b
-        return out.view(*x.shape[:-1], w.shape[1])
 
 
 def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
@@ -144,13 +70,13 @@ def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
 def _gpt2_layer(layer: nn.Module, mesh: DeviceMesh) -> None:
     tp = mesh.size()
     attn = layer.attn
-    _replace(layer, "attn.c_attn", ColumnParallelConv1D(attn.c_attn, mesh, fused_parts=3))
-    _replace(layer, "attn.c_proj", RowParallelConv1D(attn.c_proj, mesh))
+    _replace(layer, "attn.c_attn", tp_layers.ColumnParallelConv1D(attn.c_attn, mesh, fused_parts=3))
+    _replace(layer, "attn.c_proj", tp_layers.RowParallelConv1D(attn.c_proj, mesh))
     # The fused output is split into q, k, v by width: each rank now holds embed_dim / tp of each.
     attn.split_size = attn.split_size // tp
     attn.num_heads = attn.num_heads // tp
-    _replace(layer, "mlp.c_fc", ColumnParallelConv1D(layer.mlp.c_fc, mesh, fused_parts=1))
-    _replace(layer, "mlp.c_proj", RowParallelConv1D(layer.mlp.c_proj, mesh))
+    _replace(layer, "mlp.c_fc", tp_layers.ColumnParallelConv1D(layer.mlp.c_fc, mesh, fused_parts=1))
+    _replace(layer, "mlp.c_proj", tp_layers.RowParallelConv1D(layer.mlp.c_proj, mesh))
 
 
 def _gpt2_layer_sp(layer: nn.Module, mesh: DeviceMesh) -> None:
@@ -159,12 +85,13 @@ def _gpt2_layer_sp(layer: nn.Module, mesh: DeviceMesh) -> None:
     tp = mesh.size()
     attn = layer.attn
     megatron_sp.install_block(attn, ["c_attn"], mesh, conv=True, fused={"c_attn": 3})
-    _replace(layer, "attn.c_proj", megatron_sp.SequenceRowConv1D(attn.c_proj, mesh))
+    _replace(layer, "attn.c_proj", tp_layers.RowParallelConv1D(attn.c_proj, mesh, to_sequence=True))
     attn.split_size = attn.split_size // tp
     attn.num_heads = attn.num_heads // tp
     megatron_sp.install_block(layer.mlp, ["c_fc"], mesh, conv=True, fused={})
-    _replace(layer, "mlp.c_proj", megatron_sp.SequenceRowConv1D(layer.mlp.c_proj, mesh))
-    parallelize_module(layer, mesh, {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
+    _replace(layer, "mlp.c_proj", tp_layers.RowParallelConv1D(layer.mlp.c_proj, mesh, to_sequence=True))
+    tp_layers.sequence_norm(layer.ln_1, mesh)
+    tp_layers.sequence_norm(layer.ln_2, mesh)
     megatron_sp.sequence_dropouts(layer, ["attn.resid_dropout", "mlp.dropout"], mesh)
 
 
@@ -211,15 +138,13 @@ def layer_plan_from_hf(
     return plan
 
 
-def _sequence_parallel_layer_plan(layer: nn.Module, adapter: Adapter, sharded_saves: bool) -> Dict[str, object]:
+def _torch_sequence_parallel_plan(layer: nn.Module, adapter: Adapter) -> Dict[str, object]:
+    """Megatron-SP through torch's styles only (`sharded_saves=False`: benchmarks/sp_memory.py's
+    comparison): SequenceParallel norms, and attention / MLP inputs gathered by PrepareModuleInput."""
     plan: Dict[str, object] = {}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         if hasattr(layer, norm):
             plan[norm] = SequenceParallel()
-    if sharded_saves:  # attention and dense MLP gather inside megatron_sp.install_block
-        if adapter.experts(layer) is not None:
-            plan[adapter.mlp_attr] = _moe_sequence_parallel(layer, adapter)
-        return plan
     # HF passes hidden_states to attention by keyword and to the MLP positionally.
     plan[adapter.attention_attr] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -244,41 +169,63 @@ def _moe_sequence_parallel(layer: nn.Module, adapter: Adapter) -> list:
     ]
 
 
+def _input_blocks(layer: nn.Module, adapter: Adapter) -> List[str]:
+    """The blocks whose column projections read the block's input straight away: attention, and the
+    MLP when it is dense (replicated routed experts compute on plain tensors)."""
+    return [adapter.attention_attr] + ([adapter.mlp_attr] if adapter.experts(layer) is None else [])
+
+
+def _direct_columns(plan: Dict[str, object], block: str) -> List[str]:
+    prefix = block + "."
+    return [
+        k[len(prefix) :]
+        for k, style in plan.items()
+        if k.startswith(prefix) and "." not in k[len(prefix) :] and isinstance(style, ColwiseParallel)
+    ]
+
+
 def _install_sharded_saves(layer: nn.Module, adapter: Adapter, plan: Dict[str, object], mesh: DeviceMesh) -> None:
-    """Take the column-parallel projections that read a block's input straight away (q, k, v; dense
-    gate, up) out of `plan` and run them through megatron_sp (one gather, the shard saved)."""
-    blocks = [adapter.attention_attr] + ([adapter.mlp_attr] if adapter.experts(layer) is None else [])
-    for block in blocks:
-        prefix = block + "."
-        cols = [
-            k[len(prefix) :]
-            for k, style in plan.items()
-            if k.startswith(prefix) and "." not in k[len(prefix) :] and isinstance(style, ColwiseParallel)
-        ]
+    """Megatron-SP: take the column-parallel projections that read a block's input straight away (q,
+    k, v; dense gate, up) out of `plan` and run them through megatron_sp (one gather, the shard
+    saved); the layer's norms run on sequence shards."""
+    for block in _input_blocks(layer, adapter):
+        cols = _direct_columns(plan, block)
         for c in cols:
-            del plan[prefix + c]
+            del plan[f"{block}.{c}"]
         megatron_sp.install_block(layer.get_submodule(block), cols, mesh, conv=False, fused={})
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        if hasattr(layer, norm):
+            tp_layers.sequence_norm(getattr(layer, norm), mesh)
+    if adapter.experts(layer) is not None:
+        plan[adapter.mlp_attr] = _moe_sequence_parallel(layer, adapter)
 
 
-def _replicated_block_inputs(layer: nn.Module, adapter: Adapter) -> Dict[str, object]:
-    """Enter each attention / dense MLP block once as a replicated DTensor.
-
-    Without this every column-parallel projection (q, k, v; gate, up) turns the plain input into
-    a DTensor itself and all-reduces its own input gradient in backward: 5 all-reduces per layer
-    where 2 suffice (measured: 68 -> 44 all-reduces per step, about 8% less CPU per step).
-    """
-    plan: Dict[str, object] = {
-        adapter.attention_attr: PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Replicate()},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=False,
-        )
-    }
-    if adapter.experts(layer) is None:  # replicated experts compute on plain tensors
-        plan[adapter.mlp_attr] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-        )
-    return plan
+def _install_projections(
+    layer: nn.Module, adapter: Adapter, plan: Dict[str, object], mesh: DeviceMesh, sequence_parallel: bool
+) -> None:
+    """Replace the plan's column- and row-parallel nn.Linears by partrain's own modules (tp_layers)
+    and take them out of `plan`. Each attention / dense MLP block applies Megatron's f once to its
+    input (`copy_block_input`): q, k and v (gate and up) then sum their input gradients locally and
+    all-reduce once, 2 all-reduces per layer where one per projection would make 5."""
+    if not sequence_parallel:  # under SP the block's gather (megatron_sp) is its entry
+        for block in _input_blocks(layer, adapter):
+            if _direct_columns(plan, block):
+                tp_layers.copy_block_input(layer.get_submodule(block), mesh.get_group())
+    hooked = set() if sequence_parallel else set(_input_blocks(layer, adapter))
+    for key, style in list(plan.items()):
+        parent, _, leaf = key.rpartition(".")
+        if isinstance(style, ColwiseParallel):
+            new: nn.Module = tp_layers.ColumnParallelLinear(
+                layer.get_submodule(key), mesh, copies_input=parent not in hooked
+            )
+        elif isinstance(style, RowwiseParallel):
+            new = tp_layers.RowParallelLinear(
+                layer.get_submodule(key), mesh, to_sequence=sequence_parallel and leaf in BLOCK_OUTPUTS
+            )
+        else:
+            continue
+        _replace(layer, key, new)
+        del plan[key]
 
 
 def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:
@@ -321,14 +268,14 @@ def parallelize_layers(
     base = layer_plan_from_hf(hf_plan, adapter, sequence_parallel, model.config.model_type)
     for layer in entries:
         plan = {k: v for k, v in base.items() if _has(layer, k)}
-        if sequence_parallel:
-            if sharded_saves:
-                _install_sharded_saves(layer, adapter, plan, mesh)
+        if sequence_parallel and not sharded_saves:
             # Module-input preparation first, then the projections inside.
-            plan = {**_sequence_parallel_layer_plan(layer, adapter, sharded_saves), **plan}
+            plan = {**_torch_sequence_parallel_plan(layer, adapter), **plan}
         else:
-            plan = {**_replicated_block_inputs(layer, adapter), **plan}
-        for key, style in plan.items():
+            if sequence_parallel:
+                _install_sharded_saves(layer, adapter, plan, mesh)
+            _install_projections(layer, adapter, plan, mesh, sequence_parallel)
+        for key, style in plan.items():  # what is left: torch's styles (MoE SP, head norms, sp_memory)
             for s in style if isinstance(style, list) else [style]:
                 parallelize_module(layer, mesh, {key: s})
 
@@ -366,9 +313,20 @@ def parallelize_ends(
         )
     tied = adapter.tied_embeddings(model) and len(plan) >= 2
     parallelize_module(model, mesh, plan)
+    if token_embedding in plan:
+        model.get_submodule(token_embedding).register_forward_hook(_settled_output)
     if tied:
         # Both styles shard the [vocab, hidden] weight on dim 0: keep one parameter for both uses.
         model.get_submodule(adapter.lm_head_path).weight = model.get_submodule(token_embedding).weight
+
+
+def _settled_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    """The vocabulary-parallel embedding's output as a plain tensor. RowwiseParallel hands back the
+    AsyncCollectiveTensor of its all-reduce (reduce-scatter under SP), which waits at its first use.
+    That first use is inside the first decoder block: a compiled block then traces the wait and its
+    backward loses the DTensor gradient (torch 2.13: a crash at zero 0, gradients 4-13% off under
+    FSDP). Any out-of-place op waits here, eagerly, with its gradient intact."""
+    return out * 1
 
 
 def apply_tp(
@@ -392,8 +350,3 @@ def loss_context(tp_size: int, use_loss_parallel: bool) -> Callable[[], ContextM
     if tp_size > 1 and use_loss_parallel:
         return loss_parallel
     return contextlib.nullcontext
-
-
-# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
-_CopyToTensorParallel_eager = eager(_CopyToTensorParallel.apply)
-_ReduceFromTensorParallel_eager = eager(_ReduceFromTensorParallel.apply)

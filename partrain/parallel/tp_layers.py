@@ -1,0 +1,212 @@
+"""partrain's own tensor-parallel layers: Megatron's column- and row-parallel projections computed on
+each rank's local shards, with the collectives as explicit autograd functions.
+
+Every TP projection of a decoder layer (Llama family and GPT-2, with or without Megatron-SP) is one
+of these modules, not torch's DTensor styles:
+
+- The parameters stay DTensors (the same placements torch's ColwiseParallel / RowwiseParallel give),
+  so FSDP2 (2-D), distributed checkpoints, `full_tensor()` and HF export see the global shapes.
+- The compute is plain: `weight.to_local()` and a matmul on local tensors. No DTensor dispatch in the
+  hot path (its per-op CPU cost), and a decoder block holds no DTensor activations, which is what lets
+  `torch.compile` trace it (torch 2.13's DTensor styles crash in a compiled backward or drift 1e-4).
+- Collectives run eagerly (`partrain.parallel.compile.eager`): a compiled block breaks its graph
+  around them, which keeps c10d calls and hand-written backward passes out of dynamo.
+
+Megatron's f (`copy_to_tp`: identity forward, all-reduce of the input gradient backward) starts each
+attention / MLP block once (`copy_block_input`), not once per column projection: q, k and v (or gate
+and up) read the same tensor, so their input gradients are summed locally and all-reduced once.
+Under Megatron-SP the column projections are `megatron_sp.SequenceColumn`s (one gather, the sequence
+shard saved) and the row projections end with a reduce-scatter to sequence shards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from partrain.parallel import megatron_sp
+from partrain.parallel.compile import eager
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; all-reduce of the input gradient backward (entering a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce forward; identity backward (leaving a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    """Replace `module.name` by a DTensor parameter of `mesh` with `placement` (meta or real data)."""
+    param = getattr(module, name)
+    sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _local(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if param is None else param.to_local()
+
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear (W [out, in]) with the output features split over the TP group.
+
+    `copies_input=False` when the enclosing block already applied f to its input (`copy_block_input`)."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copies_input: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.group = mesh.get_group()
+        self.copies_input = copies_input
+        shard_param(self, "weight", mesh, Shard(0))
+        if self.bias is not None:
+            shard_param(self, "bias", mesh, Shard(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copies_input:
+            x = copy_to_tp(x, self.group)
+        return F.linear(x, self.weight.to_local(), _local(self.bias))
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear with the input features split over the TP group: partial sums all-reduced, or under
+    Megatron-SP (`to_sequence`) reduce-scattered to this rank's sequence shard; the bias (replicated)
+    is added once, after the sum."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, to_sequence: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.to_sequence = to_sequence
+        shard_param(self, "weight", mesh, Shard(1))
+        if self.bias is not None:
+            shard_param(self, "bias", mesh, Replicate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight.to_local())
+        return _row_output(partial, self.bias, self.mesh, self.group, self.to_sequence)
+
+
+class ColumnParallelConv1D(nn.Module):
+    """HF Conv1D (y = x @ W + b, W [in, out]) with the output features split over the TP group.
+    `fused_parts` > 1 (GPT-2's c_attn: [q | k | v]) splits each part, so a rank holds its own heads."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, fused_parts: int) -> None:
+        super().__init__()
+        self.nf = conv.nf
+        self.weight, self.bias = conv.weight, conv.bias
+        self.group = mesh.get_group()
+        weight_place = _StridedShard(1, split_factor=fused_parts) if fused_parts > 1 else Shard(1)
+        bias_place = _StridedShard(0, split_factor=fused_parts) if fused_parts > 1 else Shard(0)
+        shard_param(self, "weight", mesh, weight_place)
+        shard_param(self, "bias", mesh, bias_place)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        w, b = self.weight.to_local(), self.bias.to_local()
+        out = torch.addmm(b, x.reshape(-1, x.shape[-1]), w)
+        return out.view(*x.shape[:-1], w.shape[1])
+
+
+class RowParallelConv1D(nn.Module):
+    """HF Conv1D with the input features split over the TP group; partial sums all-reduced (or, under
+    Megatron-SP, reduce-scattered to sequence shards), then the replicated bias added."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, to_sequence: bool = False) -> None:
+        super().__init__()
+        self.nf = conv.nf
+        self.weight, self.bias = conv.weight, conv.bias
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.to_sequence = to_sequence
+        shard_param(self, "weight", mesh, Shard(0))
+        shard_param(self, "bias", mesh, Replicate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to_local()
+        partial = (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[1])
+        return _row_output(partial, self.bias, self.mesh, self.group, self.to_sequence)
+
+
+def _row_output(partial: torch.Tensor, bias, mesh: DeviceMesh, group, to_sequence: bool) -> torch.Tensor:
+    if not to_sequence:
+        out = reduce_from_tp(partial, group)
+        return out if bias is None else out + bias.to_local()
+    out = megatron_sp.reduce_scatter_to_sequence(partial, group)
+    return out if bias is None else _add_replicated_bias(out, bias, mesh)
+
+
+def _add_replicated_bias_impl(shard: torch.Tensor, bias: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    # On a sequence shard each rank sees only its tokens: the bias gradient is a partial sum over TP.
+    # The DTensor add says so (its gradient comes out Partial and is summed where it is used), and runs
+    # eagerly: a DTensor activation inside a compiled block is what torch 2.13 cannot differentiate.
+    return (DTensor.from_local(shard, mesh, [Shard(megatron_sp.SEQ_DIM)], run_check=False) + bias).to_local()
+
+
+def copy_block_input(block: nn.Module, group) -> None:
+    """Apply f once to `block`'s input (`hidden_states`, by keyword or first positional argument)."""
+
+    def pre_hook(module, args, kwargs):
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], group)}
+        return (copy_to_tp(args[0], group), *args[1:]), kwargs
+
+    block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def sequence_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
+    """A norm on this rank's sequence shard (Megatron-SP): its weight (and bias) replicated DTensors,
+    their gradients partial sums over TP (each rank normalises only its tokens), summed where they are
+    used, as torch's SequenceParallel style does. The norm runs eagerly on a DTensor view of the shard
+    and hands back the local shard, so a compiled block around it sees plain tensors only."""
+    for name, param in list(norm.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            shard_param(norm, name, mesh, Replicate())
+    norm.forward = _SequenceNormForward(type(norm).forward, norm, mesh)
+
+
+class _SequenceNormForward:
+    """`norm.forward` under Megatron-SP (see `sequence_norm`); run eagerly inside compiled blocks."""
+
+    def __init__(self, forward, norm: nn.Module, mesh: DeviceMesh) -> None:
+        self.forward, self.norm, self.mesh = forward, norm, mesh
+
+    @torch.compiler.disable(recursive=True)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Shard(megatron_sp.SEQ_DIM)], run_check=False)
+        return self.forward(self.norm, x).to_local()
+
+
+# Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
+copy_to_tp = eager(_CopyToTensorParallel.apply)
+reduce_from_tp = eager(_ReduceFromTensorParallel.apply)
+_add_replicated_bias = eager(_add_replicated_bias_impl)
