@@ -79,5 +79,9 @@ def shard_on_meta(v: ValidatedRun, mesh: ParallelMesh) -> RankModules:
     chunks = plan["placement"][mesh.local("pp")]
     stages: List[nn.Module] = [build_stage_module(model, adapter, c, pp * vstages, plan["ranges"][c]) for c in chunks]
     for stage in stages:
+        if mesh.size("tp") > 1 and p.tp_sequence_parallel:
+            # Under Megatron-SP a later stage receives a sequence shard: its positions (rotary, masks)
+            # are those of the whole (context-parallel) sequence, as on the first stage.
+            stage.seq_len = run.train.seq_len // mesh.size("sp")
         _shard(stage, v, mesh, adapter, moe)
     return RankModules(model, adapter, stages, list(chunks), moe=moe)

@@ -103,6 +103,7 @@ def _pipeline_engine(
         microbatch_size=run.train.micro_batch_size,
         seq_len=run.train.seq_len // mesh.size("sp"),
         static_shapes=static,
+        activation_seq_len=run.train.seq_len // mesh.size("sp") // (mesh.size("tp") if p.tp_sequence_parallel else 1),
     )
     sync = (
         (lambda: data_parallel.allreduce_gradients_of(stages, dp_group, mesh.size("dp_sp")))

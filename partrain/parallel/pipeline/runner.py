@@ -57,6 +57,8 @@ class PipelineRunner:
             when activations are DTensors (sequence parallel) or change dtype (autocast).
         sync_tied: run `tied_weight_sync` at the end of every step (default True).
         measure: time the stages' forward/backward calls (`last_timing`).
+        activation_seq_len: tokens per sequence of the activations passed between stages when they
+            differ from seq_len (seq_len / tp under Megatron-SP): eval_step receives that shape.
         dp_group: data-parallel group for plain (unwrapped) stage modules: after the schedule the
             runner all-reduces and averages every gradient over it (`all_reduce_grads`). Use this
             instead of DDP for zero-bubble schedules (see below); leave None with FSDP or DDP.
@@ -93,6 +95,7 @@ class PipelineRunner:
         measure: bool = True,
         activation_dtype: torch.dtype = torch.float32,
         dp_group: Any = None,
+        activation_seq_len: Optional[int] = None,
     ):
         import torch.distributed.pipelining as pipelining
 
@@ -122,7 +125,8 @@ class PipelineRunner:
         """Multiplier of the loss before backward (fp16 dynamic loss scaling); step() returns the unscaled loss."""
         self._activation_dtype = activation_dtype
         hidden = unwrap_ddp(stage_modules[0]).config.hidden_size
-        self._io_shape = (microbatch_size, seq_len, hidden) if microbatch_size and seq_len else None
+        between = activation_seq_len or seq_len  # a sequence shard between stages under Megatron-SP
+        self._io_shape = (microbatch_size, between, hidden) if microbatch_size and between else None
 
         shapes = (microbatch_size, seq_len, activation_dtype) if static_shapes else None
         self.stages = [self._stage(module, chunk, shapes) for module, chunk in zip(self.modules, self.chunk_indices)]
