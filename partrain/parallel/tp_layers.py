@@ -7,8 +7,9 @@ of these modules, not torch's DTensor styles:
 - The parameters stay DTensors (the same placements torch's ColwiseParallel / RowwiseParallel give),
   so FSDP2 (2-D), distributed checkpoints, `full_tensor()` and HF export see the global shapes.
 - The compute is plain: `weight.to_local()` and a matmul on local tensors. No DTensor dispatch in the
-  hot path (its per-op CPU cost), and a decoder block holds no DTensor activations, which is what lets
-  `torch.compile` trace it (torch 2.13's DTensor styles crash in a compiled backward or drift 1e-4).
+  hot path (its per-op CPU: llama-fsdp-tp trained 1,285-1,438 tokens/s on 2 CPU cores against
+  1,086-1,250 through torch's styles, with the same losses), and a decoder block holds no DTensor
+  activations, which keeps what `torch.compile` traces to plain tensors and DTensor parameters.
 - Collectives run eagerly (`partrain.parallel.compile.eager`): a compiled block breaks its graph
   around them, which keeps c10d calls and hand-written backward passes out of dynamo.
 
