@@ -27,11 +27,14 @@ committed): 86-104 CPU-ms per rank and step (forward + backward 78-96, clip 3, o
 model counts 72-77. Each TP layer (11.4 ms per layer and microbatch with its collectives; measured
 11.8), the optimizer and the collectives come out right; the embedding, head and loss under loss
 parallel take more on a real mesh than on the bench's fake one (the last stage's forward + backward is
-15-25 ms above the count). The bound is not what sets gpt-3d's step here, though: the same layout
-ran at the same speed when its ranks spent 124-143 CPU-ms a step (before the optimizer and the clip
-moved to local shards), because gloo spins while a rank waits for a partner that is not scheduled.
-The step follows the chain of those waits, which the per-call alpha of `bench comm` (every rank
-calling in lockstep) underestimates: gpt-3d measured 0.59-0.76x the planned tokens/s.
+15-25 ms above the count).
+
+Measured again at a later stop (40 steps of gpt-3d, the whole processes' user + sys CPU): 96 CPU-ms per
+rank and step, 22 of them system time, against 55-59 counted from that
+day's profiles; 8 x 96 ms over 2 cores is 0.383 s, the measured step 0.40 s. So the step is the node's
+CPU work over its cores, and what is missing is CPU this count does not see, not waiting: a gloo rank
+that waits 5-20 ms for its partner spends 0.7-0.9 ms of CPU on the call (it blocks, it does not spin).
+gpt-3d measured 0.59-0.76x the planned tokens/s.
 """
 
 from __future__ import annotations
@@ -165,6 +168,6 @@ def shared_cores_note(spec: PlanSpec, model: Optional[ComputeModel], cpu_shared_
     return (
         f"{ranks} processes per node share {model.cores} CPU cores: the step is at least their CPU work over the cores "
         f"({', '.join(counted)}{missing}){bound}. A lower bound: ranks also wait for partners that are not "
-        "scheduled, and gloo spins while it waits; gpt-3d (8 ranks on 2 cores) measured 0.59-0.76x the planned "
-        "tokens/s"
+        "scheduled, and the CPU count misses part of each rank's work; gpt-3d (8 ranks on 2 cores) measured "
+        "0.59-0.76x the planned tokens/s"
     )
