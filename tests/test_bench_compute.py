@@ -156,13 +156,14 @@ def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
 
 def test_cpu_profile_measures_the_per_call_host_work(bench):
     """On CPU the bench times what planner/host_work.py charges ranks that share cores: the optimizer
-    step and the gradient clip per parameter tensor (DTensors cost more: DTensor's dispatch per op),
-    and what the TP wrappers add to a layer and to the embedding, head and loss."""
+    step and the gradient clip per parameter tensor, plain and DTensor, and what the TP wrappers add to
+    a layer and to the embedding, head and loss. No order between plain and DTensor is asserted: since
+    the optimizer steps DTensors' local shards the two differ by less than the machine's noise (a
+    clean-clone CI run measured 35 us per DTensor against 44 us plain)."""
     _, profile = bench
     host = profile["host"]
     for key in ("optimizer_s_per_tensor", "clip_s_per_tensor"):
         assert 0 < host[key]["plain"] < 0.01 and 0 < host[key]["dtensor"] < 0.05
-    assert host["optimizer_s_per_tensor"]["dtensor"] > host["optimizer_s_per_tensor"]["plain"]
     assert 0 <= host["tp_layer_s"] < 1 and 0 <= host["tp_ends_s"] < 1
 
 
