@@ -174,12 +174,13 @@ class SequenceColumn(nn.Module):
             self.in_features, self.out_features = proj.in_features, proj.out_features
         dim = 1 if conv else 0  # output features: Conv1D W [in, out], Linear W [out, in]
         strided = fused_parts > 1
-        self.weight = _sharded(
+        self.weight = sharded_parameter(
             proj.weight, mesh, _StridedShard(dim, split_factor=fused_parts) if strided else Shard(dim)
         )
         bias = getattr(proj, "bias", None)
         if bias is not None:
-            self.bias = _sharded(bias, mesh, _StridedShard(0, split_factor=fused_parts) if strided else Shard(0))
+            place = _StridedShard(0, split_factor=fused_parts) if strided else Shard(0)
+            self.bias = sharded_parameter(bias, mesh, place)
         else:
             self.register_parameter("bias", None)
         self._out: Optional[torch.Tensor] = None
@@ -197,7 +198,8 @@ class SequenceColumn(nn.Module):
         return out
 
 
-def _sharded(param: nn.Parameter, mesh: DeviceMesh, placement) -> nn.Parameter:
+def sharded_parameter(param: nn.Parameter, mesh: DeviceMesh, placement) -> nn.Parameter:
+    """`param` as a DTensor parameter of `mesh` with `placement` (meta or real data, nothing sent)."""
     return nn.Parameter(distribute_tensor(param.data, mesh, [placement], src_data_rank=None), param.requires_grad)
 
 

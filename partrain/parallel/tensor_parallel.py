@@ -207,11 +207,10 @@ def _install_projections(
     and take them out of `plan`. Each attention / dense MLP block applies Megatron's f once to its
     input (`copy_block_input`): q, k and v (gate and up) then sum their input gradients locally and
     all-reduce once, 2 all-reduces per layer where one per projection would make 5."""
-    if not sequence_parallel:  # under SP the block's gather (megatron_sp) is its entry
-        for block in _input_blocks(layer, adapter):
-            if _direct_columns(plan, block):
-                tp_layers.copy_block_input(layer.get_submodule(block), mesh.get_group())
-    hooked = set() if sequence_parallel else set(_input_blocks(layer, adapter))
+    # Under SP the block's gather (megatron_sp) is its entry instead.
+    hooked = [] if sequence_parallel else [b for b in _input_blocks(layer, adapter) if _direct_columns(plan, b)]
+    for block in hooked:
+        tp_layers.copy_block_input(layer.get_submodule(block), mesh.get_group())
     for key, style in list(plan.items()):
         parent, _, leaf = key.rpartition(".")
         if isinstance(style, ColwiseParallel):

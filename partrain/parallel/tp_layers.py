@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.parallel import megatron_sp
@@ -67,9 +67,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
     """Replace `module.name` by a DTensor parameter of `mesh` with `placement` (meta or real data)."""
-    param = getattr(module, name)
-    sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
-    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    module.register_parameter(name, megatron_sp.sharded_parameter(getattr(module, name), mesh, placement))
 
 
 def _local(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
