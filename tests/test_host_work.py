@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from test_bench_comm import synthetic
 
-from partrain.blueprint.comm_profile import OPS, planner_cpu_costs, ring_steps
+from partrain.bench.busy_node import busy_groups
+from partrain.blueprint.comm_profile import OPS, planner_busy, planner_cpu_costs, ring_steps
 from partrain.blueprint.config.compose import compose
 from partrain.blueprint.planner.host_work import _param_tensors
 from partrain.blueprint.planner.rank_state import pipeline_ranks
@@ -58,6 +59,49 @@ def test_the_step_is_the_ranks_cpu_over_the_cores(cli, tmp_path):
         (note,) = [n for n in e["notes"] if "processes per node share 2 CPU cores" in n]
         assert "collective calls" in note and "TP wrappers" in note
     assert est[2e-3]["step_time_s"] - est[1e-3]["step_time_s"] == pytest.approx(140 * 1e-3, rel=1e-6)
+
+
+def _busy(cpu_s: float, inflation: float = 1.0) -> dict:
+    return {
+        "group_size": 2,
+        "bytes": 4096,
+        "work_s": 0.004,
+        "iters": 20,
+        "compute_inflation": inflation,
+        "cpu_s": {op: cpu_s for op in OPS},
+    }
+
+
+def test_busy_block_of_the_comm_profile(tmp_path):
+    assert busy_groups(1, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert busy_groups(2, 3) == [[0, 1, 2], [3, 4, 5]]  # an odd node's last three form one group
+    calls, inflation = planner_busy(synthetic(tmp_path / "busy.json", LINKS, cpu_s=1e-3, busy=_busy(2e-3, 1.3)))
+    assert dict(calls) == {op: 2e-3 for op in OPS} and inflation == 1.3
+    assert planner_busy(synthetic(tmp_path / "old.json", LINKS, cpu_s=1e-3)) == ((), 1.0)  # measured before it
+    bad = dict(_busy(2e-3, float("nan")), cpu_s={"all_reduce": -1.0, "send_recv": 1e-3, "bogus": 1.0})
+    assert planner_busy(synthetic(tmp_path / "bad.json", LINKS, cpu_s=1e-3, busy=bad)) == ((("send_recv", 1e-3),), 1.0)
+    gpu = synthetic(tmp_path / "gpu.json", LINKS, cluster=GPU_CLUSTER, cpu_s=1e-3, busy=_busy(2e-3, 1.3))
+    assert planner_busy(gpu) == ((), 1.0)  # a GPU's host CPU is not its device
+
+
+def test_busy_node_calls_cost_their_measured_cpu_per_call(cli, tmp_path):
+    """With a busy block every call inside the node costs its measured CPU b, whatever its group's size:
+    gpt-3d's first stage makes 2 x (9 TP all-reduces + 1 pipeline send) + 1 DP all-reduce + the stop
+    agreement over all 8 (one call now, not 14 ring steps) + the loss broadcast + 2 pipeline all-reduces +
+    the gradient norm's TP all-reduce = 26 calls, the last stage 6 more (loss parallel): 29 a rank on
+    average, x 8 ranks / 2 cores = 116 b. The inflation multiplies the rest of a rank's CPU."""
+    base = ["recipe=gpt-3d", f"cluster.compute_profile={CPU_PROFILE}"]
+
+    def step(b: float, inflation: float) -> float:
+        comm = synthetic(tmp_path / f"c{b}-{inflation}.json", LINKS, cpu_s=1e-3, busy=_busy(b, inflation))
+        e = _estimate(cli, *base, f"cluster.comm_profile={comm}")
+        assert e["time_breakdown_s"]["cpu_shared"] > 0
+        return e["step_time_s"]
+
+    one, two = step(1e-3, 1.0), step(2e-3, 1.0)
+    assert two - one == pytest.approx(116e-3, rel=1e-6)
+    own = one - 116e-3  # the ranks' own CPU over the cores
+    assert step(1e-3, 1.5) - one == pytest.approx(0.5 * own, rel=1e-6)
 
 
 def test_host_costs_scale_the_bound(cli, tmp_path):

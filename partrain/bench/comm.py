@@ -16,6 +16,7 @@ What is measured (see profile.py for the file and the bandwidth conventions):
   mean per call and the reported time the slowest rank's (all-reduce MAX), as in nccl-tests.
 Before timing, each op runs once on small known values and its result is checked: a backend
 that lacks an op is recorded as unsupported (never emulated), a wrong result stops the bench.
+On CPU devices it then measures the ops on a busy node (busy_node.py: the profile's "busy" block).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Tuple
 
+from partrain.bench.busy_node import measure_busy
 from partrain.bench.comm_parent import FAILURE, PROGRESS, BenchSettings
 from partrain.blueprint.comm_profile import (
     OPS,
@@ -227,9 +229,14 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
     }
     settings = {"dtype": "float32", "sizes": list(s.sizes), "iters": s.iters, "warmup": s.warmup}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return make_profile(
+    profile = make_profile(
         cluster, links, settings, torch_version=torch.__version__, hostname=socket.gethostname(), date=date
     )
+    if s.device == "cpu" and "intra" in links:  # a node's ranks share its cores: what calls cost them there
+        progress("collectives on a busy node (pairs computing between calls)")
+        supported = [op for op, rec in links["intra"]["ops"].items() if rec["supported"]]
+        profile["busy"] = measure_busy(bench, s.nodes, s.devices_per_node, s.sizes, supported, s.iters)
+    return profile
 
 
 def run(s: BenchSettings, env: DistEnv, show_progress: bool = True) -> tuple:

@@ -14,12 +14,13 @@ planner adds it per call. Timed:
 - the gradient clip (partrain's `clip_gradients`) per tensor, plain and DTensor;
 - one decoder layer's forward + backward under partrain's tensor-parallel wrappers at the run's tp
   (its local shapes) beyond what the compute model, fitted to the rows just measured, gives the same
-  layer's kernels: what TP adds to a layer besides its collectives;
+  layer's kernels (scaled by the plain layer's time, measured beside it, over the model's: the speed of
+  the machine now): what TP adds to a layer besides its collectives;
 - the rest of a microbatch (embedding, head, partrain's loss under loss parallel) wrapped, beyond the
   same plain: what TP adds to the ends.
 
 The wrapped and plain timings alternate, call by call, so that the machine's drift and the page faults
-of fresh buffers fall on both alike.
+of fresh buffers fall on both alike; each is this thread's CPU time.
 """
 
 from __future__ import annotations
@@ -54,14 +55,16 @@ def _fake_world(size: int) -> Optional[Callable[[], None]]:
 
 
 def _medians(calls: List[Callable[[], None]], iters: int) -> List[float]:
-    """Median seconds of each call, the calls timed in turn `iters` times after 3 untimed rounds."""
+    """Median CPU seconds (this thread's) of each call, the calls timed in turn `iters` times after 3
+    untimed rounds. CPU, not wall time: these are the cores' work the planner adds up, and a wall clock
+    would also count the time other processes of this machine held the core."""
     times: List[List[float]] = [[] for _ in calls]
     for i in range(iters + 3):
         for fn, out in zip(calls, times):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             fn()
             if i >= 3:
-                out.append(time.perf_counter() - t0)
+                out.append(time.thread_time() - t0)
     return [sorted(t)[len(t) // 2] for t in times]
 
 
@@ -132,11 +135,15 @@ def tp_seconds(run, spec: PlanSpec, device, mesh, iters: int, profile: dict) -> 
         iters,
     )
     tokens = spec.mbs * spec.seq / spec.sp
-    kernels = model_of_profile(profile, "bench")[0].layer_time(
-        shape_of_spec(dataclasses.replace(spec, tp=tp), False, tokens)
-    )
+    model = model_of_profile(profile, "bench")[0]
+    kernels = model.layer_time(shape_of_spec(dataclasses.replace(spec, tp=tp), False, tokens))
+    # The compute model's kernels at this moment's speed: the plain layer, timed call by call beside the
+    # wrapped one, over what the model gives it (the machine drifts between the matmul rows and now,
+    # and a difference of two close figures would carry that drift whole).
+    plain_kernels = model.layer_time(shape_of_spec(dataclasses.replace(spec, tp=1), False, tokens))
+    drift = layer_plain / plain_kernels if plain_kernels > 0 else 1.0
     return {
-        "layer": max(0.0, layer_tp - kernels),
+        "layer": max(0.0, layer_tp - kernels * drift),
         "ends": max(0.0, (whole_tp - layer_tp) - (whole_plain - layer_plain)),
     }
 

@@ -110,9 +110,12 @@ def control_calls(spec: PlanSpec, r: PipelineRank, microbatches: int) -> Dict[st
 
 
 def _world_call(spec: PlanSpec) -> float:
-    """CPU of one all-reduce over every rank (the stop agreement): the node's per-step cost scaled by
-    the world's ring steps (2(n - 1))."""
+    """CPU of one all-reduce over every rank (the stop agreement): on one busy node its measured call;
+    otherwise the link's per-step cost scaled by the world's ring steps (2(n - 1))."""
     link = "intra" if spec.world <= spec.cluster.devices_per_node else "inter"
+    busy = spec.cluster.busy_call("all_reduce") if link == "intra" else None
+    if busy is not None:
+        return busy
     per_step = spec.cluster.cpu_per_step(link, "all_reduce")
     return per_step * 2 * max(1, spec.world - 1)
 
@@ -140,6 +143,8 @@ def rank_cpu_seconds(spec: PlanSpec, model: ComputeModel, estimate, cpu_call: Di
             # The ends' cost, measured as one, is split between the embedding's and the head's stages.
             ends = (0.5 if r.first else 0.0) + (0.5 if r.last else 0.0)
             seconds += spec.microbatches * (r.layers * model.host.tp_layer_s + ends * model.host.tp_ends_s)
+    # Measured alone, the rank's own work takes longer on a node busy with the other ranks (busy_node.py).
+    seconds *= spec.cluster.busy_compute_inflation
     return seconds + collective_seconds(spec, estimate.traffic, r, cpu_call)
 
 

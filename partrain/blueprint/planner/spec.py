@@ -145,6 +145,12 @@ class ClusterSpec:
     cpu_costs: Tuple[Tuple[str, float], ...] = ()
     """CPU seconds per ring step of each op, keyed "link/op", from a comm profile measured on CPU devices
     (comm_profile.planner_cpu_costs); empty: unknown (planner/host_work.py then counts no collective CPU)."""
+    busy_call_cpu: Tuple[Tuple[str, float], ...] = ()
+    """CPU seconds per call of each op inside a node whose ranks all compute between calls, keyed by op,
+    from a comm profile's "busy" block (comm_profile.planner_busy); empty: not measured (the lockstep
+    cpu_costs then count)."""
+    busy_compute_inflation: float = 1.0
+    """A rank's compute CPU on that busy node over the same compute alone (the same block); 1 unknown."""
     compute_profile: str = ""
     """A compute profile written by `partrain bench compute` (compute_model.py times compute from it);
     empty = FLOPs / (peak x efficiency)."""
@@ -163,6 +169,12 @@ class ClusterSpec:
         measure costs what its all-reduce does); 0 when unknown."""
         costs = dict(self.cpu_costs)
         return costs.get(f"{link}/{op}", costs.get(f"{link}/all_reduce", 0.0))
+
+    def busy_call(self, op: str) -> Optional[float]:
+        """CPU seconds of one call of `op` inside a busy node (an op not measured costs what its
+        all-reduce does); None when the profile has no busy block."""
+        costs = dict(self.busy_call_cpu)
+        return costs.get(op, costs.get("all_reduce")) if costs else None
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
@@ -284,15 +296,23 @@ def cluster_spec(cl) -> ClusterSpec:
     measured: Tuple[Tuple[str, float], ...] = ()
     latencies: Tuple[Tuple[str, float], ...] = ()
     cpu_costs: Tuple[Tuple[str, float], ...] = ()
+    busy_calls: Tuple[Tuple[str, float], ...] = ()
+    inflation = 1.0
     source = "nominal"
     if getattr(cl, "comm_profile", ""):
         # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
         # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
-        from partrain.blueprint.comm_profile import planner_bandwidths, planner_cpu_costs, planner_latencies
+        from partrain.blueprint.comm_profile import (
+            planner_bandwidths,
+            planner_busy,
+            planner_cpu_costs,
+            planner_latencies,
+        )
 
         measured = planner_bandwidths(cl.comm_profile)
         latencies = planner_latencies(cl.comm_profile)
         cpu_costs = planner_cpu_costs(cl.comm_profile)
+        busy_calls, inflation = planner_busy(cl.comm_profile)
         by_key = dict(measured)
         intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
         source = f"profile:{cl.comm_profile}"
@@ -308,6 +328,8 @@ def cluster_spec(cl) -> ClusterSpec:
         bandwidth_source=source,
         latencies=latencies,
         cpu_costs=cpu_costs,
+        busy_call_cpu=busy_calls,
+        busy_compute_inflation=inflation,
         compute_profile=getattr(cl, "compute_profile", "") or "",
         compute_source=f"profile:{cl.compute_profile}" if getattr(cl, "compute_profile", "") else "nominal",
     )
