@@ -108,11 +108,12 @@ def measure_busy(bench, nodes: int, devices_per_node: int, sizes: Sequence[int],
             call()
             spent += time.process_time() - p0
         cpu[op] = bench.world_mean(spent / iters)
-    inflation = bench.world_mean(busy_work / max(1, timed)) / max(bench.world_mean(alone), 1e-9)
+    alone = bench.world_mean(alone)
+    inflation = bench.world_mean(busy_work / max(1, timed)) / max(alone, 1e-9)
     return {
         "group_size": len(groups[0]),
         "bytes": int(nbytes),
-        "work_s": bench.world_mean(alone),
+        "work_s": alone,
         "iters": iters,
         "compute_inflation": inflation,
         "cpu_s": cpu,

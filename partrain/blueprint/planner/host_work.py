@@ -110,14 +110,9 @@ def control_calls(spec: PlanSpec, r: PipelineRank, microbatches: int) -> Dict[st
 
 
 def _world_call(spec: PlanSpec) -> float:
-    """CPU of one all-reduce over every rank (the stop agreement): on one busy node its measured call;
-    otherwise the link's per-step cost scaled by the world's ring steps (2(n - 1))."""
+    """CPU of one all-reduce over every rank (the stop agreement)."""
     link = "intra" if spec.world <= spec.cluster.devices_per_node else "inter"
-    busy = spec.cluster.busy_call("all_reduce") if link == "intra" else None
-    if busy is not None:
-        return busy
-    per_step = spec.cluster.cpu_per_step(link, "all_reduce")
-    return per_step * 2 * max(1, spec.world - 1)
+    return spec.cluster.call_cpu(link, "all_reduce", spec.world)
 
 
 def collective_seconds(spec: PlanSpec, traffic, r: PipelineRank, cpu_call: Dict[str, float]) -> float:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
+from partrain.blueprint.comm_profile import ring_steps
 from partrain.blueprint.model_facts import ModelFacts, load_snapshot, merged_kwargs
 from partrain.blueprint.precision_mode import uses_master_weights
 
@@ -170,11 +171,15 @@ class ClusterSpec:
         costs = dict(self.cpu_costs)
         return costs.get(f"{link}/{op}", costs.get(f"{link}/all_reduce", 0.0))
 
-    def busy_call(self, op: str) -> Optional[float]:
-        """CPU seconds of one call of `op` inside a busy node (an op not measured costs what its
-        all-reduce does); None when the profile has no busy block."""
-        costs = dict(self.busy_call_cpu)
-        return costs.get(op, costs.get("all_reduce")) if costs else None
+    def call_cpu(self, link: str, op: str, ranks: int) -> float:
+        """CPU seconds one call of `op` over `ranks` ranks costs each of them. Inside a node whose busy
+        calls the profile measured: that figure, whatever the group's size (bench/busy_node.py: a
+        blocking call's CPU does not follow the ring's steps; an op not measured costs what its
+        all-reduce does); otherwise the lockstep CPU per ring step times the call's ring steps."""
+        busy = dict(self.busy_call_cpu) if link == "intra" else {}
+        if busy:
+            return busy.get(op, busy.get("all_reduce", 0.0))
+        return self.cpu_per_step(link, op) * ring_steps(op, ranks)
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the

@@ -7,7 +7,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from partrain.blueprint.comm_profile import ring_steps
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups, link_of
 from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
 from partrain.blueprint.planner.compute_time import matmul_rate
@@ -89,21 +88,16 @@ def group_latencies(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_s
 @functools.lru_cache(maxsize=4096)
 def group_cpu_costs(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
     """CPU seconds one call costs a rank, "tp/<op>" etc. for every family and op (empty without a comm
-    profile measured on CPU devices). Inside a node whose busy calls the profile measured: that figure
-    per call, whatever the group's size (bench/busy_node.py: a blocking call's CPU does not follow the
-    ring's steps); otherwise the profile's lockstep CPU per ring step times the call's ring steps."""
+    profile measured on CPU devices; ClusterSpec.call_cpu)."""
     if not cl.cpu_costs and not cl.busy_call_cpu:
         return {}
     groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
-    out: Dict[str, float] = {}
-    for name, members in groups.items():
-        if len(members) < 2:
-            continue
-        link = link_of(cl, members)
-        for op in COMM_OPS:
-            busy = cl.busy_call(op) if link == "intra" else None
-            out[f"{name}/{op}"] = busy if busy is not None else cl.cpu_per_step(link, op) * ring_steps(op, len(members))
-    return out
+    return {
+        f"{name}/{op}": cl.call_cpu(link_of(cl, members), op, len(members))
+        for name, members in groups.items()
+        for op in COMM_OPS
+        if len(members) > 1
+    }
 
 
 def mixed_bandwidth(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
