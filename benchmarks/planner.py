@@ -375,11 +375,13 @@ def _stage_rows(recipe: str, summary: dict, threshold_summary: dict, tensor_peak
     return rows
 
 
-def plan_check(steps: int) -> None:
+def plan_check(steps: int, keep: str = "") -> None:
     print("== 4. the plan check of every run: planner (runtime accounting) vs measured, real runs on this machine")
     tensor_peak = {"gpt-dp": _tensor_peak("gpt-dp")}
     memory, speed = [], []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for recipe in PLAN_CHECK_RECIPES:
             profile = _compute_profile(recipe, Path(tmp) / f"{recipe}-compute.json")
             links = _comm_profile(recipe, Path(tmp) / f"{recipe}-comm.json")
@@ -508,6 +510,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="no real training runs; fewer activation cases")
     parser.add_argument("--plan-check", action="store_true", help="only part 4 (every run's plan check)")
     parser.add_argument("--steps", type=int, default=10, help="steps of each part-4 run")
+    parser.add_argument("--keep", default="", help="part 4: keep its profiles and runs in this folder")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     if not args.plan_check:
@@ -515,7 +518,7 @@ def main(argv=None) -> int:
         activations(args.quick)
         model_states(args.quick)
     if not args.quick:
-        plan_check(args.steps)
+        plan_check(args.steps, args.keep)
     return 0
 
 

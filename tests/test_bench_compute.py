@@ -167,6 +167,36 @@ def test_cpu_profile_measures_the_per_call_host_work(bench):
     assert 0 <= host["tp_layer_s"] < 1 and 0 <= host["tp_ends_s"] < 1
 
 
+def test_cpu_profile_measures_the_node_s_real_rank_steps(bench):
+    """On CPU the bench runs the node's real rank steps at once on the fake process group and keeps, per
+    rank, their CPU and the planner's count of the same work; the factor is their ratio of sums."""
+    from partrain.bench.rank_steps import node_ranks
+
+    _, profile = bench
+    block = profile["host"]["rank_steps"]
+    v = validate(compose(TINY))
+    assert block["ranks"] == node_ranks(v) and len(block["ranks"]) == min(v.layout.world_size, 2)
+    assert all(0 < s < 10 for s in block["measured_cpu_s"]) and all(c > 0 for c in block["counted_cpu_s"])
+    assert block["factor"] == pytest.approx(sum(block["measured_cpu_s"]) / sum(block["counted_cpu_s"]))
+    assert "micro 2 x seq 64" in block["layout"]
+
+
+def test_pipeline_rank_steps_run_on_the_fake_process_group():
+    """A pipeline's stages on the fake process group: every rank's 1F1B step runs (its sends and receives
+    return at once) and takes CPU; layouts the fake group cannot stand in for say why."""
+    from partrain.bench.rank_steps import measure_node, why_not
+
+    pipeline = ["model=gpt2-tiny", "cluster.devices_per_node=2", "parallel.pp=2", "parallel.dp=1"]
+    small = ["train.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=4"]
+    v = validate(compose(pipeline + small))
+    assert why_not(v, 1e6) is None
+    measured, error = measure_node(v, 1)
+    assert error == "" and sorted(measured) == [0, 1] and all(s > 0 for s in measured.values())
+    assert "peers" in why_not(validate(compose(pipeline + small + ["train.precision=bf16"])), 1e6)
+    assert "expert parallelism" in why_not(validate(compose(["recipe=mixtral-ep"])), 1e6)
+    assert "free memory" in why_not(v, 1e15)
+
+
 def test_cpu_profile_measures_what_a_worker_holds_beyond_tensors(cli, bench, tmp_path):
     """On a CPU the planner counts each rank's "process" term: the runtime's resident memory and the
     library code its steps page in, as the profile measured them (nominal without a profile), and the

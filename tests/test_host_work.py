@@ -104,6 +104,32 @@ def test_busy_node_calls_cost_their_measured_cpu_per_call(cli, tmp_path):
     assert step(1e-3, 1.5) - one == pytest.approx(0.5 * own, rel=1e-6)
 
 
+def test_measured_rank_steps_replace_the_busy_inflation(cli, tmp_path):
+    """A compute profile's host.rank_steps factor (the profiled layout's real rank steps over their count)
+    multiplies every rank's own CPU in place of the comm profile's busy-node inflation; the collective
+    calls keep their measured CPU."""
+    comm = synthetic(tmp_path / "comm.json", LINKS, cpu_s=1e-3, busy=_busy(1e-3, 1.5))
+    profile = json.loads(CPU_PROFILE.read_text())
+    profile["host"]["rank_steps"] = {
+        "layout": "dp2 tp2 pp2",
+        "ranks": [0],
+        "measured_cpu_s": [2.0],
+        "counted_cpu_s": [1.0],
+        "factor": 2.0,
+    }
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(profile))
+    plain = synthetic(tmp_path / "plain.json", LINKS, cpu_s=1e-3, busy=_busy(1e-3, 1.0))
+    steps = {
+        (p, c): _estimate(cli, "recipe=gpt-3d", f"cluster.compute_profile={p}", f"cluster.comm_profile={c}")[
+            "step_time_s"
+        ]
+        for p, c in ((CPU_PROFILE, plain), (measured, comm))
+    }
+    own = steps[(CPU_PROFILE, plain)] - 116e-3  # the ranks' own CPU over the cores, as counted
+    assert steps[(measured, comm)] - 116e-3 == pytest.approx(2.0 * own, rel=1e-6)
+
+
 def test_host_costs_scale_the_bound(cli, tmp_path):
     """Doubling the per-tensor optimizer cost of DTensors adds it once more for each DTensor a rank steps
     (gpt-3d's stages: 13 each, see the next test), x 8 ranks / 2 cores."""
@@ -156,6 +182,11 @@ def test_no_bound_where_cores_are_not_shared_or_off_cpu(cli, tmp_path):
             "tp_layer_s": -1.0,
         },
         "fast",
+        {
+            "optimizer_s_per_tensor": {"plain": 1e-4, "dtensor": 1e-4},
+            "clip_s_per_tensor": {"plain": 1e-5, "dtensor": 1e-5},
+            "rank_steps": {"factor": 0.0},
+        },
     ],
 )
 def test_a_broken_host_block_exits_2(cli, tmp_path, host):

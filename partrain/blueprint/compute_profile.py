@@ -20,7 +20,8 @@ Format (version 1; seconds, bytes, FLOP/s)::
       "source": "what produced it (bench compute, or the calibration file converted)",
       "process": {"runtime_rss_bytes", "code_rss_bytes"},  # CPU only, optional (below)
       "host": {"optimizer_s_per_tensor": {"plain", "dtensor"},  # CPU only, optional (below)
-               "clip_s_per_tensor": {"plain", "dtensor"}, "tp_layer_s", "tp_ends_s"}
+               "clip_s_per_tensor": {"plain", "dtensor"}, "tp_layer_s", "tp_ends_s",
+               "rank_steps": {"layout", "ranks", "measured_cpu_s", "counted_cpu_s", "factor"}}  # optional
     }
 
 `gemm` rows are what the planner interpolates matmul rates from; `layers` rows (one decoder layer's
@@ -33,7 +34,10 @@ profiles) is per-call CPU work besides kernels: seconds per parameter tensor of 
 and of the gradient clip, for plain tensors and DTensors, and the seconds partrain's tensor-parallel
 wrappers add to one layer's forward + backward (`tp_layer_s`) and to the rest of a microbatch, embedding,
 head and loss (`tp_ends_s`; both absent when not measured); the planner
-charges it to ranks that share cores (planner/host_work.py), and counts none without it.
+charges it to ranks that share cores (planner/host_work.py), and counts none without it. `host.rank_steps`
+is the profiled layout's real rank steps, all of a node's ranks at once on the fake process group
+(bench/rank_steps.py): per rank the CPU measured and the CPU the planner counts for the same work; the
+planner multiplies every layout's count by their ratio, `factor`.
 """
 
 from __future__ import annotations
@@ -114,6 +118,9 @@ def _check_host(host) -> None:
             'has a "host" block without positive optimizer_s_per_tensor and clip_s_per_tensor (plain and dtensor) '
             "or with a tp_layer_s or tp_ends_s that is not a finite number >= 0"
         )
+    steps = host.get("rank_steps")
+    if steps is not None and not (isinstance(steps, dict) and _positive(steps.get("factor"))):
+        raise ComputeProfileError('has a "host.rank_steps" block without a positive finite "factor"')
 
 
 def load_profile(path: Path | str) -> dict:

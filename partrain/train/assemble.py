@@ -67,6 +67,15 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
     return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
 
 
+def static_stage_shapes(v: ValidatedRun) -> bool:
+    """Whether the pipeline stages get their activations' shapes up front (torch then skips its shape
+    inference, which exchanges metadata between stages at the first step)."""
+    # DTensor activations (sequence parallel) and autocast change what flows between stages:
+    # let torch infer the shapes then.
+    p = v.run.parallel
+    return not (p.tp_sequence_parallel and v.layout.tp > 1) and v.run.train.precision == "fp32"
+
+
 def _pipeline_engine(
     v: ValidatedRun, mesh: ParallelMesh, device: torch.device, held: RankModules, loss_ctx, autocast: str
 ):
@@ -87,9 +96,7 @@ def _pipeline_engine(
         optimizer = make_optimizer(groups, mesh, p.zero_stage, run.optim)
     fsdp = data_parallel.uses_fsdp(p.zero_stage)
     dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
-    # DTensor activations (sequence parallel) and autocast change what flows between stages:
-    # let torch infer the shapes then.
-    static = not (p.tp_sequence_parallel and mesh.size("tp") > 1) and run.train.precision == "fp32"
+    static = static_stage_shapes(v)
     shard = sequence_shard(mesh, p.sp_mode)  # context parallelism: local tokens, its own loss
     runner = PipelineRunner(
         stages,

@@ -177,6 +177,11 @@ class HostCosts:
     """What partrain's tensor-parallel wrappers add to one layer's forward + backward."""
     tp_ends_s: float = 0.0
     """What they add to a microbatch's embedding, head and loss (forward + backward)."""
+    rank_step_factor: float = 0.0
+    """The CPU of the profiled layout's real rank steps, every rank of a node at once, over what the
+    pieces above and the kernels count for them (bench/rank_steps.py); 0: not measured."""
+    rank_step_layout: str = ""
+    """The layout whose rank steps gave `rank_step_factor` (for the report)."""
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,8 @@ def _host_costs(block) -> Optional[HostCosts]:
         float(clip["dtensor"]),
         float(block.get("tp_layer_s", 0.0)),
         float(block.get("tp_ends_s", 0.0)),
+        float((block.get("rank_steps") or {}).get("factor", 0.0)),
+        str((block.get("rank_steps") or {}).get("layout", "")),
     )
 
 

@@ -83,7 +83,7 @@ from partrain.blueprint.planner.compute_model import compute_assumptions, comput
 from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
 from partrain.blueprint.planner.flops import head_forward_flops, step_flops
 from partrain.blueprint.planner.host_process import process_bytes, process_note
-from partrain.blueprint.planner.host_work import shared_core_step, shared_cores_note
+from partrain.blueprint.planner.host_work import rank_own_cpu_seconds, shared_core_step, shared_cores_note
 from partrain.blueprint.planner.memory import (
     dtypes,
     end_activations,
@@ -299,6 +299,15 @@ def _estimated_ranks(spec: PlanSpec, s: StepInputs, detail: bool) -> List[RankEs
         most = max(ranks, key=lambda r: r.layers)
         ranks = [ranks[0], ranks[-1]] + ([most] if most not in (ranks[0], ranks[-1]) else [])
     return [_rank_estimate(spec, r, s) for r in ranks]
+
+
+def own_cpu_by_pp_rank(spec: PlanSpec) -> Dict[int, float]:
+    """Per pipeline rank, the CPU seconds of a step besides collectives as the planner counts them from
+    the compute profile's pieces (host_work.rank_own_cpu_seconds); {} without a compute profile."""
+    s = step_inputs(spec)
+    if s.compute is None:
+        return {}
+    return {e.rank.pp_rank: rank_own_cpu_seconds(spec, s.compute, e) for e in _estimated_ranks(spec, s, True)}
 
 
 def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:

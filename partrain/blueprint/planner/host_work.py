@@ -8,13 +8,25 @@ outnumber its cores, the step cannot be shorter than all that work divided by th
 
     step >= sum over the node's ranks of cpu(rank) / cores
 
-    cpu(rank) = kernels: the compute model's time at the share of a core the rank gets, times that share
+    cpu(rank) = busy x own(rank) + the CPU of its collective calls
+
+    own(rank) = kernels: the compute model's time at the share of a core the rank gets, times that share
               + the optimizer's bytes (the same)
               + per parameter tensor: optimizer step and gradient clip (plain or DTensor, measured)
               + per layer and microbatch under tp > 1: what the TP wrappers add (measured), and on the
                 first and last stages what they add to the embedding, head and loss (measured as one,
                 half to each)
-              + per collective call: CPU per ring step (measured by `partrain bench comm`) x ring steps
+    collective calls: per call, the CPU `partrain bench comm` measured on a busy node (its "busy" block),
+              or CPU per ring step x ring steps (its lockstep rows)
+
+The pieces of own(rank) are timed one at a time, in one process with the machine to itself (the compute
+profile's "host" block). In a run the same work costs more: a node's processes take turns on each core,
+and each turn starts with caches the others filled; and a step holds work no piece covers (the pipeline
+schedule's bookkeeping, the gradient sync's flattening, the loss's ends). `busy` is measured: the
+compute profile's `host.rank_steps` runs the profiled layout's real rank steps, every rank of the node at
+once on the fake process group (bench/rank_steps.py), and keeps their CPU over this count of them; on
+the profiled layout busy x own(rank) is then the measured step, and other layouts get the same factor.
+Without it, the comm profile's busy-node inflation of a plain compute unit (busy_node.py), else 1.
 
 The per-call costs come from the compute profile's "host" block and the comm profile's "cpu_s" rows;
 without them that part counts zero (and the bound is the compute model's own). Parameter tensors are
@@ -22,19 +34,12 @@ DTensors under tensor parallelism (the sliced ones) and FSDP (all); ZeRO-1's sha
 its flat buffers (one per parameter group). Besides the collectives `rank_traffic` times, the runtime's
 loop makes a few per step, counted in `control_calls` (counted on gpt-3d with torch 2.13).
 
-Measured for gpt-3d (8 ranks on 2 cores, 1 thread each; per-phase CPU probes in every rank's loop, not
-committed): 86-104 CPU-ms per rank and step (forward + backward 78-96, clip 3, optimizer 3.5); this
-model counts 72-77. Each TP layer (11.4 ms per layer and microbatch with its collectives; measured
-11.8), the optimizer and the collectives come out right; the embedding, head and loss under loss
-parallel take more on a real mesh than on the bench's fake one (the last stage's forward + backward is
-15-25 ms above the count).
-
-Measured again at a later stop (40 steps of gpt-3d, the whole processes' user + sys CPU): 96 CPU-ms per
-rank and step, 22 of them system time, against 55-59 counted from that
-day's profiles; 8 x 96 ms over 2 cores is 0.383 s, the measured step 0.40 s. So the step is the node's
-CPU work over its cores, and what is missing is CPU this count does not see, not waiting: a gloo rank
-that waits 5-20 ms for its partner spends 0.7-0.9 ms of CPU on the call (it blocks, it does not spin).
-gpt-3d measured 0.59-0.76x the planned tokens/s.
+Measured for gpt-3d (8 ranks on 2 cores, 1 thread each; per-call probes in every rank of a real run, not
+committed): 91-100 CPU-ms per rank and step, of which about 25 in 21.6 collective calls (1.2 ms each on
+the busy node) and the rest the rank's own work; 8 x 96 ms over 2 cores is the measured step. So the
+step is the node's CPU work over its cores, and a gloo rank that waits for its partner blocks, it does not
+spin (0.7-0.9 ms of CPU a call). The pieces alone count 26-38 ms of own work a rank; the rank steps
+measured all at once take 50-58 ms (factor 1.9-2.0).
 """
 
 from __future__ import annotations
@@ -127,8 +132,9 @@ def collective_seconds(spec: PlanSpec, traffic, r: PipelineRank, cpu_call: Dict[
     return total
 
 
-def rank_cpu_seconds(spec: PlanSpec, model: ComputeModel, estimate, cpu_call: Dict[str, float]) -> float:
-    """CPU seconds one rank's step takes (the module docstring's cpu(rank))."""
+def rank_own_cpu_seconds(spec: PlanSpec, model: ComputeModel, estimate) -> float:
+    """CPU seconds of one rank's step besides its collective calls, as the pieces measured alone add up:
+    kernels at the rank's share of the cores, the per-tensor optimizer and clip, the TP wrappers."""
     share = model.core_share(spec.cluster.devices_per_node)
     c, r = estimate.compute, estimate.rank
     seconds = (spec.microbatches * c.t_compute + c.t_optimizer) * share
@@ -138,9 +144,22 @@ def rank_cpu_seconds(spec: PlanSpec, model: ComputeModel, estimate, cpu_call: Di
             # The ends' cost, measured as one, is split between the embedding's and the head's stages.
             ends = (0.5 if r.first else 0.0) + (0.5 if r.last else 0.0)
             seconds += spec.microbatches * (r.layers * model.host.tp_layer_s + ends * model.host.tp_ends_s)
-    # Measured alone, the rank's own work takes longer on a node busy with the other ranks (busy_node.py).
-    seconds *= spec.cluster.busy_compute_inflation
-    return seconds + collective_seconds(spec, estimate.traffic, r, cpu_call)
+    return seconds
+
+
+def busy_factor(spec: PlanSpec, model: ComputeModel) -> float:
+    """How much more CPU a rank's own work takes in a real step on a busy node than its pieces alone:
+    the compute profile's measured rank steps over this count (rank_steps.py), else the comm profile's
+    busy-node inflation of a plain compute unit (busy_node.py), else 1."""
+    if model.host is not None and model.host.rank_step_factor > 0:
+        return model.host.rank_step_factor
+    return spec.cluster.busy_compute_inflation
+
+
+def rank_cpu_seconds(spec: PlanSpec, model: ComputeModel, estimate, cpu_call: Dict[str, float]) -> float:
+    """CPU seconds one rank's step takes (the module docstring's cpu(rank))."""
+    own = rank_own_cpu_seconds(spec, model, estimate) * busy_factor(spec, model)
+    return own + collective_seconds(spec, estimate.traffic, estimate.rank, cpu_call)
 
 
 def shared_core_step(spec: PlanSpec, model: Optional[ComputeModel], per_rank: Sequence, cpu_call) -> float:
@@ -165,9 +184,16 @@ def shared_cores_note(spec: PlanSpec, model: Optional[ComputeModel], cpu_shared_
     counted.append("collective calls" if spec.cluster.cpu_costs else "no collective CPU (the comm profile has none)")
     bound = f"; it adds {cpu_shared_s:.3g} s to the critical path" if cpu_shared_s > 0 else ""
     missing = "" if model.host is not None else " (the compute profile has no host block: measure it again)"
+    factor = busy_factor(spec, model)
+    if model.host is not None and model.host.rank_step_factor > 0:
+        scaled = f"; each rank's own work x{factor:.2f}, the real rank steps of {model.host.rank_step_layout} measured"
+        scaled += " all at once by bench compute over their count"
+    elif factor != 1.0:
+        scaled = f"; each rank's own work x{factor:.2f}, the busy-node inflation bench comm measured"
+    else:
+        scaled = ""
     return (
         f"{ranks} processes per node share {model.cores} CPU cores: the step is at least their CPU work over the cores "
-        f"({', '.join(counted)}{missing}){bound}. A lower bound: ranks also wait for partners that are not "
-        "scheduled, and the CPU count misses part of each rank's work; gpt-3d (8 ranks on 2 cores) measured "
-        "0.59-0.76x the planned tokens/s"
+        f"({', '.join(counted)}{missing}){scaled}{bound}. A lower bound: ranks also wait for partners that are "
+        "not scheduled"
     )
