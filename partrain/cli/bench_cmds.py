@@ -99,7 +99,8 @@ def bench_compute_cmd(
     """Measure this machine's matmul rates for the model's shapes, one decoder layer's forward + backward time and
     saved bytes, and an elementwise bandwidth, at the run's precision, and save a profile for `cluster.compute_profile`.
     On CPU also what a worker holds beyond its tensors and the per-call work besides kernels (optimizer and clip per
-    parameter tensor, what the TP wrappers add).
+    parameter tensor, what the TP wrappers add) and the first node's real rank steps, all at once on the fake process
+    group (the planner scales the ranks' counted CPU by them).
     """
     from partrain.bench.compute_parent import bench_spec, default_out, render_profile
 

@@ -38,8 +38,8 @@ Measured for gpt-3d (8 ranks on 2 cores, 1 thread each; per-call probes in every
 committed): 91-100 CPU-ms per rank and step, of which about 25 in 21.6 collective calls (1.2 ms each on
 the busy node) and the rest the rank's own work; 8 x 96 ms over 2 cores is the measured step. So the
 step is the node's CPU work over its cores, and a gloo rank that waits for its partner blocks, it does not
-spin (0.7-0.9 ms of CPU a call). The pieces alone count 26-38 ms of own work a rank; the rank steps
-measured all at once take 50-58 ms (factor 1.9-2.0).
+spin (0.7-0.9 ms of CPU a call). Over four profiles the pieces alone counted 26-39 ms of own work a
+rank, and the rank steps measured all at once took 50-59 ms (factor 1.35-2.0).
 """
 
 from __future__ import annotations
