@@ -305,7 +305,12 @@ def test_pretrained_shapes_must_match_the_model(pretrained):
     from partrain.preflight import weight_problems
 
     assert weight_problems(validate(compose([f"model.pretrained={pretrained / 'good'}"])).run.model) == []
-    (problem,) = weight_problems(validate(compose([f"model.pretrained={pretrained / 'narrow'}"])).run.model)
+    # The folder's own config is the model (the gpt2-tiny group's n_embd=128 does not apply) ...
+    narrow = validate(compose([f"model.pretrained={pretrained / 'narrow'}"]))
+    assert weight_problems(narrow.run.model) == [] and narrow.facts.hidden == 64
+    # ... and a size key given on the command line overrides it, so the weights no longer fit.
+    wide = compose([f"model.pretrained={pretrained / 'narrow'}", "model.config.n_embd=128"])
+    (problem,) = weight_problems(validate(wide).run.model)
     assert "transformer.wte.weight has shape (256, 64) in the weight files, the model expects (256, 128)" in (
         problem.rule
     )
@@ -324,7 +329,9 @@ def test_sharded_and_per_expert_weights(tmp_path):
         folder = tmp_path / name
         model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[spec["arch"]](**{**spec["config"], **changes}))
         model.save_pretrained(folder, max_shard_size="100KB")
-        return validate(compose([f"model={name}", f"model.pretrained={folder}"])).run.model, folder
+        # The group's sizes restated on the command line: a folder saved with other sizes no longer fits.
+        restated = [f"model.config.{k}={v}" for k, v in spec["config"].items() if k in changes]
+        return validate(compose([f"model={name}", f"model.pretrained={folder}", *restated])).run.model, folder
 
     llama, folder = saved("llama-tiny")
     assert weight_problems(llama) == []

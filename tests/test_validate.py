@@ -88,7 +88,7 @@ BAD = [
     ("sp-seq", [SP, "train.seq_len=1023"], "train.seq_len"),
     ("ring-2sp", [SP, "parallel.sp_mode=ring", "train.seq_len=1022"], "train.seq_len"),
     ("ulysses-heads", [SP, "parallel.sp=8", "parallel.dp=1", "cluster.devices_per_node=8"], "parallel.sp"),
-    ("seq-over-positions", [GPT, "train.seq_len=1024"], "train.seq_len"),
+    ("seq-over-positions", [GPT, "train.seq_len=1024", "model.config.n_positions=512"], "train.seq_len"),
     ("type-str-for-int", [GPT, "parallel.tp=abc"], "parallel.tp"),
     ("type-float-for-int", [GPT, "train.steps=2.5"], "train.steps"),
     ("type-list-for-int", [GPT, "cluster.nodes=[1,2]"], "cluster.nodes"),

@@ -104,6 +104,8 @@ def merged_kwargs(
 
     Raises ConfigError for an unknown arch or a key the config class does not have.
     """
+    stored = read_pretrained_config(pretrained) if pretrained else {}  # a missing config.json first: it
+    # is also why an arch taken from it (partrain.blueprint.config.pretrained) would be empty
     if arch not in SUPPORTED_ARCHS or arch not in snapshot:
         raise ConfigError(_problem_unknown_arch(arch))
     entry = snapshot[arch]
@@ -111,14 +113,13 @@ def merged_kwargs(
     values = dict(fields)
     layers = []
     if pretrained:
-        stored = read_pretrained_config(pretrained)
         if stored.get("model_type", arch) != arch:
             raise ConfigError(
                 Problem(
                     "model.arch",
                     arch,
                     f"model.pretrained holds a {stored.get('model_type')!r} model",
-                    f"set model.arch={stored.get('model_type')}",
+                    f"drop model.arch (a pretrained folder names its own) or set model.arch={stored.get('model_type')}",
                 )
             )
         layers.append(({k: v for k, v in stored.items() if k in fields or k in aliases}, None))

@@ -254,7 +254,7 @@ def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFac
             "no such file or folder",
             "use data.source=builtin or a local text/jsonl/parquet path",
         )
-    if d.tokenizer == "byte":
+    if d.tokenizer in ("byte", "auto"):
         if facts is not None:
             vocab_key = "model.config.vocab_size"
             c.check(

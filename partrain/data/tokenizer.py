@@ -39,6 +39,12 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     eos_id = 0
+    bos_id = None
+    """No BOS: documents are separated by the EOS id alone."""
+    bos_token = ""
+    eos_token = ""
+    """No text stands for the separator (NUL is dropped from text): a chat template gets ''."""
+    chat_template = None
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text`` (its UTF-8 bytes, NUL bytes removed)."""
@@ -92,6 +98,13 @@ class HFTokenizer:
                 )
             )
         self.eos_id = int(eos)
+        # The BOS a fine-tuning example starts with: the one the tokenizer itself adds, if it adds one.
+        added = self._tok("", add_special_tokens=True)["input_ids"]
+        bos = self._tok.bos_token_id
+        self.bos_id = int(bos) if bos is not None and list(added[:1]) == [bos] else None
+        self.bos_token = self._tok.bos_token or ""
+        self.eos_token = self._tok.eos_token or ""
+        self.chat_template = getattr(self._tok, "chat_template", None) or None
         # len() counts added tokens too, unlike .vocab_size; ids of added tokens can be produced.
         self.vocab_size = max(len(self._tok), self.eos_id + 1)
         self.name = hf_tokenizer_name(self.folder)
@@ -115,16 +128,21 @@ class HFTokenizer:
 Tokenizer = Union[ByteTokenizer, HFTokenizer]
 
 
+AUTO_SPEC = "auto"
+"""``data.tokenizer=auto`` outside a composed run (no pretrained model in sight): the byte tokenizer.
+Composition resolves it (partrain.blueprint.config.pretrained), so a run's config never holds it."""
+
+
 def tokenizer_name(spec: str) -> str:
     """Identity of the tokenizer ``spec`` names, without loading it (cheap: used for cache hits)."""
-    if spec == BYTE_SPEC:
+    if spec in (BYTE_SPEC, AUTO_SPEC):
         return ByteTokenizer.name
     return hf_tokenizer_name(_tokenizer_folder(spec))
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer for a ``data.tokenizer`` value: ``byte`` or a local HF tokenizer folder."""
-    if spec == BYTE_SPEC:
+    if spec in (BYTE_SPEC, AUTO_SPEC):
         return ByteTokenizer()
     return HFTokenizer(spec)
 

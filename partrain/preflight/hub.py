@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from partrain.blueprint.config.pretrained import adopt_pretrained
 from partrain.blueprint.config.schema import RunConfig
 from partrain.errors import ConfigError, Problem
 
@@ -36,7 +37,7 @@ _SNAPSHOT = re.compile(r"/(models|datasets)--([^/]+)/snapshots/([0-9a-f]{40})(/|
 
 def hub_id(spec: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
     """(repo id, revision or None) when `spec` reads as a Hub id and is not an existing path; else None."""
-    if not spec or spec in ("builtin", "byte") or Path(spec).expanduser().exists():
+    if not spec or spec in ("builtin", "byte", "auto") or Path(spec).expanduser().exists():
         return None
     if not _ID.match(spec) or ".." in spec or spec.endswith((".txt", ".jsonl", ".parquet")):
         return None
@@ -97,7 +98,8 @@ def resolve_hub_ids(run: RunConfig) -> RunConfig:
         raise ConfigError(problems)
     model = dataclasses.replace(run.model, pretrained=values["model.pretrained"])
     data = dataclasses.replace(run.data, tokenizer=values["data.tokenizer"], source=values["data.source"])
-    return dataclasses.replace(run, model=model, data=data)
+    # A Hub model is a folder only now: its arch and, with data.tokenizer=auto, its tokenizer follow it.
+    return adopt_pretrained(dataclasses.replace(run, model=model, data=data))
 
 
 def snapshot_of(folder: Optional[str]) -> Optional[Dict[str, str]]:

@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.paths import conf_dir
+from partrain.blueprint.config.pretrained import take_pretrained_as_is
 from partrain.blueprint.config.recipes import find_recipe
 from partrain.blueprint.config.schema import RunConfig, valid_values
 from partrain.errors import ConfigError, Problem
@@ -158,6 +159,7 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
 
     _refuse_repeated_choices(parsed)
     store = ConfigStore.instance()
+    body: dict = {}
     if recipe_name:
         body, path = _load_recipe(recipe_name, recipe_dirs)
         store.store(group=RECIPE_GROUP, name=recipe_name, node=body, package="_global_", provider=str(path))
@@ -180,7 +182,21 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     finally:
         if recipe_name:
             store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
-    return _typed(cfg, recipe_name)
+    return take_pretrained_as_is(_typed(cfg, recipe_name), _explicit_model_keys(parsed, body))
+
+
+def _explicit_model_keys(parsed, recipe_body: dict) -> List[str]:
+    """Dotted `model.` keys the command line or the recipe set by name (not through a model group):
+    the ones that still apply over a pretrained folder's own config."""
+    keys = [ov.key_or_group.lstrip("+") for ov in parsed if ov.key_or_group.lstrip("+").startswith("model.")]
+    model = recipe_body.get("model") if isinstance(recipe_body.get("model"), dict) else {}
+    for key, value in model.items():
+        if key == "config" and isinstance(value, dict):
+            keys += [f"model.config.{k}" for k in value]
+        else:
+            keys.append(f"model.{key}")
+    # `model.config.rope_scaling.factor=2` sets model.config.rope_scaling (the HF config key).
+    return [".".join(k.split(".")[:3]) if k.startswith("model.config.") else k for k in keys]
 
 
 def _refuse_repeated_choices(parsed) -> None:

@@ -91,13 +91,16 @@ def valid_values(key: str, type_name: str) -> str:
 class ModelConfig:
     arch: str = "gpt2"
     """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, mistral, mixtral, qwen2_moe,
-    qwen3_moe."""
+    qwen3_moe. With model.pretrained: the folder's model_type unless given on the command line or in the recipe."""
     config: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class."""
+    """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class.
+    With model.pretrained only the keys given on the command line or in the recipe apply (the model group's
+    size keys do not), each overriding the folder's config.json."""
     pretrained: Optional[str] = None
     """Local folder with an HF `save_pretrained` checkpoint, or a Hub id (gpt2, org/name, org/name@revision)
-    fetched into the Hub cache (HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read); its config.json is
-    the base and `config` keys override it. The run records the commit in RUN_DIR/hub.json."""
+    fetched into the Hub cache (HF_HOME; with HF_HUB_OFFLINE=1 only the cache is read). The model is the
+    folder's as it is: its config.json (arch and sizes), its weights and, with data.tokenizer=auto, its
+    tokenizer (partrain.blueprint.config.pretrained). The run records the commit in RUN_DIR/hub.json."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped in a pretrained folder. Off: such code is never executed."""
     name: str = ""
@@ -242,9 +245,10 @@ class DataConfig:
     through a seeded shuffle buffer; batches stay the same for every layout, a resume replays the stream
     to its step, and the first train.eval_batches global batches of windows are held out for evaluation
     (data.eval_fraction is not used). See partrain.data.streaming."""
-    tokenizer: str = "byte"
-    """byte (256-symbol byte-level, no download), a local folder with an HF tokenizer, or a Hub id
-    (gpt2, org/name@revision) resolved through the Hub cache."""
+    tokenizer: str = "auto"
+    """auto (the model's own: model.pretrained's tokenizer when that folder ships one, else byte; the
+    resolved config records which), byte (256-symbol byte-level, no download), a local folder with an HF
+    tokenizer, or a Hub id (gpt2, org/name@revision) resolved through the Hub cache."""
     max_bytes: int = 8_000_000
     """Read at most this many bytes of raw text (0 = all)."""
     eval_fraction: float = 0.02

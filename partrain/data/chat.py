@@ -1,0 +1,273 @@
+"""Fine-tuning examples: chat and prompt/completion rows rendered into token ids and labels.
+
+One example becomes ``(input_ids, labels)``, aligned as Hugging Face aligns them: ``labels[t]`` is
+``input_ids[t]`` where the loss is taken and IGNORE_INDEX (-100) where it is not; the shift by one
+happens in the loss. With ``train_on="completion"`` (the default) the labels are the assistant
+turns only: their content and the template's end-of-turn token, every assistant turn of a multi-turn
+chat; system and user turns and the template's scaffolding (role headers, BOS) are not trained.
+``train_on="all"`` trains every token.
+
+How the assistant's tokens are found: the conversation is rendered turn by turn with its Jinja chat
+template. The text of the first i messages rendered with the generation prompt ends where assistant
+turn i starts; the first i+1 messages rendered without it end where that turn ends. Each of those
+renders must be a prefix of the whole conversation's text (a template that rewrites earlier turns,
+such as one dropping past reasoning, is refused with the turn named). The text is then cut into
+trained and untrained segments and each segment is tokenized on its own (without special tokens
+added: the template writes BOS and the turn markers itself), so a label never straddles a boundary.
+Segments end at turn markers, where BPE merges do not cross, so the ids equal those of the whole text.
+
+Templates: the tokenizer's own ``chat_template``, or ``data.chat_template`` = a built-in name
+(BUILTIN_TEMPLATES) or a file holding a Jinja template. They are rendered here in a sandboxed Jinja
+environment with the same conventions as ``transformers``' ``apply_chat_template`` (``messages``,
+``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``), so a template
+written for transformers renders the same text, also for partrain's byte tokenizer, which has none.
+
+Rows are checked before anything is rendered (``check_messages``): each problem names the rule, and
+the reader that found the row adds its file and line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+IGNORE_INDEX = -100
+"""Label of a token that takes no loss (the value torch's cross_entropy and Hugging Face ignore)."""
+
+ROLES = ("system", "user", "assistant")
+"""The roles a chat row may use; a system turn may only come first."""
+
+TRAIN_ON = ("completion", "all")
+"""data.train_on: the assistant's tokens only, or every token."""
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML (Qwen, many fine-tunes): <|im_start|>role, newline, content, <|im_end|>."""
+
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+    "'<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+"""Llama 3's header/eot layout (without its tool-calling and date preamble)."""
+
+ZEPHYR = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""Zephyr's <|role|> layout, each turn closed by the tokenizer's EOS token."""
+
+BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "zephyr": ZEPHYR}
+"""data.chat_template names that need no file."""
+
+
+class ChatRowError(ValueError):
+    """A row that cannot be rendered; the message is the rule it breaks (the reader names file and line)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized training example: ids and their aligned labels (IGNORE_INDEX = no loss)."""
+
+    input_ids: List[int]
+    labels: List[int]
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+
+
+Piece = Union[str, List[int]]
+"""Text to tokenize, or ids already (an EOS the tokenizer has no text for)."""
+
+
+def check_messages(messages: Any) -> List[dict]:
+    """The conversation as a list of {role, content}; ChatRowError naming the first rule broken."""
+    if not isinstance(messages, list):
+        raise ChatRowError(f"'messages' must be a list of turns, not a {type(messages).__name__}")
+    if not messages:
+        raise ChatRowError("the conversation is empty")
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            raise ChatRowError(f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'")
+        missing = [k for k in ("role", "content") if k not in turn]
+        if missing:
+            raise ChatRowError(f"turn {i} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(turn)})")
+        if turn["role"] not in ROLES:
+            raise ChatRowError(f"turn {i} has role {turn['role']!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(turn["content"], str):
+            raise ChatRowError(f"turn {i}: content is a {type(turn['content']).__name__}, not a string")
+        if turn["role"] == "system" and i > 0:
+            raise ChatRowError(f"turn {i} is a system turn after the start; a system turn may only come first")
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise ChatRowError("the conversation has no assistant turn, so nothing in it would be trained")
+    return [{"role": t["role"], "content": t["content"]} for t in messages]
+
+
+def resolve_template(spec: str, tokenizer_template: Optional[str]) -> str:
+    """The Jinja text of ``data.chat_template`` (a built-in name or a file), else the tokenizer's own.
+    ChatRowError when there is none; the config layer turns that into an exit 2 with the fix."""
+    if spec:
+        if spec in BUILTIN_TEMPLATES:
+            return BUILTIN_TEMPLATES[spec]
+        path = Path(spec).expanduser()
+        if path.is_file():
+            return path.read_text()
+        raise ChatRowError(
+            f"data.chat_template={spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) nor a file"
+        )
+    if tokenizer_template:
+        return tokenizer_template
+    raise ChatRowError(
+        "the tokenizer has no chat template; set data.chat_template to one of "
+        f"{', '.join(BUILTIN_TEMPLATES)} or to a Jinja file"
+    )
+
+
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise ChatRowError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+class ChatRenderer:
+    """Renders conversations with one template and the tokenizer's special-token texts."""
+
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+
+        try:
+            self._template = _environment().from_string(template)
+        except TemplateError as exc:
+            raise ChatRowError(f"the chat template does not parse: {exc}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise ChatRowError(f"the chat template failed on this conversation: {exc}") from None
+
+    def segments(self, messages: Sequence[dict]) -> List[Tuple[str, bool]]:
+        """The conversation's text cut into (text, is an assistant turn) pieces, in order."""
+        whole = self.render(messages)
+        out: List[Tuple[str, bool]] = []
+        done = 0
+        for i, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            start = self._prefix_length(messages[:i], True, whole, i)
+            end = self._prefix_length(messages[: i + 1], False, whole, i)
+            span = whole[start:end]
+            end = start + len(span.rstrip())  # the newline after an end-of-turn marker is scaffolding
+            if start < done or end <= start:
+                raise ChatRowError(f"turn {i}: the chat template renders no text of its own for this assistant turn")
+            out += [(whole[done:start], False), (whole[start:end], True)]
+            done = end
+        out.append((whole[done:], False))
+        return [(text, trained) for text, trained in out if text]
+
+    def _prefix_length(self, messages: Sequence[dict], generation: bool, whole: str, turn: int) -> int:
+        text = self.render(messages, add_generation_prompt=generation)
+        if not whole.startswith(text):
+            raise ChatRowError(
+                f"turn {turn}: the chat template renders earlier turns differently once later ones follow, so "
+                "the assistant's tokens cannot be told apart (choose another data.chat_template)"
+            )
+        return len(text)
+
+
+def tokenize_pieces(tokenizer, pieces: Sequence[Tuple[Piece, bool]], train_on: str = "completion") -> Example:
+    """Ids and labels of (piece, trained) pieces, each piece tokenized on its own without special tokens."""
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on must be one of {TRAIN_ON}, not {train_on!r}")
+    ids: List[int] = []
+    labels: List[int] = []
+    for piece, trained in pieces:
+        piece_ids = [int(i) for i in piece] if isinstance(piece, list) else tokenizer.encode(piece)
+        ids += piece_ids
+        labels += piece_ids if (trained or train_on == "all") else [IGNORE_INDEX] * len(piece_ids)
+    return Example(ids, labels)
+
+
+def chat_example(renderer: ChatRenderer, tokenizer, messages: Any, train_on: str = "completion") -> Example:
+    """A chat row's example (``messages`` as read from the row; checked first)."""
+    return tokenize_pieces(tokenizer, renderer.segments(check_messages(messages)), train_on)
+
+
+def prompt_completion_example(
+    tokenizer,
+    prompt: Any,
+    completion: Any,
+    renderer: Optional[ChatRenderer] = None,
+    prompt_template: str = "",
+    train_on: str = "completion",
+) -> Example:
+    """A prompt/completion row's example: through the chat template as one user and one assistant
+    turn when a renderer is given, else ``prompt_template`` (``{prompt}`` replaced; the prompt alone
+    when empty) followed by the completion and the tokenizer's EOS, the completion and EOS trained."""
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            raise ChatRowError(f"field {name!r} is a {type(value).__name__}, not a string")
+    if not completion:
+        raise ChatRowError("field 'completion' is empty, so nothing in this row would be trained")
+    if renderer is not None:
+        turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return tokenize_pieces(tokenizer, renderer.segments(turns), train_on)
+    if prompt_template and "{prompt}" not in prompt_template:
+        raise ChatRowError(f"data.prompt_template={prompt_template!r} has no {{prompt}} placeholder")
+    head = prompt_template.replace("{prompt}", prompt) if prompt_template else prompt
+    bos = [int(tokenizer.bos_id)] if getattr(tokenizer, "bos_id", None) is not None else []
+    pieces: List[Tuple[Piece, bool]] = [(bos, False), (head, False), (completion, True), ([tokenizer.eos_id], True)]
+    return tokenize_pieces(tokenizer, [(p, t) for p, t in pieces if p], train_on)
+
+
+def tokenized_example(row: dict, vocab_size: int) -> Example:
+    """A pre-tokenized row: ``input_ids`` and optionally ``labels`` (the same length; -100 = no loss)."""
+    ids = row.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise ChatRowError("field 'input_ids' must be a non-empty list of integers")
+    if any(i < 0 or i >= vocab_size for i in ids):
+        raise ChatRowError(f"field 'input_ids' holds ids outside the tokenizer's 0..{vocab_size - 1}")
+    labels = row.get("labels", ids)
+    if not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(i, int) for i in labels):
+        raise ChatRowError("field 'labels' must be a list of integers as long as 'input_ids'")
+    return Example(list(ids), list(labels))
+
+
+FORMATS = ("text", "chat", "prompt_completion", "tokenized")
+"""data.format values besides auto."""
+
+
+def detect_format(row: Any) -> str:
+    """The format a row is written in, from its fields (data.format=auto reads the first row)."""
+    if isinstance(row, dict):
+        if "messages" in row:
+            return "chat"
+        if "prompt" in row and "completion" in row:
+            return "prompt_completion"
+        if "input_ids" in row:
+            return "tokenized"
+    return "text"
