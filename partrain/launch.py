@@ -335,7 +335,8 @@ def _report_failure(run_dir: Path, code: int, console) -> str:
 
 def _print_plan_check(block: Optional[dict], console) -> None:
     """One line of planned vs measured memory and tokens/s; a `warning:` line for each figure more
-    than the tolerance away from its plan (partrain.train.plan_check)."""
+    than the tolerance away from its plan, and a plain line for a CPU run's throughput off its plan,
+    with the host's load (partrain.train.plan_check)."""
     if not block:
         return
     if block.get("error"):
@@ -353,5 +354,7 @@ def _print_plan_check(block: Optional[dict], console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    for text in block.get("info", []):  # a CPU run's step time against the plan, with the host's load
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
     for text in block.get("warnings", []):
         console.print(f"warning: {text}", markup=False, highlight=False, soft_wrap=True)

@@ -94,6 +94,7 @@ def train_process(
     from partrain.train.lr_schedule import LRSchedule
     from partrain.train.metrics import MetricsWriter
     from partrain.train.plan_check import Plan, PlanCheckMetrics, memory_baseline
+    from partrain.train.trackers import TrackerMemory
 
     run = v.run
     # Decided once here: rank 0 under partrain's launcher speaks to it in JSON events; started by
@@ -108,7 +109,8 @@ def train_process(
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
     from partrain import checkpoint  # noqa: F401 - imported before the memory baseline (plan_check)
 
-    baseline = memory_baseline(v, device, env.is_main)
+    trackers = TrackerMemory()  # what rank 0's trackers add to its process: measured apart from the training
+    baseline = memory_baseline(v, device, env.is_main, trackers)
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_sharded_data(v, run_dir, mesh)
@@ -116,11 +118,11 @@ def train_process(
     schedule = LRSchedule(run.optim, run.train.steps)
     checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
     start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
-    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run)
+    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run, tracker_memory=trackers)
     pp_rank = mesh.local("pp")
     plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
     if env.is_main:
-        metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank)
+        metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank, trackers)
     trainer = Trainer(
         v,
         mesh,
@@ -143,7 +145,7 @@ def train_process(
     checkpoints.finish()
     metrics.close()
 
-    gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine)
+    gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine, trackers)
     moe = getattr(engine, "moe", None)
     if relayout.peers_left(v, state, stop):  # after the shared checkpoint: torchrun restarts this node
         return relayout.PEER_LEFT_EXIT
@@ -163,15 +165,16 @@ def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
     return shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode))
 
 
-def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: int, engine):
-    """Every rank's memory and traffic record, gathered on rank 0 (None elsewhere)."""
+def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: int, engine, trackers=None):
+    """Every rank's memory and traffic record, gathered on rank 0 (None elsewhere); trackers: what
+    rank 0's trackers added to its process (plan_check.measured_memory subtracts it)."""
     import torch.distributed as dist
 
     from partrain.runtime.resident import peak_rss_bytes
     from partrain.train.plan_check import measured_memory
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
-    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline), **_engine_record(engine))
+    mine.update(pp_rank=pp_rank, **measured_memory(device, baseline, trackers), **_engine_record(engine))
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
     return gathered

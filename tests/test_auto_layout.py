@@ -117,6 +117,11 @@ def test_the_run_says_when_the_choice_is_slower_than_planned_or_inside_the_margi
     slow = auto_verdict(record, 1.01 * record["usable_memory_gib"] * GIB, planned / 1.5)
     assert slow["slower_than_planned"] and slow["memory_in_margin"] and len(slow["warnings"]) == 2
     assert all(" ".join(record["runner_up"]["overrides"]) in text for text in slow["warnings"])
+    # On a CPU the step time is information naming the host's load; memory in the margin still warns.
+    cpu = auto_verdict(record, 1.01 * record["usable_memory_gib"] * GIB, planned / 1.5, cpu_load="CPU: load x")
+    assert cpu["slower_than_planned"] and [w[:40] for w in cpu["warnings"]] == [slow["warnings"][1][:40]]
+    (info,) = cpu["info"]
+    assert "takes 1.50x the predicted time (CPU: load x)" in info and fine["info"] == []
 
 
 def _losses(run_dir) -> dict:

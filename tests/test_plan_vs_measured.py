@@ -22,6 +22,7 @@ from partrain.train.plan_check import (
     Plan,
     PlanCheckMetrics,
     compare,
+    measured_memory,
     planned_vs_measured,
     steady_tokens_per_s,
     warmup_steps,
@@ -80,24 +81,29 @@ def test_summary_holds_planned_beside_measured(gpt_dp):
     for row in block["memory_per_rank"]:
         rank = ranks[row["rank"]]
         assert row["pp_rank"] == rank["pp_rank"] == 0 and row["planned"] == planned_bytes
-        # Measured = the whole process's peak RSS (the planner counts a CPU worker's "process" term);
-        # the RSS before the model was built is kept beside it, below the peak.
+        # Measured = the whole process's peak RSS (the planner counts a CPU worker's "process" term)
+        # less what rank 0's tracker (TensorBoard) added; the RSS before the model was built is kept
+        # beside it, below the peak.
         assert 0 < rank["baseline_memory_bytes"] < rank["peak_rss_bytes"]
-        assert row["measured"] == rank["measured_memory_bytes"] == rank["peak_rss_bytes"]
+        assert (rank["tracker_bytes"] > 0) == (row["rank"] == 0) and row["tracker_bytes"] == rank["tracker_bytes"]
+        assert row["measured"] == rank["measured_memory_bytes"] == rank["peak_rss_bytes"] - rank["tracker_bytes"]
         assert row["measured_over_planned"] == pytest.approx(row["measured"] / planned_bytes)
         assert row["within_tolerance"] == (abs(row["measured_over_planned"] - 1) <= 0.2)
         # On a CPU the plan counts the worker's own resident memory ("process"): the whole RSS is within 20%.
         assert row["within_tolerance"], row
     worst = max(block["memory_per_rank"], key=lambda r: abs(r["measured_over_planned"] - 1))
     assert block["memory"]["rank"] == worst["rank"] and block["memory"]["measured"] == worst["measured"]
+    assert block["memory"]["tracker_bytes_subtracted"] == worst["tracker_bytes"]
     # Tokens/s: the planner's figure against the mean over the steps after the 2 warm-up steps.
     tokens = block["tokens_per_s"]
     times = [r["step_time_s"] for r in gpt_dp.records if "step_time_s" in r]
     assert len(times) == 4 and tokens["warmup_steps_skipped"] == 2
     assert tokens["planned"] == pytest.approx(est["tokens_per_s"])
     assert tokens["measured"] == pytest.approx(16 * 128 * 2 / sum(times[2:]))
-    expected = (not block["memory"]["within_tolerance"]) + (not tokens["within_tolerance"])
-    assert len(block["warnings"]) == expected
+    # On a CPU only memory warns; a throughput off its plan is one line of information naming the load.
+    assert len(block["warnings"]) == (not block["memory"]["within_tolerance"])
+    assert len(block["info"]) == (not tokens["within_tolerance"])
+    assert block["cpu_load"]["processes_on_node"] == 2 and block["cpu_load"]["cores"] >= 1
 
 
 def test_last_metrics_record_and_tensorboard_carry_the_plan_check(gpt_dp):
@@ -198,6 +204,54 @@ def test_launcher_lines_from_a_block():
     assert out.getvalue().splitlines() == [
         "planned vs measured: memory 1.000 vs 1.000 GiB (1.00x, rank 0), tokens/s 1,000 vs 1,000 (1.00x)"
     ]
+
+
+def test_a_cpu_run_reports_throughput_as_information_naming_the_load():
+    plan = Plan(stage_bytes={0: {"total": 100}}, tokens_per_s=43768.0)
+    ranks = [{"rank": 0, "pp_rank": 0, "measured_memory_bytes": 150}]  # memory 1.5x: warns on every device
+    load = {"load_average_1m": 5.2, "cores": 2, "processes_on_node": 8, "processes_per_core": 4.0}
+    times = [1.0, 1.0, 1000 / 4760, 1000 / 4760]
+    cpu = planned_vs_measured(plan, ranks, times, _v(), "cpu", load=load)
+    (warning,) = cpu["warnings"]
+    assert warning.startswith("peak memory of rank 0 is 1.50x the plan")
+    assert cpu["info"] == [
+        "throughput 4,760 tokens/s, 0.11x the planned 43,768 (CPU: load average 5.2 on 2 cores, 8 ranks on "
+        "this node (4 per core); on a CPU the machine's other load decides the step time)"
+    ]
+    assert cpu["cpu_load"] == load and cpu["tokens_per_s"]["measured_over_planned"] == pytest.approx(4760 / 43768)
+    gpu = planned_vs_measured(plan, ranks, times, _v(), "cuda", load=load)
+    assert gpu["info"] == [] and "cpu_load" not in gpu
+    assert [w.split(" (")[0] for w in gpu["warnings"]] == [warning.split(" (")[0], "throughput is 0.11x the plan"]
+    measured = planned_vs_measured(plan, ranks, times, _v(), "cpu")  # the load read from this machine
+    assert measured["cpu_load"]["cores"] >= 1 and "CPU: load average" in measured["info"][0]
+    from rich.console import Console
+
+    from partrain.launch import _print_plan_check
+
+    out = io.StringIO()
+    _print_plan_check(cpu, Console(file=out, width=300))
+    lines = out.getvalue().splitlines()
+    assert lines[1] == cpu["info"][0] and lines[2] == "warning: " + warning and len(lines) == 3
+
+
+def test_tracker_memory_is_measured_apart_and_subtracted():
+    from partrain.train.trackers import TrackerMemory
+
+    trackers = TrackerMemory()
+    with trackers.phase("start"):
+        held = bytearray(64 * 2**20)  # 64 MiB, every page touched
+    with trackers.phase("logging"):
+        del held  # memory a phase frees is not counted below zero
+    assert 56 * 2**20 <= trackers.start <= 80 * 2**20 and trackers.logging == 0
+    mine = measured_memory(_cpu(), 0, trackers)
+    assert mine["tracker_bytes"] == trackers.total
+    assert mine["measured_memory_bytes"] == mine["peak_rss_bytes"] - trackers.total
+    assert mine["tracker_bytes_by_phase"] == trackers.to_json()
+    assert measured_memory(_cpu(), 0)["tracker_bytes"] == 0
+    plan = Plan(stage_bytes={0: {"total": 100}}, tokens_per_s=1.0)
+    rank0 = {"rank": 0, "pp_rank": 0, "measured_memory_bytes": 100, "tracker_bytes": 30}
+    block = planned_vs_measured(plan, [rank0], [1.0], _v(1), "cpu", load=None)
+    assert block["memory"]["tracker_bytes_subtracted"] == 30 and block["warnings"] == []
 
 
 def _cpu():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from partrain.blueprint.config.hub_ids import reads_as_hub_id
 from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, TRACKERS, RunConfig
 from partrain.blueprint.degree_rules import (
@@ -247,8 +248,8 @@ def _compute_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
 def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
     d = run.data
     if d.source != "builtin":
-        c.check(
-            Path(d.source).expanduser().exists(),
+        c.check(  # a Hub id here is a dataset a dry run or `plan` did not download (train resolves it first)
+            Path(d.source).expanduser().exists() or reads_as_hub_id(d.source),
             "data.source",
             d.source,
             "no such file or folder",

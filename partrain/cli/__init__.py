@@ -61,36 +61,34 @@ def _validated(overrides, recipes, as_json: bool):
     return _resolved(overrides, recipes, as_json)[0]
 
 
-def _resolved(overrides, recipes, as_json: bool):
+def _resolved(overrides, recipes, as_json: bool, fetch_data: bool = True):
     """(ValidatedRun, record of the `parallel=auto` choice or None). With parallel=auto the layout the
-    recipe states is only a starting point: the planner chooses (partrain.blueprint.planner.auto)."""
+    recipe states is only a starting point: the planner chooses (partrain.blueprint.planner.auto).
+    fetch_data=False: a Hub dataset is not downloaded (dry run, plan; see compose_run)."""
     from partrain.blueprint.planner.auto import resolve_layout
 
     try:
-        return resolve_layout(compose_run(overrides, recipes), overrides or [])
+        return resolve_layout(compose_run(overrides, recipes, fetch_data), overrides or [])
     except ConfigError as err:
         fail(err, as_json)
 
 
-SEARCHED_KEYS = frozenset(
-    [f"parallel.{k}" for k in ("dp", "tp", "pp", "ep", "dp_shard", "zero_stage", "recompute", "recompute_every")]
-    + [f"parallel.{k}" for k in ("pp_schedule", "pp_virtual_stages", "pp_layers_per_stage", "tp_sequence_parallel")]
-    + ["train.micro_batch_size", "train.microbatches"]
-)
-"""Keys `plan --search` chooses itself: a starting value that is invalid does not stop the search."""
+PLAN_READS_NO_FILES = {
+    "check": "files",
+    "why": "plan reads no data, tokenizer, weights or checkpoint; plan --check and train --dry-run do",
+}
+"""The "unchecked" entry of a `plan` without --check: it plans runs for clusters it is not on."""
 
 
-def _search_start(overrides, recipes, as_json: bool):
-    """(ValidatedRun or None, RunConfig, problems of the starting layout the search ignores)."""
-    from partrain.blueprint.validate import validate
+def _preflight(validated, as_json: bool) -> List[dict]:
+    """The launch's own preflight (partrain.preflight.check_before_launch) as a dry run: exit 2 with
+    one message per problem, else what could not be checked offline (the report's "unchecked")."""
+    from partrain.preflight import check_before_launch
 
     try:
-        run = compose_run(overrides, recipes)
-        return validate(run), run, []
+        return [item.to_json() for item in check_before_launch(validated, dry_run=True)]
     except ConfigError as err:
-        if any(p.key not in SEARCHED_KEYS for p in err.problems):
-            fail(ConfigError([p for p in err.problems if p.key not in SEARCHED_KEYS]), as_json)
-        return None, run, err.problems
+        fail(err, as_json)
 
 
 ACCOUNTING_STYLES = {"runtime": "autocast", "paper": "zero"}
@@ -129,6 +127,7 @@ def _print_layout(
     mixed: str = "autocast",
     include_unsupported: bool = False,
     auto_choice: Optional[dict] = None,
+    unchecked: Optional[List[dict]] = None,
 ) -> dict:
     from partrain.blueprint.planner import estimate, search
     from partrain.blueprint.report.estimate import (
@@ -145,6 +144,7 @@ def _print_layout(
 
     report = layout_report(validated)
     report["estimate"] = estimate(validated, mixed=mixed)
+    report["unchecked"] = list(unchecked or [])
     conclude(report)
     if auto_choice is not None:
         report["auto"] = auto_choice
@@ -176,7 +176,7 @@ def _print_layout(
         if drawable:
             from partrain.blueprint.report.schedule import render_text
 
-            picture = render_text(schedule_grid_of(validated), max_slots=120)
+            picture = render_text(schedule_grid_of(validated), max_slots=120, line_width=stdout_console().width)
         render_layout(report, stdout_console(), all_ranks=all_ranks, picture=picture)
         render_estimate(report["estimate"], stdout_console())
         if "candidates" in report:
@@ -217,9 +217,10 @@ def train(
     # The flags win over the keys: Hydra applies the last override of a key.
     overrides = [*(overrides or []), *([f"cluster.node_rank={node_rank}"] if node_rank is not None else [])]
     overrides += [f"cluster.rdzv_endpoint={rdzv_endpoint}"] if rdzv_endpoint is not None else []
-    validated, choice = _resolved(overrides, recipes, as_json)
+    validated, choice = _resolved(overrides, recipes, as_json, fetch_data=not dry_run)
     if dry_run:
-        report = _print_layout(validated, as_json, all_ranks, schedule_svg, auto_choice=choice)
+        unchecked = _preflight(validated, as_json)  # the launch's checks, before any verdict is printed
+        report = _print_layout(validated, as_json, all_ranks, schedule_svg, auto_choice=choice, unchecked=unchecked)
         _exit_for_check(report, check)
         return
     from partrain.blueprint.trainable import unsupported_features
@@ -351,6 +352,13 @@ def plan(
     include_unsupported: bool = typer.Option(
         False, "--include-unsupported", help="--search also ranks layouts this version of partrain cannot train yet."
     ),
+    explain_rank: Optional[int] = typer.Option(
+        None,
+        "--explain",
+        min=1,
+        help="With --search: also print candidate N's full report, as plan with its overrides would (with "
+        "--json only that report).",
+    ),
     accounting: str = ACCOUNTING,
     check: bool = CHECK,
 ) -> None:
@@ -361,27 +369,26 @@ def plan(
     search keeps only the model, cluster, sequence length, sp and global batch."""
     mixed = _mixed_style(accounting, as_json)
     simulate_ranks = list(simulate_rank or []) if (simulate or simulate_rank) else None
-    choice = None
     if search_layouts:
-        validated, run, ignored = _search_start(overrides, recipes, as_json)
-        if validated is None:
-            _search_only(run, ignored, top, mixed, include_unsupported, as_json)
-            return
-    else:
-        validated, choice = _resolved(overrides, recipes, as_json)
+        explain = (explain_rank, all_ranks, schedule_svg)
+        _search_cmd(overrides, recipes, top, mixed, include_unsupported, as_json, explain)
+        return
+    if explain_rank is not None:
+        fail(ConfigError(Problem("--explain", explain_rank, "only goes with --search", "add --search")), as_json)
+    validated, choice = _resolved(overrides, recipes, as_json, fetch_data=False)
+    # --check: the launch's preflight, as train --dry-run runs it; without: a plan reads no files.
+    unchecked = _preflight(validated, as_json) if check else [PLAN_READS_NO_FILES]
     report = _print_layout(
         validated,
         as_json,
         all_ranks,
         schedule_svg,
-        search_top=top if search_layouts else 0,
         simulate_ranks=simulate_ranks,
         mixed=mixed,
         include_unsupported=include_unsupported,
-        auto_choice=None if search_layouts else choice,
+        auto_choice=choice,
+        unchecked=unchecked,
     )
-    if search_layouts and not report.get("candidates"):
-        raise typer.Exit(2)
     _exit_for_check(report, check)
 
 
@@ -392,26 +399,54 @@ def _exit_for_check(report: dict, check: bool) -> None:
         raise typer.Exit(STATUS_EXIT_CODES[report["status"]])
 
 
-def _search_only(run, ignored, top: int, mixed: str, include_unsupported: bool, as_json: bool) -> None:
-    """`plan --search` from a starting layout that is not valid: the search's candidates alone."""
+def _search_cmd(overrides, recipes, top: int, mixed: str, include_unsupported: bool, as_json: bool, explain) -> None:
+    """`plan --search`: the candidates table first, one line about the starting layout (whose degrees,
+    micro batch, ZeRO stage and recompute the search never reads), then with --explain N candidate
+    N's full report. `explain` is (N or None, all_ranks, schedule_svg)."""
     from partrain.blueprint.planner import search
+    from partrain.blueprint.planner.search import auto_memory_fraction
     from partrain.blueprint.report.estimate import render_candidates
+    from partrain.blueprint.validate import validate
 
+    rank, all_ranks, schedule_svg = explain
     try:
-        candidates = search(run, top_k=top, mixed=mixed, runnable_only=not include_unsupported)
+        run = compose_run(overrides, recipes, False)
+        try:
+            start, ignored = validate(run), []
+        except ConfigError as err:
+            start, ignored = None, err.problems
+        candidates = search(start or run, top_k=top, mixed=mixed, runnable_only=not include_unsupported)
     except ConfigError as err:
         fail(err, as_json)
-    start = [p.to_json() for p in ignored]
-    if as_json:
-        print(json.dumps({"valid": False, "starting_layout_problems": start, "candidates": candidates}, default=str))
-    else:
+    if rank is not None and not 1 <= rank <= len(candidates):
+        why = f"must be the rank of a listed candidate (1 to {len(candidates)})"
+        fail(ConfigError(Problem("--explain", rank, why, "pass a listed rank, or raise --top")), as_json)
+    if as_json and rank is None:
+        out = {
+            "valid": start is not None,
+            "starting_layout_problems": [p.to_json() for p in ignored],
+            "auto_memory_fraction": auto_memory_fraction(run.parallel.auto_memory_margin),
+            "candidates": candidates,
+        }
+        print(json.dumps(out, default=str))
+    elif not as_json:
         console = stdout_console()
-        console.print("the starting layout is not valid; searched from the model, cluster and global batch:")
-        for problem in ignored:
-            console.print(f"  {problem.key}={problem.value}: {problem.rule}", markup=False)
         render_candidates(candidates, console)
+        if start is None:
+            keys = ", ".join(dict.fromkeys(p.key for p in ignored))
+            console.print(f"the starting layout is not valid ({keys}): the search does not read it", markup=False)
+        else:
+            console.print("the starting layout is valid; the search does not read it", markup=False)
     if not candidates:
         raise typer.Exit(2)
+    if rank is not None:
+        try:
+            validated = validate(compose_run([*(overrides or []), *candidates[rank - 1]["overrides"]], recipes, False))
+        except ConfigError as err:
+            fail(err, as_json)
+        if not as_json:
+            stdout_console().print(f"\n#{rank} in full:", markup=False)
+        _print_layout(validated, as_json, all_ranks, schedule_svg, mixed=mixed, unchecked=[PLAN_READS_NO_FILES])
 
 
 app.command()(show)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -26,8 +26,32 @@ RECIPES = typer.Option(
 JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see README).")
 
 
+REPORT_WIDTH = 100
+"""Columns of a report written to a file or a pipe with no terminal to measure and no COLUMNS set."""
+
+
+def report_width(
+    environ: Mapping[str, str], terminal_size: Callable[[int], Sequence[int]] = os.get_terminal_size
+) -> Optional[int]:
+    """The console width to force, or None to let rich measure it.
+
+    COLUMNS wins when set, and a terminal on stdin, stdout or stderr gives its width (rich measures
+    both; `partrain plan | less` keeps the terminal's width). With neither, rich would choose 80
+    columns, which wraps most rows of the summary and step tables into two lines; the reports are laid
+    out for REPORT_WIDTH columns, and a log file or a CI page has no width of its own."""
+    if environ.get("COLUMNS", "").isdigit():
+        return None
+    for fd in (0, 1, 2):
+        try:
+            if terminal_size(fd)[0] > 0:
+                return None
+        except (AttributeError, ValueError, OSError):  # not a terminal
+            continue
+    return REPORT_WIDTH
+
+
 def stdout_console() -> Console:
-    return Console(highlight=False)
+    return Console(highlight=False, width=report_width(os.environ))
 
 
 def recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
@@ -39,13 +63,14 @@ def recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
     return [d for _, d in given]
 
 
-def compose_run(overrides: List[str], recipes: Optional[List[Path]]):
+def compose_run(overrides: List[str], recipes: Optional[List[Path]], fetch_data: bool = True):
     """Compose the config, then resolve Hub ids (model.pretrained, data.tokenizer, data.source) to
-    local snapshot folders, as every command must before validating (partrain.preflight.hub)."""
+    local snapshot folders, as every command must before validating (partrain.preflight.hub).
+    fetch_data=False (dry run, plan): a Hub dataset only from the local Hub cache, never downloaded."""
     from partrain.blueprint.config.compose import compose
     from partrain.preflight.hub import resolve_hub_ids
 
-    return resolve_hub_ids(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))))
+    return resolve_hub_ids(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))), fetch_data)
 
 
 def fail(err: ConfigError, as_json: bool) -> None:

@@ -34,6 +34,9 @@ def show(
         run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
     except ConfigError as err:
         fail(err, as_json)
+    choice = None
+    if run.parallel.auto:
+        run, choice = _chosen(overrides, recipes, as_json)
     if against is not None and not diff:
         fail(ConfigError(Problem("--against", against, "only goes with --diff", "add --diff")), as_json)
     if diff:
@@ -58,9 +61,34 @@ def show(
     if as_json:
         from dataclasses import asdict
 
-        print(json.dumps(asdict(run), default=str))
+        print(json.dumps({**asdict(run), **({"auto_choice": choice} if choice else {})}, default=str))
     else:
+        if choice is not None:
+            print(_choice_comment(choice))
         print(to_yaml(run), end="")
+
+
+def _chosen(overrides, recipes, as_json: bool):
+    """(the run with the layout parallel=auto chooses, the record of the choice): what `train` runs."""
+    from partrain.blueprint.planner.auto import choose_layout
+    from partrain.cli.common import compose_run
+
+    try:
+        validated, record = choose_layout(compose_run(overrides or [], recipes, False), overrides or [])
+    except ConfigError as err:
+        fail(err, as_json)
+    return validated.run, record
+
+
+def _choice_comment(record: dict) -> str:
+    """One YAML comment line saying the layout below was chosen by parallel=auto, and how it does."""
+    from partrain.blueprint.planner.auto import memory_phrase, short_layout
+
+    chosen = record["chosen"]
+    return (
+        f"# parallel=auto chose this layout: {short_layout(chosen['layout'])}; predicted "
+        f"{chosen['step_time_s']:.4g} s/step, {memory_phrase(record)}"
+    )
 
 
 def _show_diff(run, against: Optional[str], recipes, as_json: bool) -> None:

@@ -123,8 +123,12 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _text_of(record: object, path: Path, text_field: str, where: str) -> str:
-    if not isinstance(record, dict) or text_field not in record:
-        raise _field_error(path, text_field, f"{where} has no field {text_field!r}")
+    if not isinstance(record, dict):
+        raise _field_error(
+            path, text_field, f"{where} has no field {text_field!r} (a {type(record).__name__}, not an object)"
+        )
+    if text_field not in record:  # the fields present: the one meant is usually among them
+        raise _field_error(path, text_field, f"{where} has no field {text_field!r} (fields: {list(record)})")
     text = record[text_field]
     if not isinstance(text, str):
         raise _field_error(path, text_field, f"{where}: field {text_field!r} is a {type(text).__name__}, not a string")

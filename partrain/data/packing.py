@@ -31,7 +31,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -119,10 +119,7 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
     A cache hit only stats the source files and hashes the tokenizer files; the tokenizer itself
     is loaded only on a miss.
     """
-    _check_numbers(cfg)
-    corpus = Corpus.from_config(cfg)
-    key = cache_key(corpus, tokenizer_name(cfg.tokenizer), cfg.eval_fraction)
-    folder = cache_root_for(cfg, cache_root) / f"{corpus.slug}-{key[:16]}"
+    corpus, key, folder = _entry(cfg, cache_root)
     meta_path = folder / META_NAME
     if meta_path.exists():
         try:
@@ -150,6 +147,63 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
         ) from exc
     finally:
         _remove_empty(fresh)
+
+
+def _entry(cfg: DataConfig, cache_root: Optional[Path]) -> tuple:
+    """(corpus, cache key, entry folder) of ``cfg``: the same for prepare_tokens and probe_tokens."""
+    _check_numbers(cfg)
+    corpus = Corpus.from_config(cfg)
+    key = cache_key(corpus, tokenizer_name(cfg.tokenizer), cfg.eval_fraction)
+    return corpus, key, cache_root_for(cfg, cache_root) / f"{corpus.slug}-{key[:16]}"
+
+
+def probe_tokens(
+    cfg: DataConfig, enough: Callable[[PackedData], bool], cache_root: Optional[Path] = None
+) -> PackedData:
+    """What ``prepare_tokens`` would return, found without writing anything (the dry run's data check).
+
+    A valid cache entry is reused as it is. Otherwise the corpus is read and tokenized in memory,
+    with the readers and tokenizer ``prepare_tokens`` uses (so a bad source fails with the same
+    ConfigError), until ``enough`` says the counts so far settle the verdict, or the corpus ends.
+    The result names the entry's files where ``prepare_tokens`` would write them (they need not
+    exist) and holds token counts of the stream read so far: exact when the corpus ended, else a
+    lower bound. Stopping early is sound for any ``enough`` that is monotone in the counts: the
+    train and eval counts of a longer stream are never smaller (the eval split is
+    round(n x eval_fraction) of n tokens, which grows by at most one token per token).
+    A record after the point where reading stopped is not looked at (``prepare_tokens`` reads it).
+    """
+    corpus, _, folder = _entry(cfg, cache_root)
+    meta_path = folder / META_NAME
+    if meta_path.exists():
+        try:
+            return open_packed(meta_path)
+        except (OSError, ValueError, KeyError):
+            pass  # damaged: prepare_tokens rebuilds it; count as if it were not there
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    def counted(n_total: int) -> PackedData:
+        n_eval = int(round(n_total * cfg.eval_fraction))
+        return PackedData(
+            train_path=folder / TRAIN_NAME,
+            eval_path=folder / EVAL_NAME,
+            dtype=dtype.name,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            n_train_tokens=n_total - n_eval,
+            n_eval_tokens=n_eval,
+            tokenizer=tokenizer.name,
+            meta_path=meta_path,
+        )
+
+    n_total = 0
+    for doc in corpus.documents():  # one document at a time: reading stops as soon as the verdict is known
+        (ids,) = tokenizer.encode_batch([doc])
+        check_ids(ids, tokenizer)
+        n_total += len(ids) + 1  # the document and its end-of-document separator, as _write_stream writes them
+        if enough(counted(n_total)):
+            break
+    return counted(n_total)
 
 
 def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:

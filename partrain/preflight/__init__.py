@@ -1,8 +1,12 @@
-"""Checks that need the file system, run by the launcher before any process, lock or folder exists.
+"""Checks that need the file system, run before any process, lock or folder exists.
 
 `validate` judges the config alone; `check_before_launch` judges it against what is on disk, so a
 config error found here is exit 2 with nothing started, instead of a worker failure after the run
-folder was made. Every problem found is collected into one ConfigError:
+folder was made. `partrain train` runs it before its launch, and `train --dry-run` and
+`plan --check` run the same function with `dry_run=True`: the same checks and the same messages,
+except that a dry run creates nothing (no data cache entry, no Hub download) and what it cannot
+settle offline is returned as "unchecked" instead of fetched. Every problem found is collected
+into one ConfigError:
 
 - train.run_dir and checkpoint.dir: folders (not files) that this process can write in (checkpoint.dir
   only when the run saves: resuming from a read-only archive is allowed);
@@ -12,31 +16,61 @@ folder was made. Every problem found is collected into one ConfigError:
   the config was composed): its safetensors are fetched into the Hub cache (or found there offline);
 - model.pretrained: the safetensors headers parse and every parameter is there with its shape;
 - the data: tokenized (or found in the cache) and long enough for one global batch, eval included;
+  the tokenizer's vocabulary fits model.config.vocab_size;
 - train.loggers: the trackers' packages are installed.
+
+The dry run's data check (`partrain.data.probe_tokens`) reuses a valid cache entry, else reads and
+tokenizes the source in memory only until one global batch (and the eval split's batch) is certain,
+with the readers and tokenizer the launch uses: a bad field, type, file or tokenizer fails with the
+launch's own message. Not checked by a dry run, and named in its verdict instead: a data.source
+given as a Hub dataset id that is not in the local Hub cache, and a Hub model's weights that are
+not there yet (the launch downloads both).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
-from partrain.preflight.hub import fetch_weights
+from partrain.preflight.hub import fetch_weights, hub_id, snapshot_of
 from partrain.preflight.paths import file_problems, folder_problems
 from partrain.preflight.weights import weight_problems
 
 DEFAULT_RUNS = Path("runs")
 """Where run folders go when train.run_dir is unset (see partrain.launch.default_run_dir)."""
 
-__all__ = ["check_before_launch", "file_problems", "folder_problems", "weight_problems"]
+__all__ = ["Unchecked", "check_before_launch", "file_problems", "folder_problems", "weight_problems"]
 
 
-def check_before_launch(v: ValidatedRun) -> None:
-    """Raise one ConfigError listing every problem found on disk; creates nothing (a data cache
-    entry aside: tokenizing is how the data's length is known, and the launch needs it anyway)."""
+DATA_NOT_CACHED = "not a local path, and no Hub dataset of that id is in the local Hub cache"
+WEIGHTS_NOT_CACHED = "the model's safetensors weights are not in the local Hub cache yet"
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """A check a dry run could not make offline, and why (the report's "unchecked" entries)."""
+
+    check: str
+    """What was not checked: data, weights."""
+    why: str
+    """Why, and who checks it instead (the launch, which downloads what is missing)."""
+
+    def to_json(self) -> dict:
+        return {"check": self.check, "why": self.why}
+
+
+def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecked]:
+    """Raise one ConfigError listing every problem found on disk. The launch (dry_run False) writes
+    only the data cache entry (tokenizing is how the data's length is known, and the launch needs it
+    anyway) and the Hub cache (a Hub model's weights); a dry run writes nothing at all and returns
+    what it could not check offline (empty when everything was checked)."""
     run = v.run
     problems: List[Problem] = []
+    unchecked: List[Unchecked] = []
     run_dir = Path(run.train.run_dir).expanduser() if run.train.run_dir else None
     problems += folder_problems("train.run_dir", run_dir if run_dir is not None else DEFAULT_RUNS)
     if run.checkpoint.dir and run.checkpoint.every_steps > 0:
@@ -49,12 +83,44 @@ def check_before_launch(v: ValidatedRun) -> None:
     if ckpt_root is None and run_dir is not None:
         ckpt_root = run_dir / "checkpoints"
     problems += resume_problems(v, ckpt_root)
-    fetched = fetch_weights(run)  # a Hub model's safetensors (train only: plan and show need its config alone)
-    problems += fetched or weight_problems(run.model)
-    problems += data_problems(v)
+    if dry_run and _weights_not_cached(run.model.pretrained):
+        unchecked.append(_not_cached("weights", "model.pretrained", run.model.pretrained, WEIGHTS_NOT_CACHED))
+    else:
+        # A Hub model's safetensors are fetched by the launch only (plan and show need its config alone).
+        fetched = [] if dry_run else fetch_weights(run)
+        problems += fetched or weight_problems(run.model)
+    if dry_run and hub_id(run.data.source) is not None:  # left unresolved by compose_run(fetch_data=False)
+        unchecked.append(_not_cached("data", "data.source", run.data.source, DATA_NOT_CACHED))
+        problems += tokenizer_problems(v)
+    else:
+        problems += data_problems(v, dry_run)
     problems += tracker_problems(run.train.loggers)
     if problems:
         raise ConfigError(problems)
+    return unchecked
+
+
+def _not_cached(check: str, key: str, value: str, what: str) -> Unchecked:
+    return Unchecked(check, f"{key}={value}: {what} (train fetches it from the Hub)")
+
+
+def _weights_not_cached(pretrained: Optional[str]) -> bool:
+    """A Hub model whose snapshot lacks the safetensors the launch fetches (compose fetched its config
+    files only); a local folder is always checked."""
+    from partrain.preflight.weights import INDEX_FILE, SINGLE_FILE
+
+    snap = snapshot_of(pretrained)
+    if snap is None or snap["repo_type"] != "model":
+        return False
+    folder = Path(pretrained).expanduser()
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False  # a damaged index: weight_problems names it
+        return not all((folder / name).is_file() for name in files)
+    return not (folder / SINGLE_FILE).is_file()
 
 
 def tracker_problems(loggers, installed=None) -> List[Problem]:
@@ -116,21 +182,39 @@ def _missing_or_cut(path: Path, record: dict) -> List[Problem]:
     return [corrupt(file, why).problems[0] for file, why in found if why]
 
 
-def data_problems(v: ValidatedRun) -> List[Problem]:
+def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
     """Tokenize (or reuse the cache), then check the vocabulary and that one global batch fits.
-    data.streaming: the source opens and holds text, and the tokenizer loads (nothing is tokenized
-    ahead, so a corpus too short for one batch is found by the workers)."""
-    from partrain.data import batch_problems, prepare_tokens
+    dry_run: count the tokens in memory only as far as that verdict needs (partrain.data.probe_tokens),
+    writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
+    (nothing is tokenized ahead, so a corpus too short for one batch is found by the workers)."""
+    from partrain.data import batch_problems, prepare_tokens, probe_tokens
 
     t = v.run.train
+    with_eval = t.eval_batches > 0
     try:
         if v.run.data.streaming:
             return _vocab_problems(v, _streamed_vocab_size(v))
-        packed = prepare_tokens(v.run.data)
+        if dry_run:
+            # The same rule decides when enough has been read and what the launch would refuse.
+            packed = probe_tokens(
+                v.run.data, lambda counted: not batch_problems(counted, t.seq_len, v.global_batch_size, with_eval)
+            )
+        else:
+            packed = prepare_tokens(v.run.data)
     except ConfigError as err:
         return list(err.problems)
     problems = _vocab_problems(v, packed.vocab_size)
-    return problems + batch_problems(packed, t.seq_len, v.global_batch_size, with_eval=t.eval_batches > 0)
+    return problems + batch_problems(packed, t.seq_len, v.global_batch_size, with_eval=with_eval)
+
+
+def tokenizer_problems(v: ValidatedRun) -> List[Problem]:
+    """The tokenizer loads and its vocabulary fits the model (for a dry run whose data is not checked)."""
+    from partrain.data.tokenizer import load_tokenizer
+
+    try:
+        return _vocab_problems(v, load_tokenizer(v.run.data.tokenizer).vocab_size)
+    except ConfigError as err:
+        return list(err.problems)
 
 
 def _streamed_vocab_size(v: ValidatedRun) -> int:

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from partrain.blueprint.config.hub_ids import reads_as_hub_id
 from partrain.blueprint.config.pretrained import adopt_pretrained
 from partrain.blueprint.config.schema import RunConfig
 from partrain.errors import ConfigError, Problem
@@ -31,7 +32,6 @@ CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 DATASET_PATTERNS = ["*.parquet", "*.arrow", "*.jsonl", "*.json", "*.txt", "*.md", "*.csv"]
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?(@[A-Za-z0-9_./-]+)?$")
 _SNAPSHOT = re.compile(r"/(models|datasets)--([^/]+)/snapshots/([0-9a-f]{40})(/|$)")
 
 
@@ -39,7 +39,7 @@ def hub_id(spec: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
     """(repo id, revision or None) when `spec` reads as a Hub id and is not an existing path; else None."""
     if not spec or spec in ("builtin", "byte", "auto") or Path(spec).expanduser().exists():
         return None
-    if not _ID.match(spec) or ".." in spec or spec.endswith((".txt", ".jsonl", ".parquet")):
+    if not reads_as_hub_id(spec):
         return None
     repo, _, revision = spec.partition("@")
     return repo, revision or None
@@ -79,10 +79,11 @@ def resolve(spec: str, key: str, repo_type: str, patterns: List[str]) -> str:
         raise ConfigError(_problem(key, spec, repo_type, exc)) from None
 
 
-def resolve_hub_ids(run: RunConfig) -> RunConfig:
+def resolve_hub_ids(run: RunConfig, fetch_data: bool = True) -> RunConfig:
     """The run with Hub ids in model.pretrained, data.tokenizer and data.source replaced by local
     snapshot folders (config and tokenizer files only; see fetch_weights). Every failing key is
-    reported at once."""
+    reported at once. fetch_data=False (a dry run, `plan`): a Hub dataset is taken from the local
+    Hub cache only, and left as the id when it is not there (the preflight names it unchecked)."""
     problems: List[Problem] = []
     values: Dict[str, Optional[str]] = {}
     for key, spec, repo_type, patterns in (
@@ -91,6 +92,9 @@ def resolve_hub_ids(run: RunConfig) -> RunConfig:
         ("data.source", run.data.source, "dataset", DATASET_PATTERNS),
     ):
         try:
+            if key == "data.source" and not fetch_data:
+                values[key] = cached(spec, repo_type, patterns)
+                continue
             values[key] = resolve(spec, key, repo_type, patterns) if spec else spec
         except ConfigError as err:
             problems += err.problems
@@ -100,6 +104,21 @@ def resolve_hub_ids(run: RunConfig) -> RunConfig:
     data = dataclasses.replace(run.data, tokenizer=values["data.tokenizer"], source=values["data.source"])
     # A Hub model is a folder only now: its arch and, with data.tokenizer=auto, its tokenizer follow it.
     return adopt_pretrained(dataclasses.replace(run, model=model, data=data))
+
+
+def cached(spec: str, repo_type: str, patterns: List[str]) -> str:
+    """The snapshot folder of `spec` already in the local Hub cache, else `spec` as it is; downloads nothing."""
+    parsed = hub_id(spec)
+    if parsed is None:
+        return spec
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(
+            parsed[0], repo_type=repo_type, revision=parsed[1], allow_patterns=patterns, local_files_only=True
+        )
+    except Exception:  # noqa: BLE001 - not cached (huggingface_hub raises several types for that)
+        return spec
 
 
 def snapshot_of(folder: Optional[str]) -> Optional[Dict[str, str]]:

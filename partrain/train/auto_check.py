@@ -4,7 +4,10 @@ safety margin the choice kept free, it says so and names the next-best layout (t
 
 Said twice: once early (rank 0, a few steps after warm-up, in the worker's log) so a long run can be
 stopped and restarted with the runner-up, and once in the run summary ("planned_vs_measured" ->
-"auto")."""
+"auto").
+
+On a CPU the machine's other load decides the step time, so there a slow step is information (with
+the load named), not a warning; memory inside the margin warns on every device."""
 
 from __future__ import annotations
 
@@ -35,8 +38,12 @@ def read_auto_record(run_dir) -> Optional[dict]:
         return None
 
 
-def auto_verdict(record: dict, measured_memory_bytes: float, measured_tokens_per_s: float) -> dict:
-    """{"chosen", "runner_up", "slower_than_planned", "memory_in_margin", "step_time_ratio", "warnings"}."""
+def auto_verdict(
+    record: dict, measured_memory_bytes: float, measured_tokens_per_s: float, cpu_load: Optional[str] = None
+) -> dict:
+    """{"chosen", "runner_up", "slower_than_planned", "memory_in_margin", "step_time_ratio", "warnings",
+    "info"}. cpu_load: on a CPU run, the host's load in words (plan_check.load_text); a slow step is
+    then one "info" sentence naming it, never a warning."""
     chosen, runner = record["chosen"], record.get("runner_up")
     planned = chosen["tokens_per_s"]
     ratio = planned / measured_tokens_per_s if measured_tokens_per_s > 0 and planned > 0 else None
@@ -46,8 +53,13 @@ def auto_verdict(record: dict, measured_memory_bytes: float, measured_tokens_per
     nxt = (
         "the next-best layout is " + " ".join(runner["overrides"]) if runner else "no other layout was predicted to fit"
     )
-    warnings = []
-    if slower:
+    warnings, info = [], []
+    if slower and cpu_load is not None:
+        info.append(
+            f"parallel=auto: the chosen layout's step takes {ratio:.2f}x the predicted time ({cpu_load}); "
+            "the step time of a CPU run is not checked against the plan"
+        )
+    elif slower:
         warnings.append(
             f"parallel=auto: the chosen layout's step takes {ratio:.2f}x the predicted time "
             f"(more than {SLOWER_THAN_PLANNED:.1f}x); {nxt} (predicted {runner['step_time_s']:.4g} s/step)"
@@ -66,4 +78,5 @@ def auto_verdict(record: dict, measured_memory_bytes: float, measured_tokens_per
         "slower_than_planned": slower,
         "memory_in_margin": in_margin,
         "warnings": warnings,
+        "info": info,
     }

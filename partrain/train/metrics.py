@@ -78,7 +78,8 @@ def parse_event(line: str) -> Optional[dict]:
 class MetricsWriter:
     """metrics.jsonl (one object a line, every step) and the trackers of train.loggers (namespaced scalars)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, run=None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, run=None, tracker_memory=None) -> None:
+        """tracker_memory: a trackers.TrackerMemory that counts what the trackers add to the process."""
         self.enabled = enabled
         self.file = None
         self.trackers: list = []
@@ -88,7 +89,7 @@ class MetricsWriter:
         if run is not None:
             from partrain.train.trackers import open_trackers
 
-            self.trackers = open_trackers(run_dir, run)
+            self.trackers = open_trackers(run_dir, run, tracker_memory)
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -8,10 +8,15 @@ Measured memory, one definition per device:
 - cpu: the process's peak RSS (VmHWM), the whole process: on a CPU the planner counts what a worker
   holds beyond its tensors too (its "process" term: interpreter, torch, transformers, partrain, the
   library code the steps page in; planner/host_process.py). The RSS just before the model was built,
-  with the modules the run imports later (the model's transformers module, TensorBoard) imported
-  first, is kept beside it as the baseline.
+  with the modules the run imports later (the model's transformers module, the trackers') imported
+  first, is kept beside it as the baseline. What rank 0's trackers (train.loggers) add to the process
+  is no part of the plan: it is measured apart (trackers.TrackerMemory: their imports, start-up and
+  logging calls) and subtracted ("tracker_bytes"), so the memory alarm speaks of the training only.
 Measured tokens/s: global tokens per step over the mean step time, skipping warm-up steps (the first
-two when the run has four or more, else the first).
+two when the run has four or more, else the first). On accelerators a throughput more than the
+tolerance off the plan is a warning; on a CPU the machine's other load decides the step time, so
+there it is one line of information naming that load ("cpu_load": the 1-minute load average, the
+cores this process may use, the run's processes on this node); memory warns on every device.
 
 Nothing here runs inside a step: the plan is computed once before the loop, memory is read once at
 the end. A planner that cannot estimate this layout never fails the run: the block says why.
@@ -20,6 +25,7 @@ the end. A planner that cannot estimate this layout never fails the run: the blo
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -27,6 +33,7 @@ import torch
 
 from partrain.runtime.resident import current_rss_bytes, peak_rss_bytes
 from partrain.train.auto_check import EARLY_CHECK_AFTER_WARMUP, auto_verdict, read_auto_record
+from partrain.train.trackers import TrackerMemory, import_tracker_modules
 
 log = logging.getLogger("partrain")
 
@@ -38,43 +45,41 @@ ACCOUNTING = "autocast"
 
 MEMORY_DEFINITION = {
     "cpu": "peak RSS (VmHWM) of the whole process, as the planner counts a CPU worker: its tensors plus its "
-    "'process' term (interpreter, torch, transformers, partrain and their code); baseline_memory_bytes is the "
+    "'process' term (interpreter, torch, transformers, partrain and their code), minus tracker_bytes (what "
+    "the trackers of train.loggers added: their imports, start-up and logging); baseline_memory_bytes is the "
     "RSS just before the model was built",
     "cuda": "torch.cuda.max_memory_allocated minus the bytes allocated before the model was built "
     "(max_memory_reserved kept beside it)",
 }
 
 
-def _warm_imports(v, with_tensorboard: bool) -> None:
-    """Import now what the run imports after the baseline, so the baseline holds it."""
+def _warm_imports(v, trackers: Optional[TrackerMemory]) -> None:
+    """Import now what the run imports after the baseline, so the baseline holds it; the trackers'
+    modules (rank 0's, with `trackers`) measured apart."""
     try:
         from partrain.models.build import import_model_module
 
         import_model_module(v.run.model)
     except Exception as exc:  # noqa: BLE001 - a custom model: the baseline is only a little lower
         log.info("plan check: the model's module was not imported before the baseline (%s)", exc)
-    if with_tensorboard:  # rank 0's trackers (train.loggers)
-        import importlib
-
-        modules = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow.tracking"}
-        for logger in v.run.train.loggers:
-            try:
-                importlib.import_module(modules.get(logger, logger))
-            except ImportError:
-                pass
+    if trackers is not None:  # rank 0's trackers (train.loggers)
+        import_tracker_modules(v.run.train.loggers, trackers)
 
 
-def memory_baseline(v, device: torch.device, is_main: bool) -> int:
-    """Bytes in use before the model is built (call just before build_engine)."""
+def memory_baseline(v, device: torch.device, is_main: bool, trackers: Optional[TrackerMemory] = None) -> int:
+    """Bytes in use before the model is built (call just before build_engine). On rank 0 of a CPU run
+    the trackers' modules are imported here, their resident growth counted in `trackers`."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the peaks count from here
         return int(torch.cuda.memory_allocated(device))
-    _warm_imports(v, with_tensorboard=is_main)
+    _warm_imports(v, (trackers if trackers is not None else TrackerMemory()) if is_main else None)
     return current_rss_bytes()
 
 
-def measured_memory(device: torch.device, baseline: int) -> Dict[str, int]:
-    """This rank's peak memory since the start, by the module's definition ("measured_memory_bytes")."""
+def measured_memory(device: torch.device, baseline: int, trackers: Optional[TrackerMemory] = None) -> Dict[str, int]:
+    """This rank's peak memory since the start, by the module's definition ("measured_memory_bytes").
+    On a CPU the trackers' resident growth (`trackers`, rank 0) is subtracted and kept as tracker_bytes;
+    on CUDA trackers allocate no device memory: nothing to subtract."""
     if device.type == "cuda":
         allocated = int(torch.cuda.max_memory_allocated(device))
         return {
@@ -84,7 +89,11 @@ def measured_memory(device: torch.device, baseline: int) -> Dict[str, int]:
             "baseline_memory_bytes": baseline,
         }
     peak = peak_rss_bytes()
-    return {"measured_memory_bytes": peak, "peak_rss_bytes": peak, "baseline_memory_bytes": baseline}
+    extra = trackers.total if trackers is not None else 0
+    out = {"measured_memory_bytes": peak - extra, "peak_rss_bytes": peak, "tracker_bytes": extra}
+    if extra:
+        out["tracker_bytes_by_phase"] = trackers.to_json()
+    return {**out, "baseline_memory_bytes": baseline}
 
 
 def warmup_steps(n: int) -> int:
@@ -151,8 +160,58 @@ CPU_MEMORY_HINT = (
 library version, and a heap that keeps more than the rule (fitted to partrain's CPU recipes)."""
 
 
+def host_load(processes_on_node: int) -> Dict[str, Any]:
+    """This machine's load now: {"load_average_1m", "cores" (the CPUs this process may run on),
+    "processes_on_node" (the run's), "processes_per_core"}; load_average_1m is None where the OS
+    does not say."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    return {
+        "load_average_1m": load,
+        "cores": cores,
+        "processes_on_node": processes_on_node,
+        "processes_per_core": round(processes_on_node / cores, 2),
+    }
+
+
+def load_text(load: Dict[str, Any]) -> str:
+    """The host's load in words: "CPU: load average 5.2 on 2 cores, 8 ranks on this node (4 per core)"."""
+    avg = "load average unknown" if load["load_average_1m"] is None else f"load average {load['load_average_1m']:g}"
+    n, cores = load["processes_on_node"], load["cores"]
+    return (
+        f"CPU: {avg} on {cores} core{'s' * (cores != 1)}, {n} rank{'s' * (n != 1)} on this node "
+        f"({load['processes_per_core']:g} per core)"
+    )
+
+
+def processes_on_this_node(v) -> int:
+    """The run's processes on this node: torchrun's LOCAL_WORLD_SIZE, else the cluster's devices per node."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit():
+        return int(local)
+    run = getattr(v, "run", None)
+    return int(run.cluster.devices_per_node) if run is not None else 1
+
+
+def _info(tokens: dict, load: Optional[Dict[str, Any]]) -> List[str]:
+    """On a CPU run (load given): the throughput against its plan as information naming the load."""
+    if load is None or tokens["within_tolerance"] or tokens["measured_over_planned"] is None:
+        return []
+    return [
+        f"throughput {tokens['measured']:,.0f} tokens/s, {tokens['measured_over_planned']:.2f}x the planned "
+        f"{tokens['planned']:,.0f} ({load_text(load)}; on a CPU the machine's other load decides the step time)"
+    ]
+
+
 def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List[str]:
-    """The figures more than TOLERANCE away from their plan, one sentence each."""
+    """The figures more than TOLERANCE away from their plan, one sentence each (throughput only on
+    accelerators: on a CPU it is information, `_info`)."""
     out = []
     if not memory["within_tolerance"] and memory["measured_over_planned"] is not None:
         out.append(
@@ -160,7 +219,7 @@ def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List
             f"({memory['measured'] / 2**30:.3f} vs {memory['planned'] / 2**30:.3f} GiB planned)"
             + (CPU_MEMORY_HINT if device_type == "cpu" and memory["measured_over_planned"] > 1 else "")
         )
-    if not tokens["within_tolerance"] and tokens["measured_over_planned"] is not None:
+    if device_type != "cpu" and not tokens["within_tolerance"] and tokens["measured_over_planned"] is not None:
         out.append(
             f"throughput is {tokens['measured_over_planned']:.2f}x the plan "
             f"({tokens['measured']:,.0f} vs {tokens['planned']:,.0f} tokens/s planned)"
@@ -168,22 +227,32 @@ def _warnings(memory: dict, tokens: dict, worst: dict, device_type: str) -> List
     return out
 
 
-def planned_vs_measured(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device_type: str) -> dict:
+def planned_vs_measured(
+    plan: Plan,
+    ranks: List[dict],
+    step_times: Sequence[float],
+    v,
+    device_type: str,
+    load: Optional[Dict[str, Any]] = None,
+) -> dict:
     """The summary's "planned_vs_measured" block from every rank's measured memory (the gathered
-    rank records: rank, pp_rank, measured_memory_bytes) and rank 0's step times."""
+    rank records: rank, pp_rank, measured_memory_bytes) and rank 0's step times. load: on a CPU,
+    the host's load (`host_load`; measured now when not given)."""
     try:
-        return _block(plan, ranks, step_times, v, device_type)
+        if device_type == "cpu" and load is None:
+            load = host_load(processes_on_this_node(v))
+        return _block(plan, ranks, step_times, v, device_type, load if device_type == "cpu" else None)
     except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
         log.warning("plan check failed: %s: %s", type(exc).__name__, exc)
         why = f"the plan check failed: {type(exc).__name__}: {exc}"
         return {"accounting": ACCOUNTING, "error": why, "warnings": []}
 
 
-def _block(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device_type: str) -> dict:
+def _block(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device_type: str, load) -> dict:
     per_rank = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         c = compare(plan.bytes_for(r["pp_rank"]), r["measured_memory_bytes"])
-        per_rank.append({"rank": r["rank"], "pp_rank": r["pp_rank"], **c})
+        per_rank.append({"rank": r["rank"], "pp_rank": r["pp_rank"], **c, "tracker_bytes": r.get("tracker_bytes", 0)})
     # The rank furthest from its plan decides the memory verdict and the one-line summary.
     worst = max(per_rank, key=lambda c: abs((c["measured_over_planned"] or 0.0) - 1.0))
     memory = compare(worst["planned"], worst["measured"])
@@ -193,17 +262,24 @@ def _block(plan: Plan, ranks: List[dict], step_times: Sequence[float], v, device
         "memory_definition": MEMORY_DEFINITION.get(device_type, MEMORY_DEFINITION["cpu"]),
         "tolerance": TOLERANCE,
         "error": plan.error,
-        "memory": {"rank": worst["rank"], **memory},
+        # What the trackers added to the worst rank's process, already taken out of "measured".
+        "memory": {"rank": worst["rank"], **memory, "tracker_bytes_subtracted": worst["tracker_bytes"]},
         "memory_per_rank": per_rank,
         "planned_memory_terms": {str(k): s for k, s in sorted(plan.stage_bytes.items())},
         "tokens_per_s": {**tokens, "warmup_steps_skipped": warmup_steps(len(step_times))},
         "warnings": [] if plan.error else _warnings(memory, tokens, worst, device_type),
+        "info": [] if plan.error else _info(tokens, load),
     }
+    if load is not None:
+        block["cpu_load"] = load
     if plan.auto is not None:
-        block["auto"] = auto_verdict(plan.auto, memory["measured"], tokens["measured"])
+        block["auto"] = auto_verdict(plan.auto, memory["measured"], tokens["measured"], load and load_text(load))
         block["warnings"] += block["auto"]["warnings"]
+        block["info"] += block["auto"]["info"]
     for text in block["warnings"]:
         log.warning("planned vs measured: %s", text)
+    for text in block["info"]:
+        log.info("planned vs measured: %s", text)
     return block
 
 
@@ -213,9 +289,19 @@ class PlanCheckMetrics:
     measured_tokens_per_s, tokens_per_s_measured_over_planned. Every other record passes unchanged,
     so parsers of step and eval lines keep working; TensorBoard gets them as scalars at that step."""
 
-    def __init__(self, inner, plan: Plan, last_step: int, v, device: torch.device, baseline: int, pp_rank: int):
+    def __init__(
+        self,
+        inner,
+        plan: Plan,
+        last_step: int,
+        v,
+        device: torch.device,
+        baseline: int,
+        pp_rank: int,
+        trackers: Optional[TrackerMemory] = None,
+    ):
         self.inner, self.plan, self.last_step, self.v = inner, plan, last_step, v
-        self.device, self.baseline, self.pp_rank = device, baseline, pp_rank
+        self.device, self.baseline, self.pp_rank, self.trackers = device, baseline, pp_rank, trackers
         self.step_times: List[float] = []
 
     def write(self, record: dict) -> None:
@@ -236,17 +322,21 @@ class PlanCheckMetrics:
 
     def check_auto_early(self) -> None:
         try:
-            measured = measured_memory(self.device, self.baseline)["measured_memory_bytes"]
+            measured = measured_memory(self.device, self.baseline, self.trackers)["measured_memory_bytes"]
             tokens = steady_tokens_per_s(self.step_times, self.v.tokens_per_step)
-            for text in auto_verdict(self.plan.auto, measured, tokens)["warnings"]:
+            cpu = load_text(host_load(processes_on_this_node(self.v))) if self.device.type == "cpu" else None
+            verdict = auto_verdict(self.plan.auto, measured, tokens, cpu)
+            for text in verdict["warnings"]:
                 log.warning("after %d steps: %s", len(self.step_times), text)
                 # A plain line on rank 0's stdout reaches the launcher's console (or the user's torchrun) now.
                 print(f"warning: after {len(self.step_times)} steps: {text}", flush=True)
+            for text in verdict["info"]:  # a CPU's step time: information in the log, not a warning
+                log.info("after %d steps: %s", len(self.step_times), text)
         except Exception as exc:  # noqa: BLE001 - a run never fails for its plan check
             log.warning("parallel=auto check failed: %s: %s", type(exc).__name__, exc)
 
     def fields(self) -> Dict[str, Any]:
-        measured = measured_memory(self.device, self.baseline)["measured_memory_bytes"]
+        measured = measured_memory(self.device, self.baseline, self.trackers)["measured_memory_bytes"]
         memory = compare(self.plan.bytes_for(self.pp_rank), measured)
         tokens = compare(self.plan.tokens_per_s, steady_tokens_per_s(self.step_times, self.v.tokens_per_step))
         out = {"measured_memory_bytes": measured, "measured_tokens_per_s": tokens["measured"]}

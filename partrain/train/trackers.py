@@ -4,18 +4,27 @@ Every tracker gets the same namespaced scalars (`namespaced`) and the resolved c
 hyperparameters. metrics.jsonl keeps the flat record with full values whatever trackers are chosen.
 wandb and mlflow are optional extras; `missing_trackers` lets the launcher refuse a run that asks for
 one that is not installed (exit 2, before any process starts).
+
+What the trackers add to rank 0's resident memory (their modules, threads, buffers) is measured apart
+(`TrackerMemory`), so the plan check compares the planner's figure with the training's own memory.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from partrain.blueprint.config.docs import flat_values
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """tracker -> (the module it needs, the pip extra of partrain that installs it)."""
+
+MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow.tracking"}
+"""tracker -> the module its class imports first (imported early to measure what it adds)."""
 
 _NAMESPACE = {
     "loss": "train/loss",
@@ -133,8 +142,68 @@ class Mlflow:
         self.client.set_terminated(self.run_id)
 
 
-def open_trackers(run_dir: Path, run) -> List[object]:
-    """The trackers of train.loggers, started (rank 0 only)."""
+@dataclass
+class TrackerMemory:
+    """The resident memory the trackers add to rank 0's process, in bytes, by phase: the growth of the
+    resident set across importing their modules, starting them and every logging call (each phase
+    counted from zero up: memory a phase frees is the training's, not the trackers').
+
+    The planner plans the training; a tracker's threads and buffers landing in the same process are not
+    part of it, so the plan check subtracts `total` from the measured peak (plan_check.measured_memory).
+    Only tracker code runs inside each measured phase, so the growth is the trackers' own."""
+
+    imports: int = 0
+    start: int = 0
+    logging: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.imports + self.start + self.logging
+
+    def to_json(self) -> Dict[str, int]:
+        return {"imports": self.imports, "start": self.start, "logging": self.logging, "total": self.total}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the resident set's growth across the block to the phase `name`."""
+        from partrain.runtime.resident import current_rss_bytes
+
+        before = current_rss_bytes()
+        try:
+            yield
+        finally:
+            setattr(self, name, getattr(self, name) + max(0, current_rss_bytes() - before))
+
+
+def import_tracker_modules(loggers: Sequence[str], memory: Optional[TrackerMemory] = None) -> None:
+    """Import the trackers' modules now (a missing one is skipped: the launcher refused it already),
+    counting what they add to the resident set in memory.imports."""
+    memory = memory or TrackerMemory()
+    with memory.phase("imports"):
+        for logger in loggers:
+            try:
+                importlib.import_module(MODULES.get(logger, logger))
+            except ImportError:
+                pass
+
+
+class _Measured:
+    """A tracker whose logging calls count their resident growth in a TrackerMemory."""
+
+    def __init__(self, tracker, memory: TrackerMemory) -> None:
+        self.tracker, self.memory = tracker, memory
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        with self.memory.phase("logging"):
+            self.tracker.log(metrics, step)
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+def open_trackers(run_dir: Path, run, memory: Optional[TrackerMemory] = None) -> List[object]:
+    """The trackers of train.loggers, started (rank 0 only); with `memory`, what starting them and
+    each of their logging calls adds to the resident set is counted there."""
     t = run.train
     name = t.tracker_run_name or Path(run_dir).name
     made: Dict[str, Callable[[], object]] = {
@@ -142,7 +211,11 @@ def open_trackers(run_dir: Path, run) -> List[object]:
         "wandb": lambda: Wandb(run_dir, run, t.tracker_project, name),
         "mlflow": lambda: Mlflow(run, t.mlflow_tracking_uri, t.tracker_project, name),
     }
-    return [made[logger]() for logger in t.loggers]
+    if memory is None:
+        return [made[logger]() for logger in t.loggers]
+    with memory.phase("start"):
+        started = [made[logger]() for logger in t.loggers]
+    return [_Measured(tracker, memory) for tracker in started]
 
 
 def close_all(trackers: Optional[List[object]]) -> None:

@@ -1,10 +1,11 @@
 """`parallel=auto`: the planner chooses the layout that `partrain train` runs.
 
 The choice is the search's (`partrain.blueprint.planner.search`) over the layouts this version of
-partrain can train, for the run's model, cluster, sequence length, sp and global batch, with two
-differences from `plan --search`:
+partrain can train, for the run's model, cluster, sequence length, sp, run settings and global batch:
+the first candidate in the search's own order that is within auto's memory allowance, the one
+`plan --search` marks first as within it ("auto" column, `auto_ok`). Beyond the search:
 
-- the memory verdict keeps a safety margin: a candidate must be predicted at most
+- the memory allowance keeps a safety margin: a candidate must be predicted at most
   (1 - parallel.auto_memory_margin) x device memory (never more than the planner's own usable 95%);
 - degrees and choices given on the command line are fixed; everything else the recipe or the config
   groups say about the layout is only a starting point, replaced by the search.
@@ -20,8 +21,7 @@ import dataclasses
 from typing import Dict, List, Sequence
 
 from partrain.blueprint.layout import divisors
-from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION
-from partrain.blueprint.planner.search import SearchSpace, search
+from partrain.blueprint.planner.search import SearchSpace, auto_memory_fraction, search
 from partrain.blueprint.planner.spec import GIB, rank_memory_gib
 from partrain.errors import ConfigError, Problem
 
@@ -182,18 +182,17 @@ def choose_with_fixed(run, fixed: Dict[str, object], mixed: str = "autocast"):
     from partrain.blueprint.validate import validate
 
     margin = _margin(run)
-    usable = min(USABLE_MEMORY_FRACTION, 1.0 - margin)
-    # The search's verdict is "fits in USABLE_MEMORY_FRACTION of the device": shrink the device so
-    # that verdict means "fits in (1 - margin) of the real one".
-    scaled = dataclasses.replace(
-        run.cluster, device_memory_gib=run.cluster.device_memory_gib * usable / USABLE_MEMORY_FRACTION
-    )
+    usable = auto_memory_fraction(margin)
+    # The search on the real device, keeping only the candidates within the allowance: its order
+    # does not depend on which candidates are present, so the first is `plan --search`'s first
+    # candidate marked within the allowance.
     candidates = search(
-        dataclasses.replace(run, cluster=scaled),
+        run,
         top_k=8,
         mixed=mixed,
         space=_space(fixed, run.cluster.nodes * run.cluster.devices_per_node),
         runnable_only=True,
+        within_auto_margin=True,
     )
     candidates = [c for c in candidates if _honours(c, fixed)]
     if not candidates:
@@ -255,6 +254,8 @@ def _record(validated, picked: List[dict], fixed: Dict[str, object], margin: flo
         "fixed": fixed,
         "memory_margin": margin,
         "usable_memory_gib": rank_memory_gib(validated.run.cluster) * usable,
+        "device_memory_gib": rank_memory_gib(validated.run.cluster),
+        "allowed_fraction": usable,
         "compute_source": chosen_est.get("compute_source"),
         "bandwidth_source": chosen_est.get("bandwidth_source"),
         "searched": picked[0]["search"],
@@ -267,8 +268,8 @@ def _record(validated, picked: List[dict], fixed: Dict[str, object], margin: flo
 
 
 def _entry(candidate: dict, est: dict) -> dict:
-    # The search's "fits (x of Y GiB)" names the shrunken device it searched on; the record states
-    # memory against the real one, so keep only what follows.
+    # The choice line states memory against the allowance; the search's "fits (x of Y GiB)" would
+    # repeat it, so keep only what follows.
     parts = candidate["why"].split("; ")
     if parts[0].startswith("fits ("):
         parts[0] = parts[0].partition(")")[2].strip()
@@ -286,22 +287,34 @@ def choice_lines(record: dict) -> List[str]:
     """The choice in a few plain lines (the CLI prints them before the layout report or the launch)."""
     chosen = record["chosen"]
     lines = [
-        f"parallel=auto chose: {_short(chosen['layout'])}: predicted {chosen['step_time_s']:.4g} s/step, "
-        f"{chosen['tokens_per_s']:,.0f} tokens/s, {chosen['memory_gib']:.2f} GiB of "
-        f"{record['usable_memory_gib']:.2f} GiB allowed (margin {record['memory_margin']:.0%})",
+        f"parallel=auto chose: {short_layout(chosen['layout'])}: predicted {chosen['step_time_s']:.4g} s/step, "
+        f"{chosen['tokens_per_s']:,.0f} tokens/s, {memory_phrase(record)}",
         f"  why: {chosen['why']}",
     ]
     if record["fixed"]:
         lines.append("  fixed on the command line: " + ", ".join(f"{k}={v}" for k, v in record["fixed"].items()))
     runner = record["runner_up"]
     if runner:
-        lines.append(f"  runner-up: {_short(runner['layout'])}: {runner['why']}")
+        lines.append(f"  runner-up: {short_layout(runner['layout'])}: {runner['why']}")
     else:
         lines.append("  runner-up: none (no other layout fits)")
     return lines
 
 
-def _short(lay: dict) -> str:
+def memory_phrase(record: dict) -> str:
+    """The chosen layout's memory in one phrase: "66.2 GiB of 79.6 GiB: 90% allowed for auto, 95% usable"."""
+    from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION
+
+    device = record.get("device_memory_gib") or record["usable_memory_gib"] / (1 - record["memory_margin"])
+    allowed = record.get("allowed_fraction", 1 - record["memory_margin"])
+    return (
+        f"{record['chosen']['memory_gib']:.1f} GiB of {device:.1f} GiB: {allowed:.0%} allowed for auto, "
+        f"{USABLE_MEMORY_FRACTION:.0%} usable"
+    )
+
+
+def short_layout(lay: dict) -> str:
+    """A candidate's layout in one phrase: "dp4 x tp8+sp x pp2, zero 3, recompute none, ..."."""
     parts = [f"dp{lay['dp']}", f"tp{lay['tp']}" + ("+sp" if lay["tp_sequence_parallel"] else ""), f"pp{lay['pp']}"]
     if lay["sp"] > 1:
         parts.append(f"sp{lay['sp']}")

@@ -295,7 +295,10 @@ def _rank_estimate(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankEstima
 
 def _estimated_ranks(spec: PlanSpec, s: StepInputs, detail: bool) -> List[RankEstimate]:
     ranks = pipeline_ranks(spec)
-    if not detail and spec.pp > 2:  # the search: the ends and the rank with the most layers decide
+    # The search's cheap form: the ends and the rank with the most layers decide. A subset only lowers
+    # the maxima, so it is a lower bound of the full estimate (search.py relies on it); not on CPU,
+    # where the shared-core term averages the ranks.
+    if not detail and spec.pp > 2 and spec.cluster.device != "cpu":
         most = max(ranks, key=lambda r: r.layers)
         ranks = [ranks[0], ranks[-1]] + ([most] if most not in (ranks[0], ranks[-1]) else [])
     return [_rank_estimate(spec, r, s) for r in ranks]

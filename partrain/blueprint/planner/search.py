@@ -1,7 +1,12 @@
 """Automatic layout search: every valid layout of a run's model, cluster and global batch, ranked by
 predicted step time.
 
-Enumerated (the global batch, sequence length, context-parallel degree and precision stay fixed):
+Taken from the run (`spec.spec_from_run`): the model, cluster, sequence length, context-parallel
+degree and mode, precision and every other run-level setting the estimate reads (`spec.run_settings`),
+and the global batch. The run's own degrees, micro batch, microbatches, ZeRO stage, recompute and
+schedule are never read, so they need not be valid (`start_problems` checks the rest).
+
+Enumerated:
 
 - tp: divides the world, the attention and KV heads, MLP width(s) and vocabulary; at most one node
   (unless the cluster allows TP across nodes); with Ulysses sp, heads divisible by tp x sp.
@@ -14,26 +19,48 @@ Enumerated (the global batch, sequence length, context-parallel degree and preci
   microbatches a multiple of the rounds).
 - zero stage 0..3 (sharding over all of dp x sp) and recompute none / selective / full.
 
-Pruning that never drops a better layout under the model: a (layout, micro batch, schedule) that
-does not fit even at ZeRO-3 with full recompute is skipped whole, and then so are larger micro
-batches (memory grows with them); for each ZeRO stage only the lightest recompute policy that fits
-is kept (heavier ones only add compute), and a higher ZeRO stage is tried only with a lighter
-recompute than a lower stage already fitted with (it only adds traffic). `prune=False` lists every
-fitting layout (tests check that set against the validator). Candidates are estimated from plain
-`PlanSpec`s; only the ones reported are rebuilt as RunConfigs (`dataclasses.replace`) and passed through
-`partrain.blueprint.validate.validate`, then estimated again from the validated run, so every
-reported layout is one `partrain train` accepts as consistent.
+No pruning: every combination is estimated, because none of the shortcuts once used holds under
+the planner's own model. Memory is not monotone in the ZeRO stage (ZeRO-2 holds the rank's whole
+model gathered; FSDP inside a pipeline keeps unsharded gradients until the last microbatch; ZeRO-0/1
+with 16-bit parameters keep fp32 master weights), nor in the micro batch (one microbatch turns that
+unsharded-gradient buffer off), nor in recompute (full recompute adds autocast's cast cache and a
+recomputed layer's activations). Step time is not monotone in the ZeRO stage (FSDP's traffic hides
+behind each microbatch's compute while ZeRO-0/1 expose a reduction at the end of the step), and a
+heavier recompute can tie a lighter one on time and need less memory, which the order prefers.
+
+Two shortcuts remain, both exact under the model:
+
+- each layout is first estimated cheaply (`estimate_spec(detail=False)`), which takes the maxima
+  (step time, memory) over a subset of the pipeline ranks (all of them on CPU clusters, where the
+  shared-core term averages ranks): a lower bound of the full estimate. A layout whose cheap
+  estimate does not fit cannot fit in full.
+- layouts are validated and estimated in full in order of their cheap step time, and the search
+  stops once top_k are found and the next cheap step time is in a later near-tie bucket than the
+  k-th (its full step time, never lower, cannot rank before it).
+
+Order (`rank_key`), the same for `plan --search` and `parallel=auto`: step time in near-tie buckets
+of 0.01% (fixed, not relative to the fastest, so that a filtered list keeps the same order), then
+layouts this version of partrain can train, fewer microbatches (real runs pay a per-microbatch
+overhead the model does not charge), less memory, and the overrides as text. `parallel=auto`'s choice
+is the first candidate within its memory allowance (`auto_ok`), so it is the first `auto_ok`
+candidate `plan --search` lists. tests/test_search_optimum.py compares the search with every
+layout estimated in full.
 """
 
 from __future__ import annotations
 
+import bisect
+import copy
 import dataclasses
+import math
 import time
 from typing import Iterator, List, Optional, Tuple
 
 from partrain.blueprint.layout import divisors
-from partrain.blueprint.planner.estimate import estimate, estimate_spec
-from partrain.blueprint.planner.spec import GIB, PlanSpec, spec_from_validated
+from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION, estimate, estimate_spec
+from partrain.blueprint.planner.spec import GIB, PlanSpec, rank_memory_gib, spec_from_run
+from partrain.blueprint.trainable import zero1_with_tp_unsupported
+from partrain.errors import ConfigError, Problem
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -60,9 +87,16 @@ class SearchSpace:
 def _trainable(spec: PlanSpec) -> bool:
     """The spec-level part of `partrain.blueprint.trainable.unsupported_features` for the choices the
     search makes (the rest: model, sp and checkpoint settings, are the same for every candidate)."""
-    from partrain.blueprint.trainable import zero1_with_tp_unsupported
-
     return not zero1_with_tp_unsupported(spec.zero_stage, spec.tp)
+
+
+def _with_state_choices(spec: PlanSpec, zero_stage: int, recompute: str) -> PlanSpec:
+    """`spec` with another ZeRO stage and recompute: `dataclasses.replace` without re-running the
+    constructor of every field (PlanSpec has no __post_init__), for the 12 choices of each layout."""
+    out = copy.copy(spec)
+    object.__setattr__(out, "zero_stage", zero_stage)
+    object.__setattr__(out, "recompute", recompute)
+    return out
 
 
 def _tp_options(spec: PlanSpec, world: int, allow_across: bool, space: SearchSpace) -> List[int]:
@@ -98,18 +132,32 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[Tup
                     yield "interleaved-1f1b", v
 
 
+SEARCHED_KEYS = frozenset(
+    [f"parallel.{k}" for k in ("dp", "tp", "pp", "ep", "dp_shard", "zero_stage", "recompute", "recompute_every")]
+    + [f"parallel.{k}" for k in ("pp_schedule", "pp_virtual_stages", "pp_layers_per_stage", "tp_sequence_parallel")]
+    + ["train.micro_batch_size", "train.microbatches"]
+)
+"""Keys the search chooses itself: their starting values are never checked."""
+
+NEAR_TIE = 1e-4
+"""Step times within this relative distance rank as ties (fixed buckets: see `rank_key`)."""
+
+
 def enumerate_specs(
     base: PlanSpec,
     space: SearchSpace = SearchSpace(),
     allow_tp_across_nodes: bool = False,
     stats: Optional[dict] = None,
-    prune: bool = True,
+    memory_limit: Optional[float] = None,
 ) -> Iterator[Tuple[PlanSpec, dict]]:
-    """Yield (spec, light estimate) for every layout that fits (see module docstring);
-    stats["evaluated"] counts the estimates made. prune=False skips the dominance pruning and
-    yields every fitting layout (tests use it to check completeness)."""
+    """Yield (spec, cheap estimate) for every layout whose cheap estimate fits (and needs at most
+    `memory_limit` bytes when given); see the module docstring. stats["evaluated"] counts the
+    estimates made, stats["layouts"] the degree choices the global batch admits, stats["batch_dps"]
+    the dp degrees the model and cluster admit whatever the global batch."""
     stats = stats if stats is not None else {}
     stats.setdefault("evaluated", 0)
+    stats.setdefault("layouts", 0)
+    stats.setdefault("batch_dps", set())
     f = base.facts
     world = base.cluster.nodes * base.cluster.devices_per_node
     G, sp = base.global_batch, base.sp
@@ -121,8 +169,12 @@ def enumerate_specs(
             if pp > f.n_layers or (space.pp is not None and pp not in space.pp):
                 continue
             dp = rest // pp
-            if G % dp or (space.dp is not None and dp not in space.dp):
+            if space.dp is not None and dp not in space.dp:
                 continue
+            stats["batch_dps"].add(dp)
+            if G % dp:
+                continue
+            stats["layouts"] += 1
             eps = [1]
             if f.is_moe:
                 eps = [e for e in divisors(f.n_experts) if (dp * sp) % e == 0]
@@ -134,66 +186,48 @@ def enumerate_specs(
             for ep in eps:
                 for tp_sp in sps:
                     for mbs in mbss:
-                        layouts = dict(
-                            tp=tp,
-                            pp=pp,
-                            dp=dp,
-                            ep=ep,
-                            dp_shard=dp,
-                            tp_sp=tp_sp,
-                            mbs=mbs,
-                            layers_per_chunk=None,
-                            recompute_every=1,
-                        )
-                        any_fit = False
-                        for spec, est in _fitting_at(base, space, layouts, zeros, stats, prune):
-                            any_fit = True
-                            yield spec, est
-                        if prune and not any_fit:
-                            break  # a larger micro batch needs more memory still
+                        layout = dict(tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, tp_sp=tp_sp, mbs=mbs)
+                        yield from _fitting_at(base, space, layout, zeros, stats, memory_limit)
 
 
 def _fitting_at(
-    base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict, prune: bool
+    base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict, memory_limit: Optional[float]
 ) -> Iterator[Tuple[PlanSpec, dict]]:
-    """The fitting (schedule, ZeRO stage, recompute) choices for one set of degrees and micro batch."""
+    """The fitting (schedule, ZeRO stage, recompute) choices for one set of degrees and micro batch:
+    every one is estimated (no pruning: see the module docstring)."""
     m = base.global_batch // (layout["dp"] * layout["mbs"])
     for schedule, v in _schedules(layout["pp"], m, base.facts.n_layers, space):
-        frugal = dataclasses.replace(
-            base, **layout, zero_stage=max(zeros), recompute=space.recompute[-1], schedule=schedule, v=v
-        )
-        stats["evaluated"] += 1
-        if prune and not estimate_spec(frugal, detail=False)["fits"]:
-            continue  # nothing lighter on memory exists for this schedule and micro batch
-        # A higher ZeRO stage only adds traffic, so it is worth trying only with a lighter
-        # recompute than a lower stage already fitted with.
-        lightest = len(space.recompute)
+        degrees = dataclasses.replace(base, **layout, recompute_every=1, schedule=schedule, v=v)
         for zero in zeros:
-            for i, rec in enumerate(space.recompute[:lightest]):
-                spec = dataclasses.replace(base, **layout, zero_stage=zero, recompute=rec, schedule=schedule, v=v)
+            for rec in space.recompute:
+                spec = _with_state_choices(degrees, zero, rec)
                 if space.runnable_only and not _trainable(spec):
                     break  # every recompute of this ZeRO stage is as untrainable
                 est = estimate_spec(spec, detail=False)
                 stats["evaluated"] += 1
-                if est["fits"]:
+                if est["fits"] and (memory_limit is None or est["memory_bytes"]["total"] <= memory_limit):
                     yield spec, est
-                    if prune:
-                        lightest = i
-                        break  # heavier recompute only adds compute
-            if prune and lightest == 0:
-                break
 
 
-def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
-    """What the search keeps of a run: model, cluster, sequence length, context-parallel degree and
-    mode, precision and global batch. Accepts a ValidatedRun, or a RunConfig whose own layout need
-    not be valid (say, degrees written for another cluster); then the global batch must be stated."""
+def auto_memory_fraction(margin: float) -> float:
+    """Share of a device's memory `parallel=auto` may fill: 1 - parallel.auto_memory_margin, never more
+    than the planner's usable share (USABLE_MEMORY_FRACTION)."""
+    return min(USABLE_MEMORY_FRACTION, 1.0 - min(max(margin, 0.0), 1.0))
+
+
+def auto_memory_bytes(run) -> float:
+    """Bytes per device `parallel=auto` may fill on the run's cluster."""
+    return rank_memory_gib(run.cluster) * GIB * auto_memory_fraction(run.parallel.auto_memory_margin)
+
+
+def searched_run(v_or_run):
+    """The RunConfig the search reads, with the global batch stated: a ValidatedRun's own (derived
+    where the config leaves it 0), or a RunConfig's, which must then be stated."""
     if hasattr(v_or_run, "layout"):
-        return spec_from_validated(v_or_run, mixed=mixed, dp_overlap=dp_overlap)
-    from partrain.blueprint.model_facts import model_facts
-    from partrain.blueprint.planner.spec import cluster_spec, model_extras
-    from partrain.errors import ConfigError, Problem
-
+        run = v_or_run.run
+        return dataclasses.replace(
+            run, train=dataclasses.replace(run.train, global_batch_size=v_or_run.global_batch_size)
+        )
     run = v_or_run
     if run.train.global_batch_size <= 0:
         raise ConfigError(
@@ -204,28 +238,86 @@ def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> Pla
                 "set train.global_batch_size (sequences per optimizer step)",
             )
         )
-    facts = model_facts(run.model.arch, run.model.config, run.model.pretrained)
-    cl = run.cluster
-    sp = max(1, run.parallel.sp)
-    world = cl.nodes * cl.devices_per_node
-    return PlanSpec(
-        facts=facts,
-        extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
-        cluster=cluster_spec(cl),
+    return run
+
+
+def _neutral(run):
+    """The run with the searched keys at values that are valid on any world (dp takes it all)."""
+    p = dataclasses.replace(
+        run.parallel,
+        dp=-1,
         tp=1,
         pp=1,
-        dp=max(1, world // sp),
-        sp=sp,
-        order=tuple(run.parallel.order),
-        sp_mode=run.parallel.sp_mode,
-        seq=run.train.seq_len,
-        mbs=1,
-        global_batch=run.train.global_batch_size,
-        precision=run.train.precision,
-        mixed=mixed,
-        dp_overlap=dp_overlap,
-        moe_capacity_factor=run.parallel.moe_capacity_factor,
-        loss_chunk_tokens=run.train.loss_chunk_tokens,
+        ep=1,
+        dp_shard=-1,
+        zero_stage=0,
+        recompute="none",
+        recompute_every=1,
+        pp_schedule="1f1b",
+        pp_virtual_stages=1,
+        pp_layers_per_stage=None,
+        tp_sequence_parallel=False,
+    )
+    t = dataclasses.replace(run.train, micro_batch_size=1, microbatches=0, global_batch_size=0)
+    return dataclasses.replace(run, parallel=p, train=t)
+
+
+def start_problems(run) -> List[Problem]:
+    """Problems of the run that no layout can fix (model, cluster, sequence, data, ...): the validator's
+    verdict on the run with every searched key neutral (`_neutral`). The global batch is checked by
+    the search itself (`batch_problem`)."""
+    from partrain.blueprint.validate import validate
+
+    try:
+        validate(_neutral(run))
+    except ConfigError as err:
+        return [p for p in err.problems if p.key not in SEARCHED_KEYS and p.key != "train.global_batch_size"]
+    return []
+
+
+def batch_problem(run, dps) -> Problem:
+    """The global batch admits no layout: no dp the model and cluster allow divides it. Names the
+    nearest global batch sizes that some allowed dp divides."""
+    G = run.train.global_batch_size
+    near = set()
+    for dp in dps:
+        near.update(k * dp for k in range(max(1, G // dp - 2), G // dp + 4))
+    good = sorted(sorted(near, key=lambda x: (abs(x - G), x))[:4])
+    world = run.cluster.nodes * run.cluster.devices_per_node
+    return Problem(
+        "train.global_batch_size",
+        G,
+        f"admits no layout on {world} devices: the data-parallel degree of every valid layout "
+        f"({', '.join(map(str, sorted(dps)))}) must divide it",
+        f"use train.global_batch_size in {good}" if good else "use another cluster size",
+    )
+
+
+def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
+    """What the search keeps of a run (`spec.spec_from_run`), from a ValidatedRun or a RunConfig whose
+    own layout need not be valid (then the global batch must be stated)."""
+    from partrain.blueprint.model_facts import model_facts
+
+    run = searched_run(v_or_run)
+    facts = getattr(v_or_run, "facts", None) or model_facts(run.model.arch, run.model.config, run.model.pretrained)
+    return spec_from_run(run, facts, run.train.global_batch_size, mixed=mixed, dp_overlap=dp_overlap)
+
+
+def rank_key(step_time_s: float, unsupported: int, microbatches: int, memory: float, override_text: Tuple[str, ...]):
+    """The search's order of candidates (module docstring): a total order that does not depend on
+    which other candidates are present."""
+    bucket = math.floor(math.log(step_time_s) / math.log1p(NEAR_TIE)) if step_time_s > 0 else -(10**9)
+    return (bucket, unsupported, microbatches, memory, override_text)
+
+
+def _key(c: dict):
+    est = c["estimate"]
+    return rank_key(
+        est["step_time_s"],
+        len(c["unsupported"]),
+        c["spec"].microbatches,
+        est["memory_bytes"]["total"],
+        tuple(overrides(c["spec"])),
     )
 
 
@@ -326,40 +418,54 @@ def search(
     space: SearchSpace = SearchSpace(),
     runnable_only: bool = False,
     dp_overlap: bool = True,
+    within_auto_margin: bool = False,
 ) -> List[dict]:
-    """The best `top_k` fitting layouts for the run's model, cluster and global batch, best first.
+    """The best `top_k` fitting layouts for the run's model, cluster and global batch, in `rank_key` order.
 
-    `v` is a ValidatedRun, or a RunConfig whose own layout may be invalid (see `base_spec`).
+    `v` is a ValidatedRun, or a RunConfig whose own layout may be invalid (see `searched_run`).
+    Raises ConfigError for problems no layout fixes (`start_problems`) and for a global batch that
+    admits no layout (`batch_problem`).
 
     Each candidate: {"rank", "layout" (degrees, zero stage, recompute, micro batch, schedule, v),
-    "overrides" (to paste after `partrain train recipe=...`), "estimate" (as `estimate`), "why",
-    "unsupported" (features this partrain version cannot train yet; empty = runnable), "search"
-    (layouts evaluated and fitting, seconds)}. Near-ties (within 0.01% of step time) list runnable
-    layouts first, then the ones needing less memory. `runnable_only` drops the others.
+    "overrides" (to paste after `partrain train recipe=...`), "estimate" (as `estimate`), "why" (the
+    full trade-off), "why_short" (one short line), "auto_ok" (within `parallel=auto`'s memory
+    allowance), "unsupported" (features this partrain version cannot train yet; empty = runnable),
+    "search" (layouts evaluated and fitting, seconds, auto's allowance in bytes)}. `runnable_only`
+    drops the layouts partrain cannot train; `within_auto_margin` the ones outside auto's allowance
+    (what `parallel=auto` picks from).
     """
     from partrain.blueprint.trainable import unsupported_features
     from partrain.blueprint.validate import validate
-    from partrain.errors import ConfigError
 
     started = time.perf_counter()
     if runnable_only:
         space = dataclasses.replace(space, runnable_only=True)
-    run = getattr(v, "run", v)
+    run = searched_run(v)
+    problems = start_problems(run)
+    if problems:
+        raise ConfigError(problems)
     base = base_spec(v, mixed=mixed, dp_overlap=dp_overlap)
+    allowance = auto_memory_bytes(run)
     stats = {"evaluated": 0}
-    found = list(enumerate_specs(base, space, run.cluster.allow_tp_across_nodes, stats))
-    found.sort(key=lambda item: (item[1]["step_time_s"], item[1]["memory_bytes"]["total"]))
+    found = list(
+        enumerate_specs(
+            base,
+            space,
+            run.cluster.allow_tp_across_nodes,
+            stats,
+            memory_limit=allowance if within_auto_margin else None,
+        )
+    )
+    if not stats["layouts"] and stats["batch_dps"]:
+        raise ConfigError(batch_problem(run, stats["batch_dps"]))
+    found.sort(key=lambda item: item[1]["step_time_s"])
     picked: List[dict] = []
-    seen = set()
+    keys: list = []
     for spec, light in found:
-        # Validate lazily: stop once top_k are found and the rest are clearly slower (near-ties are
-        # still collected so that runnable layouts can be listed first among them).
-        if len(picked) >= top_k and light["step_time_s"] > picked[top_k - 1]["estimate"]["step_time_s"] * 1.0001:
+        # The cheap step time never exceeds the full one: once it falls in a later near-tie bucket
+        # than the k-th candidate's, nothing left can rank before that candidate.
+        if len(picked) >= top_k and rank_key(light["step_time_s"], 0, 0, 0, ())[0] > keys[top_k - 1][0]:
             break
-        key = tuple(describe(spec).values())
-        if key in seen:
-            continue
-        seen.add(key)
         try:
             validated = validate(_run_config(run, spec))
         except ConfigError:
@@ -368,28 +474,26 @@ def search(
         if runnable_only and missing:
             continue
         est = estimate(validated, mixed=mixed, dp_overlap=dp_overlap)
-        if est["fits"]:
-            picked.append({"spec": spec, "estimate": est, "unsupported": missing})
-            picked.sort(key=lambda c: c["estimate"]["step_time_s"])
+        ok = est["memory_bytes"]["total"] <= allowance
+        if est["fits"] and (ok or not within_auto_margin):
+            c = {"spec": spec, "estimate": est, "unsupported": missing, "auto_ok": ok}
+            key = _key(c)
+            i = bisect.bisect(keys, key)
+            keys.insert(i, key)
+            picked.insert(i, c)
     if not picked:
         return []
-    return _candidates(picked, top_k, stats["evaluated"], len(found), time.perf_counter() - started)
+    info = {
+        "evaluated": stats["evaluated"],
+        "fitting": len(found),
+        "seconds": time.perf_counter() - started,
+        "auto_memory_bytes": allowance,
+    }
+    return _candidates(picked[:top_k], info)
 
 
-def _candidates(picked: List[dict], top_k: int, evaluated: int, fitting: int, elapsed: float) -> List[dict]:
-    """The report's candidate list: near-ties (0.01% of step time) runnable first, then with fewer
-    microbatches (the model charges no per-microbatch overhead; real runs pay one: kernel launches,
-    Python, smaller matmuls), then lighter."""
-    fastest = picked[0]["estimate"]["step_time_s"]
-    picked.sort(
-        key=lambda c: (
-            round(c["estimate"]["step_time_s"] / fastest, 4),
-            len(c["unsupported"]),
-            c["spec"].microbatches,
-            c["estimate"]["memory_bytes"]["total"],
-        )
-    )
-    picked = picked[:top_k]
+def _candidates(picked: List[dict], info: dict) -> List[dict]:
+    """The report's candidate list (already in `rank_key` order), with the reasons."""
     out: List[dict] = []
     best = picked[0]["estimate"]
     for i, c in enumerate(picked):
@@ -404,11 +508,51 @@ def _candidates(picked: List[dict], top_k: int, evaluated: int, fitting: int, el
                 "overrides": overrides(spec),
                 "estimate": est,
                 "why": text,
+                "why_short": why_short(picked, i),
+                "auto_ok": c["auto_ok"],
                 "unsupported": c["unsupported"],
-                "search": {"evaluated": evaluated, "fitting": fitting, "seconds": elapsed},
+                "search": info,
             }
         )
     return out
+
+
+def why_short(picked: List[dict], i: int) -> str:
+    """At most about 40 characters: the candidate's main trade-off against #1 (for #1: against #2)."""
+    if len(picked) == 1:
+        return "the only layout listed"
+    me = picked[i]
+    other = picked[1] if i == 0 else picked[0]
+    a, b = me["estimate"], other["estimate"]
+    if _key(me)[0] == _key(other)[0]:
+        if len(me["unsupported"]) != len(other["unsupported"]):
+            what = "trainable now" if len(me["unsupported"]) < len(other["unsupported"]) else "not trainable yet"
+        elif me["spec"].microbatches != other["spec"].microbatches:
+            what = "fewer microbatches" if me["spec"].microbatches < other["spec"].microbatches else "more microbatches"
+        elif a["memory_bytes"]["total"] != b["memory_bytes"]["total"]:
+            what = "less memory" if a["memory_bytes"]["total"] < b["memory_bytes"]["total"] else "more memory"
+        else:
+            return f"ties #{2 if i == 0 else 1}"
+        return f"ties #{2 if i == 0 else 1}: {what}"
+    if i == 0:
+        ahead = b["step_time_s"] / a["step_time_s"] - 1
+        reasons = [SHORT_LABELS[r] for r in _worse_parts(b, a)]
+        return f"{ahead:.1%} ahead of #2" + (f": less {reasons[0]}" if reasons else "")
+    behind = a["step_time_s"] / b["step_time_s"] - 1
+    reasons = [SHORT_LABELS[r] for r in _worse_parts(a, b)]
+    return f"+{behind:.1%}" + (f": more {' and '.join(reasons[:2])}" if reasons else "")
+
+
+SHORT_LABELS = {
+    "bubble": "bubble",
+    "compute/recompute": "compute",
+    "TP traffic": "TP comm",
+    "DP traffic": "DP comm",
+    "pipeline sends": "PP sends",
+    "EP traffic": "EP comm",
+    "SP traffic": "SP comm",
+}
+"""`_worse_parts`' labels in the few characters of a short "why"."""
 
 
 def _lead(first: dict, second: dict) -> str:

@@ -340,16 +340,67 @@ def cluster_spec(cl) -> ClusterSpec:
     )
 
 
-def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
-    """The PlanSpec of a `partrain.blueprint.validate.ValidatedRun`."""
+def run_settings(run) -> Dict[str, Any]:
+    """The PlanSpec fields a run fixes whatever its layout: sequence, precision and the run-level
+    settings the estimate depends on (parameter dtype, FSDP and DP gradient sync, buckets,
+    parameter servers, MoE capacity, loss chunking, axis order, sp mode). One function, so that a
+    validated run, the layout search and `parallel=auto` estimate every layout with the same settings."""
+    p, t = run.parallel, run.train
+    return dict(
+        order=tuple(p.order),
+        sp_mode=p.sp_mode,
+        seq=t.seq_len,
+        precision=t.precision,
+        param_dtype=t.param_dtype,
+        fsdp_grad_sync=p.fsdp_grad_sync,
+        moe_capacity_factor=p.moe_capacity_factor,
+        dp_sync=p.dp_sync,
+        dp_bucket_mb=p.dp_bucket_mb,
+        ps_servers=p.ps_servers,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+    )
+
+
+def _check_mixed(mixed: str) -> None:
     if mixed not in MIXED_PRECISION_STYLES:
         raise ValueError(f"mixed must be one of {MIXED_PRECISION_STYLES}, got {mixed!r}")
+
+
+def spec_from_run(
+    run, facts: ModelFacts, global_batch: int, mixed: str = "autocast", dp_overlap: bool = True
+) -> PlanSpec:
+    """The layout search's base PlanSpec of a RunConfig: its model, cluster, sp and run settings
+    (`run_settings`) with a neutral layout (dp = world / sp, micro batch 1, no ZeRO, no recompute)
+    that every candidate replaces. The run's own degrees, micro batch, ZeRO stage and recompute are
+    never read, so they need not be valid."""
+    _check_mixed(mixed)
+    cl = run.cluster
+    sp = max(1, run.parallel.sp)
+    return PlanSpec(
+        facts=facts,
+        extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, facts),
+        cluster=cluster_spec(cl),
+        tp=1,
+        pp=1,
+        dp=max(1, cl.nodes * cl.devices_per_node // sp),
+        sp=sp,
+        mbs=1,
+        global_batch=global_batch,
+        mixed=mixed,
+        dp_overlap=dp_overlap,
+        **run_settings(run),
+    )
+
+
+def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> PlanSpec:
+    """The PlanSpec of a `partrain.blueprint.validate.ValidatedRun`."""
+    _check_mixed(mixed)
     run, lay = v.run, v.layout
     p, t = run.parallel, run.train
-    extras = model_extras(run.model.arch, run.model.config, run.model.pretrained, v.facts)
+    settings = {**run_settings(run), "order": tuple(lay.order)}
     return PlanSpec(
         facts=v.facts,
-        extras=extras,
+        extras=model_extras(run.model.arch, run.model.config, run.model.pretrained, v.facts),
         cluster=cluster_spec(run.cluster),
         tp=lay.tp,
         pp=lay.pp,
@@ -357,7 +408,6 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         sp=lay.sp,
         ep=lay.ep,
         dp_shard=lay.dp_shard,
-        order=tuple(lay.order),
         zero_stage=p.zero_stage,
         recompute=p.recompute,
         recompute_every=p.recompute_every,
@@ -365,18 +415,9 @@ def spec_from_validated(v, mixed: str = "autocast", dp_overlap: bool = True) -> 
         v=p.pp_virtual_stages if lay.pp > 1 else 1,
         layers_per_chunk=tuple(p.pp_layers_per_stage) if p.pp_layers_per_stage else None,
         tp_sp=bool(p.tp_sequence_parallel) and lay.tp > 1,
-        sp_mode=p.sp_mode,
-        seq=t.seq_len,
         mbs=t.micro_batch_size,
         global_batch=v.global_batch_size,
-        precision=t.precision,
         mixed=mixed,
-        param_dtype=t.param_dtype,
         dp_overlap=dp_overlap,
-        fsdp_grad_sync=p.fsdp_grad_sync,
-        moe_capacity_factor=p.moe_capacity_factor,
-        dp_sync=p.dp_sync,
-        dp_bucket_mb=p.dp_bucket_mb,
-        ps_servers=p.ps_servers,
-        loss_chunk_tokens=t.loss_chunk_tokens,
+        **settings,
     )

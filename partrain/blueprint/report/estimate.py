@@ -37,7 +37,9 @@ STATUS_EXIT_CODES = {"ready": 0, "does_not_fit": 3, "unsupported": 3}
 
 def conclude(report: dict) -> dict:
     """Give the report one verdict from the layout and its estimate: "ready to launch" only when
-    `partrain train` can run the layout and it fits; sets "status" and "ready"."""
+    `partrain train` can run the layout, it fits, and the launch's preflight checked everything
+    (report["unchecked"] empty); else "layout ready", naming each check that was not made and why.
+    Sets "status" and "ready" (the layout's: what was not checked is in the verdict and "unchecked")."""
     est = report["estimate"]
     if report.get("status") == "unsupported":
         report["verdict"] += "; " + verdict_text(est)
@@ -46,25 +48,34 @@ def conclude(report: dict) -> dict:
         report["verdict"] += "; " + verdict_text(est)
     else:
         report["status"] = "ready"
-        report["verdict"] += "; ready to launch: " + verdict_text(est)
+        unchecked = report.get("unchecked") or []
+        if unchecked:
+            report["verdict"] += "; layout ready: " + verdict_text(est)
+            report["verdict"] += "".join(f"; {item['check']} not checked: {item['why']}" for item in unchecked)
+        else:
+            report["verdict"] += "; ready to launch: " + verdict_text(est)
     report["ready"] = report["status"] == "ready"
     return report
+
+
+def memory_line(est: dict) -> str:
+    """The estimate's memory in one phrase (rich markup): "68.5 GiB of 79.6 GiB (95% usable): fits"."""
+    style = "green" if est["fits"] else "red"
+    verdict = "fits" if est["fits"] else "does NOT fit"
+    return (
+        f"[bold {style}]memory:[/bold {style}] {est['memory_bytes']['total'] / GIB:.1f} GiB of "
+        f"{est['device_memory_bytes'] / GIB:.1f} GiB ({est['assumptions']['usable_memory_fraction']:.0%} usable): "
+        f"{verdict}"
+    )
 
 
 def render_estimate(est: dict, console) -> None:
     """Per-rank memory (GiB), FLOPs, communication (GB, 10**9 bytes), bubble, time, verdict."""
     _render_memory(est, console)
     console.print(_step_table(est))
-    m = est["memory_bytes"]
-    style = "green" if est["fits"] else "red"
-    verdict = "fits" if est["fits"] else "does NOT fit"
-    console.print(
-        f"[bold {style}]memory:[/bold {style}] {verdict}: {_gib(m['total'])} GiB of "
-        f"{_gib(est['device_memory_bytes'])} GiB "
-        f"({est['assumptions']['usable_memory_fraction']:.0%} usable)"
-    )
+    console.print(memory_line(est))
     for note in est.get("notes", [])[1:]:
-        console.print(f"[dim]note: {note}[/dim]", highlight=False, soft_wrap=True)
+        console.print(f"[dim]note: {note}[/dim]", highlight=False)  # wrapped: the report keeps to the console
 
 
 def _render_memory(est: dict, console) -> None:
@@ -172,7 +183,26 @@ def _step_table(est: dict):
     return perf
 
 
+SEARCH_COLUMNS = ("#", "dp", "tp", "pp", "sched", "zero", "recomp", "mbs", "GiB", "s/step", "MFU", "auto", "why")
+"""The --search table's columns; tokens/s, the full "why" and the rest stay in --json."""
+
+
+def _sched(lay: dict) -> str:
+    if lay["pp"] == 1:
+        return "-"
+    v = lay["pp_virtual_stages"]
+    return "1f1b" if lay["pp_schedule"] == "1f1b" and v == 1 else f"{lay['pp_schedule'].split('-')[0][:5]} v{v}"
+
+
+def _dp_cell(lay: dict) -> str:
+    """dp, with the context- and expert-parallel degrees when there are any (they share its ranks)."""
+    return str(lay["dp"]) + (f" sp{lay['sp']}" if lay["sp"] > 1 else "") + (f" ep{lay['ep']}" if lay["ep"] > 1 else "")
+
+
 def render_candidates(candidates: List[dict], console) -> None:
+    """The --search table: one row per candidate, narrow enough for 100 columns; "auto" marks the
+    candidates within parallel=auto's memory allowance (auto takes the first of them)."""
+    from rich import box
     from rich.table import Table
 
     if not candidates:
@@ -183,39 +213,52 @@ def render_candidates(candidates: List[dict], console) -> None:
         title=f"best layouts by predicted step time ({info['fitting']} fitting of {info['evaluated']} evaluated, "
         f"{info['seconds']:.1f} s)",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
     )
-    for col in ("#", "dp", "tp", "pp", "sched", "zero", "recompute", "mbs", "GiB", "step s", "tokens/s", "MFU", "why"):
-        table.add_column(col, justify="right" if col not in ("sched", "recompute", "why") else "left", overflow="fold")
+    for col in SEARCH_COLUMNS:
+        left = col in ("sched", "recomp", "why")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col != "why", overflow="fold")
     for c in candidates:
         lay, est = c["layout"], c["estimate"]
-        sched = (
-            "-"
-            if lay["pp"] == 1
-            else (lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else ""))
-        )
         tp = str(lay["tp"]) + ("+SP" if lay["tp_sequence_parallel"] else "")
-        why = c["why"] + (f" [not trainable yet: {'; '.join(c['unsupported'])}]" if c["unsupported"] else "")
+        why = c.get("why_short") or c["why"]
+        if c["unsupported"]:
+            why = "not trainable yet; " + why
         table.add_row(
             str(c["rank"]),
-            str(lay["dp"]),
+            _dp_cell(lay),
             tp,
             str(lay["pp"]),
-            sched,
+            _sched(lay),
             str(lay["zero_stage"]),
-            lay["recompute"],
+            {"selective": "sel"}.get(lay["recompute"], lay["recompute"]),
             str(lay["micro_batch_size"]),
-            _gib(est["memory_bytes"]["total"]),
+            f"{est['memory_bytes']['total'] / GIB:.1f}",
             f"{est['step_time_s']:.4g}",
-            f"{est['tokens_per_s']:,.0f}",
-            f"{est['mfu']:.1%}",
+            f"{est['mfu']:.0%}",
+            "yes" if c.get("auto_ok") else "-",
             why,
         )
     console.print(table)
+    allowed = info.get("auto_memory_bytes")
+    if allowed is not None:
+        device = candidates[0]["estimate"]["device_memory_bytes"]
+        firsts = [c["rank"] for c in candidates if c.get("auto_ok")]
+        pick = f"#{firsts[0]}" if firsts else "none of these"
+        console.print(
+            f"auto: within parallel=auto's memory allowance ({allowed / device:.0%} of {device / GIB:.1f} GiB); "
+            f"parallel=auto takes the first: {pick}",
+            markup=False,
+            highlight=False,
+        )
     console.print(
-        "[dim]apply #1: partrain train ... " + " ".join(candidates[0]["overrides"]) + "[/dim]",
+        "apply #1: partrain train ... " + " ".join(candidates[0]["overrides"]),
+        markup=False,
         highlight=False,
-        soft_wrap=True,
     )
+    console.print("details: --explain N (candidate N's full report), --json (every reason)", markup=False)
 
 
 def render_simulation(sim: dict, console, all_ranks: bool = False) -> None:

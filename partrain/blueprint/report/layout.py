@@ -3,21 +3,24 @@
 JSON keys (documented contract, see README):
   valid, recipe, world_size, nodes, devices_per_node, degrees, order, zero_stage, dp_shard,
   model (facts), batch (global_batch_size, micro_batch_size, microbatches, seq_len, tokens_per_step),
-  ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, verdict, notes,
-  status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate).
+  ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, rank_kinds (see `rank_kinds`),
+  verdict, notes, status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate),
+  unchecked [{check, why}] (what the launch's preflight checks and this report did not: `plan`
+  without --check reads no files; a dry run names a Hub dataset or Hub weights not in the local
+  cache; empty when all was checked, and only then does the verdict say "ready to launch").
 On a bad config: {"valid": false, "errors": [{key, value, rule, fix, message}]}.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError
 
-MAX_ROWS = 64
-"""Rows of the per-rank table shown in the terminal before it is cut (the JSON has all)."""
+MEMBERS_SHOWN = 4
+"""Groups listed per family in the terminal's groups table before "... (N more)" (all with --all-ranks)."""
 
 
 def layout_report(v: ValidatedRun) -> dict:
@@ -43,6 +46,7 @@ def layout_report(v: ValidatedRun) -> dict:
             "seq_len": run.train.seq_len,
             "tokens_per_step": v.tokens_per_step,
         },
+        "rank_kinds": rank_kinds(v),
         "notes": notes,
         "verdict": _verdict(v, notes),
         # "ready" until the estimate says otherwise (report.estimate.conclude): one verdict in the end.
@@ -51,6 +55,92 @@ def layout_report(v: ValidatedRun) -> dict:
     if layout.pp > 1:
         report["pipeline"] = pipeline_summary(v)
     return report
+
+
+def rank_kinds(v: ValidatedRun) -> List[dict]:
+    """The kinds of rank: one entry per distinct set of model parts a rank holds, with its ranks.
+
+    Grouping rule: a rank's kind is its (pp rank, ep rank). The pipeline rank decides the layers it
+    holds (its chunks under an interleaved or V-shaped schedule) and whether it holds the embedding
+    (chunk 0) and the head (the last chunk); the ep rank decides its slice of the experts. Ranks of
+    one kind differ only in their tp shard, dp replica or ZeRO shard and sp part of the sequence:
+    equal pieces of the same tensors, so every per-rank figure of the plan is the same for them.
+
+    Each entry: pp_rank, ep_rank, layers [[first, end) per chunk], embedding, head, experts
+    [first, end) (None without experts), count, ranks and nodes (exact, compact: "0-7, 16-23").
+    """
+    layout, facts = v.layout, v.facts
+    p = v.run.parallel
+    chunks_of_stage: List[List[Tuple[int, int]]] = [[(0, facts.n_layers)]]
+    first_chunk, last_chunk = [True], [True]
+    if layout.pp > 1:
+        from partrain.blueprint.stage_split import plan_chunks
+
+        plan = plan_chunks(
+            facts, layout.pp, p.pp_virtual_stages, p.pp_schedule, v.run.train.seq_len, p.pp_layers_per_stage
+        )
+        chunks_of_stage = [[(plan["ranges"][c].start, plan["ranges"][c].stop) for c in cs] for cs in plan["placement"]]
+        first_chunk = [0 in cs for cs in plan["placement"]]
+        last_chunk = [len(plan["ranges"]) - 1 in cs for cs in plan["placement"]]
+    members: Dict[Tuple[int, int], List[int]] = {}
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        members.setdefault((c["pp"], c["ep"] if layout.ep > 1 else 0), []).append(rank)
+    per_slice = facts.n_experts // layout.ep if facts.n_experts else 0
+    kinds = []
+    for (pp_rank, ep_rank), ranks in sorted(members.items(), key=lambda kv: kv[1][0]):
+        kinds.append(
+            {
+                "pp_rank": pp_rank,
+                "ep_rank": ep_rank,
+                "layers": [list(r) for r in chunks_of_stage[pp_rank]],
+                "embedding": bool(first_chunk[pp_rank]),
+                "head": bool(last_chunk[pp_rank]),
+                "experts": [ep_rank * per_slice, (ep_rank + 1) * per_slice] if per_slice else None,
+                "count": len(ranks),
+                "ranks": compact_ranges(ranks),
+                "nodes": compact_ranges(sorted({layout.node_of(r) for r in ranks})),
+            }
+        )
+    return kinds
+
+
+def compact_ranges(ids: Sequence[int], budget: Optional[int] = None) -> str:
+    """Sorted integers as runs: [0..7, 16..23] -> "0-7, 16-23"; five or more runs of one length at
+    one stride -> "0-7, 16-23, ..., 64-71" (exact). Past `budget` characters the list is cut and
+    ends with "... (+N)", N the integers not shown."""
+    runs: List[List[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    strides = {runs[k + 1][0] - runs[k][0] for k in range(len(runs) - 1)}
+    if len(runs) >= 5 and len(strides) == 1 and len({b - a for a, b in runs}) == 1:
+        parts = [parts[0], parts[1], "...", parts[-1]]
+    text = ", ".join(parts)
+    if budget is None or len(text) <= budget:
+        return text
+    shown, width, counted = [], 0, 0
+    for (a, b), part in zip(runs, parts):
+        if width + len(part) + 2 > budget - 12 and shown:
+            break
+        shown.append(part)
+        width += len(part) + 2
+        counted += b - a + 1
+    return ", ".join(shown) + f", ... (+{len(ids) - counted})"
+
+
+def _holds(kind: dict, n_experts: int) -> str:
+    """What one kind of rank holds, in words: "layers 0-9, 40-49 + embedding; experts 0-3 of 8"."""
+    layers = ", ".join(f"{a}" if b - a == 1 else f"{a}-{b - 1}" for a, b in kind["layers"])
+    text = f"layer{'s' if sum(b - a for a, b in kind['layers']) > 1 else ''} {layers}"
+    text += "".join(f" + {part}" for part in ("embedding", "head") if kind[part])
+    if kind["experts"]:
+        a, b = kind["experts"]
+        text += f"; experts {a}-{b - 1} of {n_experts}" if b - a > 1 else f"; expert {a} of {n_experts}"
+    return text
 
 
 SCHEDULE_PICTURE_LIMIT = 4096
@@ -135,36 +225,9 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     )
     console.print(summary)
 
-    ranks = Table(title="ranks", title_justify="left")
-    for col in ("rank", "node", "local", "dp", "tp", "pp", "sp", "ep"):
-        ranks.add_column(col, justify="right")
-    rows = report["ranks"] if all_ranks else report["ranks"][:MAX_ROWS]
-    for r in rows:
-        c = r["coords"]
-        ranks.add_row(*map(str, (r["rank"], r["node"], r["local_rank"], c["dp"], c["tp"], c["pp"], c["sp"], c["ep"])))
-    console.print(ranks)
-    if len(rows) < len(report["ranks"]):
-        console.print(
-            f"[dim]... {len(report['ranks']) - len(rows)} more ranks (--all-ranks or --json shows them)[/dim]"
-        )
-
-    groups = Table(title="process groups", title_justify="left")
-    groups.add_column("family")
-    groups.add_column("groups", justify="right")
-    groups.add_column("members")
-    for family, members in report["groups"].items():
-        shown = members if all_ranks else members[:8]
-        text = " ".join(
-            "["
-            + ",".join(map(str, g if all_ranks else g[:16]))
-            + (",..." if len(g) > 16 and not all_ranks else "")
-            + "]"
-            for g in shown
-        )
-        if len(shown) < len(members):
-            text += f" ... ({len(members) - len(shown)} more)"
-        groups.add_row(family, str(len(members)), text)
-    console.print(groups)
+    width = console.width
+    console.print(_rank_table(report, width) if all_ranks else _kinds_table(report, width))
+    console.print(_groups_table(report, width, all_ranks))
     if "pipeline" in report:
         pipe = report["pipeline"]
         line = f"pipeline schedule {pipe['schedule']}: formula bubble {pipe['bubble_fraction_formula']:.3f}"
@@ -175,6 +238,83 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
             console.print(picture)
     style = {"ready": "green", "unsupported": "yellow"}.get(report.get("status", "ready"), "red")
     console.print(f"[bold {style}]verdict:[/bold {style}] {report['verdict']}")
+
+
+def _rank_table(report: dict, width: int):
+    """Every rank, one row each (--all-ranks)."""
+    from rich.table import Table
+
+    ranks = Table(title="ranks", title_justify="left")
+    for col in ("rank", "node", "local", "dp", "tp", "pp", "sp", "ep"):
+        ranks.add_column(col, justify="right")
+    for r in report["ranks"]:
+        c = r["coords"]
+        ranks.add_row(*map(str, (r["rank"], r["node"], r["local_rank"], c["dp"], c["tp"], c["pp"], c["sp"], c["ep"])))
+    return ranks
+
+
+def _kinds_table(report: dict, width: int):
+    """One row per kind of rank (`rank_kinds`): its count, what it holds, its ranks and nodes."""
+    from rich.table import Table
+
+    kinds = report["rank_kinds"]
+    with_ep = report["degrees"]["ep"] > 1
+    rows = []
+    for k in kinds:
+        head = [str(k["count"]), str(k["pp_rank"])] + ([str(k["ep_rank"])] if with_ep else [])
+        rows.append((head, _holds(k, report["model"]["n_experts"]), k["nodes"], k))
+    table = Table(
+        title=f"ranks: {report['world_size']} in {len(kinds)} kind(s) by what they hold (--all-ranks lists each)",
+        title_justify="left",
+    )
+    for col in ("ranks", "pp", *(("ep",) if with_ep else ()), "holds", "nodes", "rank ids"):
+        table.add_column(col, justify="right" if col in ("ranks", "pp", "ep") else "left", overflow="fold")
+    # The rank ids take what the other columns leave of the console (3 characters of rule per column).
+    used = sum(max(len(cells) for cells in column) for column in zip(*(r[0] + [r[1], r[2]] for r in rows)))
+    budget = max(20, width - used - 3 * (len(rows[0][0]) + 3) - 1)
+    for head, holds, nodes, k in rows:
+        ids = k["ranks"] if len(k["ranks"]) <= budget else _cut(k["ranks"], budget)
+        table.add_row(*head, holds, nodes, ids)
+    return table
+
+
+def _cut(text: str, budget: int) -> str:
+    """A compact rank list cut at a comma to fit `budget` characters ("..." marks the cut)."""
+    room = text.rfind(", ", 0, budget - 5)
+    return (text[:room] if room > 0 else text[: budget - 5]) + ", ..."
+
+
+def _groups_table(report: dict, width: int, all_ranks: bool):
+    """Each family's group count and size and its first groups (all with all_ranks); size-1 families
+    say so in words: they carry no traffic."""
+    from rich.table import Table
+
+    groups = Table(title="process groups", title_justify="left")
+    groups.add_column("family")
+    groups.add_column("groups", justify="right")
+    groups.add_column("size", justify="right")
+    groups.add_column("members", overflow="fold")
+    budget = max(30, width - 12 - 6 - 4 - 3 * 4 - 1)
+    for family, members in report["groups"].items():
+        sizes = sorted({len(g) for g in members})
+        size = "/".join(map(str, sizes))
+        if sizes == [1]:
+            groups.add_row(family, str(len(members)), size, "each rank alone (no communication)")
+            continue
+        if all_ranks:
+            text = " ".join("[" + ",".join(map(str, g)) + "]" for g in members)
+            groups.add_row(family, str(len(members)), size, text)
+            continue
+        text, shown = "", 0
+        for g in members[:MEMBERS_SHOWN]:
+            part = "[" + compact_ranges(g, budget=budget // 2) + "]"
+            if shown and len(text) + len(part) + 1 > budget - 14:
+                break
+            text, shown = (text + " " + part).strip(), shown + 1
+        if shown < len(members):
+            text += f" ... ({len(members) - shown} more)"
+        groups.add_row(family, str(len(members)), size, text)
+    return groups
 
 
 def render_errors(err: ConfigError, console) -> None:

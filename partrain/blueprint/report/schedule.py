@@ -62,15 +62,27 @@ def _legend(grid: ScheduleGrid) -> str:
     return text
 
 
-def _cells_text(grid: ScheduleGrid, max_slots: Optional[int]) -> Tuple[int, int]:
+def _cells_text(grid: ScheduleGrid, max_slots: Optional[int], line_width: Optional[int] = None) -> Tuple[int, int]:
+    """(characters per cell, slots drawn): at most max_slots, and with line_width as many as keep a
+    rank's line within it (its "rank N | " prefix and " ... (+N)" tail included), so a terminal
+    never wraps one rank over several lines."""
     width = max((len(cell_label(c, grid.v)) for row in grid.rows for c in row if c is not None), default=1)
     slots = grid.makespan if max_slots is None else min(grid.makespan, max_slots)
+    if line_width is not None and _line_length(grid, width, slots) > line_width:
+        fitting = (line_width - len(f"rank {grid.pp - 1:<3}| ") - len(f" ... (+{grid.makespan})") + 1) // (width + 1)
+        slots = max(1, min(slots, fitting))
     return width, slots
 
 
-def render_plain(grid: ScheduleGrid, max_slots: Optional[int] = None) -> str:
-    """The grid as plain text, one line per rank ("." idle); a B's second unit shows as "="."""
-    width, slots = _cells_text(grid, max_slots)
+def _line_length(grid: ScheduleGrid, width: int, slots: int) -> int:
+    tail = len(f" ... (+{grid.makespan - slots})") if slots < grid.makespan else 0
+    return len(f"rank {grid.pp - 1:<3}| ") + slots * (width + 1) - 1 + tail
+
+
+def render_plain(grid: ScheduleGrid, max_slots: Optional[int] = None, line_width: Optional[int] = None) -> str:
+    """The grid as plain text, one line per rank ("." idle); a B's second unit shows as "=".
+    line_width: the longest a rank's line may be (later slots are cut, "... (+N)")."""
+    width, slots = _cells_text(grid, max_slots, line_width)
     lines = []
     for r, row in enumerate(grid.rows):
         cells = []
@@ -86,13 +98,14 @@ def render_plain(grid: ScheduleGrid, max_slots: Optional[int] = None) -> str:
     return "\n".join(lines + [_legend(grid)])
 
 
-def render_text(grid: ScheduleGrid, max_slots: Optional[int] = None):
-    """The grid as a `rich.text.Text` coloured per microbatch (F light, B/I/W bold); str without rich."""
+def render_text(grid: ScheduleGrid, max_slots: Optional[int] = None, line_width: Optional[int] = None):
+    """The grid as a `rich.text.Text` coloured per microbatch (F light, B/I/W bold); str without rich.
+    line_width: the longest a rank's line may be (the console's width; later slots are cut)."""
     try:
         from rich.text import Text
     except ImportError:  # pragma: no cover - rich is a dependency
-        return render_plain(grid, max_slots)
-    width, slots = _cells_text(grid, max_slots)
+        return render_plain(grid, max_slots, line_width)
+    width, slots = _cells_text(grid, max_slots, line_width)
     text = Text()
     for r, row in enumerate(grid.rows):
         text.append(f"rank {r:<3}| ", style="bold")
