@@ -176,3 +176,24 @@ def test_cli_bad_simulation_requests_exit_2(cli, args, key):
     assert ran.code == 2
     assert key in ran.stderr + ran.stdout and "Traceback" not in ran.stderr
     assert ran.created() == []
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.zero_stage=0"],
+        ["parallel.zero_stage=3"],
+        ["parallel.zero_stage=3", "parallel.pp=2", "parallel.dp=1", "peft.target_modules=[q_proj,down_proj]"],
+    ],
+    ids=["ddp-tp2", "fsdp-tp2", "pp2-tp2-fsdp-two-targets"],
+)
+def test_lora_ranks_hold_what_the_planner_counts(overrides):
+    """LoRA (peft=lora): the frozen base keeps its parameters but no gradient or optimizer state; the
+    adapters, split as partrain.parallel.lora splits them, take both. Simulated == analytic, exactly."""
+    base = ["recipe=llama-fsdp-tp", "parallel.tp_sequence_parallel=false", "peft=lora", *overrides]
+    v = validate(compose(base))
+    full = simulate(validate(compose([o for o in base if not o.startswith(("peft", "parallel.zero"))])), [0])
+    for rank in simulate(v).ranks:
+        assert rank.simulated == rank.analytic, rank.rank
+        assert 0 < rank.simulated["grads"] < rank.simulated["params"] / 4  # adapters only
+    assert simulate(v, [0]).ranks[0].simulated["param_elements"] > full.ranks[0].simulated["param_elements"]

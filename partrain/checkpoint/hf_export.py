@@ -258,6 +258,10 @@ def export_hf_report(
     _check_out_dir(out_dir)
     require_checkpoint(path)
     record = read_record(path, key=PATH_KEY)
+    from partrain.checkpoint.export_peft import export_merged, lora_settings
+
+    if lora_settings(record) is not None:  # adapters merged into their base weights (export_peft)
+        return export_merged(path, out_dir, nproc, dtype, wanted)
     tokenizer = _tokenizer_source(record, tokenizer_folder)
     if not has_checksums(record):
         warn_user(no_checksums_warning(path))

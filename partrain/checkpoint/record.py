@@ -24,6 +24,7 @@ and every size-determining config value) and that no file is missing, truncated 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -143,6 +144,7 @@ def run_meta(validated: Any) -> Dict[str, Any]:
             "global_batch_size": validated.global_batch_size,
         },
         "recipe": run.recipe,
+        "peft": dataclasses.asdict(run.peft),  # LoRA's r, alpha, targets: what `export --peft` writes
     }
 
 

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from partrain.cli.common import JSON, fail, stdout_console
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, Problem
 
 checkpoint_app = typer.Typer(help="Inspect and export distributed checkpoints.", no_args_is_help=True)
 
@@ -46,7 +46,12 @@ def checkpoint_info_cmd(
 @checkpoint_app.command("export")
 def checkpoint_export_cmd(
     path: Path = typer.Argument(..., help="A checkpoint folder."),
-    hf: Path = typer.Option(..., "--hf", help="Output folder for an HF save_pretrained model."),
+    hf: Optional[Path] = typer.Option(
+        None, "--hf", help="Output folder for an HF save_pretrained model (a LoRA checkpoint's: adapters merged)."
+    ),
+    peft: Optional[Path] = typer.Option(
+        None, "--peft", help="Output folder for a LoRA checkpoint's adapters in PEFT's format (PeftModel loads it)."
+    ),
     tokenizer: Optional[Path] = typer.Option(
         None, "--tokenizer", help="Local HF tokenizer folder to copy (default: the run's, if any)."
     ),
@@ -57,7 +62,13 @@ def checkpoint_export_cmd(
     as_json: bool = JSON,
 ) -> None:
     """Write an HF `save_pretrained` folder (safetensors shards + index + config [+ tokenizer]) from a
-    checkpoint; each of --nproc processes reads only the tensors of its own shard."""
+    checkpoint; each of --nproc processes reads only the tensors of its own shard. With --peft: the
+    adapters of a peft=lora checkpoint (adapter_config.json + adapter_model.safetensors)."""
+    if (hf is None) == (peft is None):
+        fail(ConfigError(Problem("--hf", hf, "pass exactly one of --hf OUT and --peft OUT", "e.g. --hf out/")), as_json)
+    if peft is not None:
+        _export_peft(path, peft, as_json)
+        return
     from partrain.blueprint.problems import storage_error_words
     from partrain.checkpoint import export_hf_report
     from partrain.preflight import folder_problems
@@ -80,6 +91,23 @@ def checkpoint_export_cmd(
         shards = len(report["shards"])
         what = f"{shards} shard{'s' if shards > 1 else ''}, {dtype}"
         stdout_console().print(f"exported to [cyan]{report['exported']}[/cyan] ({what}; {loads})")
+
+
+def _export_peft(path: Path, out: Path, as_json: bool) -> None:
+    from partrain.checkpoint.export_peft import export_peft
+    from partrain.preflight import folder_problems
+
+    try:
+        if problems := folder_problems("--peft", out):
+            raise ConfigError(problems)
+        report = export_peft(path, out)
+    except ConfigError as err:
+        fail(err, as_json)
+    if as_json:
+        print(json.dumps(report))
+        return
+    what = f"{report['tensors']} adapter tensors, r={report['r']}"
+    stdout_console().print(f"exported to [cyan]{report['exported']}[/cyan] ({what}; peft.PeftModel loads it)")
 
 
 @checkpoint_app.command("verify")

@@ -19,6 +19,7 @@ from partrain.blueprint.config.schema import ModelConfig
 from partrain.errors import ConfigError, Problem
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
+from partrain.models.lora_init import is_lora_weight, lora_initial_value
 from partrain.models.pretrained import SafetensorsCheckpoint
 from partrain.models.random_init import InitOracle
 from partrain.models.shards import canonical_fqn, copy_local_shard
@@ -48,6 +49,9 @@ def materialize(model: nn.Module, model_cfg: ModelConfig, seed: int, device: Uni
             checkpoint = stack.enter_context(SafetensorsCheckpoint(model_cfg.pretrained, get_adapter(shadow)))
         for name, tensor, is_param in _named_tensors(model):
             fqn = canonical_fqn(name)
+            if is_lora_weight(fqn):  # adapters are in neither the HF model nor its checkpoint
+                copy_local_shard(tensor, lora_initial_value(fqn, tensor.shape, seed))
+                continue
             full = checkpoint.value(fqn, tensor.shape) if checkpoint is not None else None
             if full is None:
                 if checkpoint is not None and is_param:

@@ -1,7 +1,8 @@
 """Shard this rank's share of the model on the meta device, in one documented order.
 
     meta model -> pipeline split (this rank's chunks) -> tensor parallel (and Megatron-SP)
-    -> context parallel (sp attention) -> expert parallel -> recompute -> compile (each block)
+    -> LoRA adapters (peft=lora; base frozen) -> context parallel (sp attention) -> expert parallel
+    -> recompute -> compile (each block)
     -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
 `partrain.train.assemble` then materializes the weights and adds DDP / gradient sync, the
@@ -22,6 +23,7 @@ from partrain.models.build import build_meta_model
 from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.compile import apply_compile, compile_enabled
 from partrain.parallel.context_parallel import apply_sp, sequence_shard
+from partrain.parallel.lora import apply_lora
 from partrain.parallel.recompute import apply_recompute
 from partrain.parallel.tensor_parallel import apply_tp
 from partrain.runtime.mesh import ParallelMesh
@@ -30,6 +32,7 @@ from partrain.runtime.mesh import ParallelMesh
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
+    apply_lora(module, adapter, v.run.peft, v.facts.arch)  # adapters against the post-TP projections
     apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode), v.run.train.seq_len)
     if moe is not None:
         expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)

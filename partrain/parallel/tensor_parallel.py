@@ -238,6 +238,8 @@ def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:
     if not _has(module, path):
         return
     weight = module.get_submodule(path).weight
+    if not weight.requires_grad:
+        return  # frozen (peft=lora): no gradient to shard
     if isinstance(weight, DTensor) and any(not isinstance(p, Replicate) for p in weight.placements):
         mesh, placements = weight.device_mesh, weight.placements
         weight.register_hook(lambda g: g.redistribute(mesh, placements) if g.placements != placements else g)

@@ -66,7 +66,7 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     try:
         mesh = build_mesh(lay, "cpu")
         held = shard_on_meta(v, mesh)
-        seen, params = set(), []
+        seen, params, trainable = set(), [], 0
         # A tied weight a rank holds in two stages is one tensor: count it once, like the runtime.
         for module in held.modules:
             for name, p in module.named_parameters():
@@ -74,6 +74,7 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
                     continue
                 seen.add(id(p))
                 local = _local(p)
+                trainable += local.numel() if p.requires_grad else 0  # LoRA's frozen base takes no gradient
                 placements = ", ".join(str(x) for x in p.placements) if hasattr(p, "placements") else ""
                 params.append(
                     SimulatedParam(
@@ -106,11 +107,11 @@ def simulate_rank(v, rank: int) -> SimulatedRank:
     simulated = {
         "param_elements": param_elements,
         "params": param_bytes,
-        "grads": param_bytes,
+        "grads": trainable * element_size,
         "optimizer": opt_elems * 2 * element_size,
     }
     if spec.style == "master":  # an fp32 gradient buffer; an fp32 master copy beside Adam's m and v
-        simulated.update(grads=param_elements * 4, optimizer=opt_elems * 12)
+        simulated.update(grads=trainable * 4, optimizer=opt_elems * 12)
     simulated["total"] = simulated["params"] + simulated["grads"] + simulated["optimizer"]
     analytic = {"param_elements": p_el, "params": p_el * d.param, "grads": g_el * d.grad, "optimizer": o_el * d.optim}
     analytic["total"] = analytic["params"] + analytic["grads"] + analytic["optimizer"]

@@ -21,7 +21,7 @@ from partrain.blueprint.config.recipes import find_recipe
 from partrain.blueprint.config.schema import RunConfig, valid_values
 from partrain.errors import ConfigError, Problem
 
-GROUPS = ("model", "cluster", "parallel", "data", "optim", "train", "checkpoint")
+GROUPS = ("model", "cluster", "parallel", "data", "optim", "train", "checkpoint", "peft")
 RECIPE_GROUP = "recipe"
 
 

@@ -29,6 +29,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+PEFT_METHODS = ("none", "lora")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -44,6 +45,7 @@ CHOICES = {
     "optim.schedule": LR_SCHEDULES,
     "optim.implementation": OPTIMIZER_IMPLEMENTATIONS,
     "parallel.zero_stage": ZERO_STAGES,
+    "peft.method": PEFT_METHODS,
 }
 """Keys whose value is one of a fixed list: validation refuses others, and a value of the wrong type
 (`parallel.zero_stage=two`) is answered with the list."""
@@ -69,6 +71,7 @@ AT_LEAST = {
     "parallel.recompute_every": 1,
     "data.max_bytes": 0,
     "train.loss_scale_window": 1,
+    "peft.r": 1,
 }
 """Integer keys with a lower bound (validation's range rule and the type errors' hint)."""
 
@@ -382,6 +385,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    method: str = "none"
+    """Parameter-efficient fine-tuning: none (every weight trains) or lora (the base weights are frozen:
+    no gradients, no optimizer state; only low-rank adapters next to the target projections train)."""
+    r: int = 8
+    """LoRA rank: each adapted projection W [out, in] gains A [r, in] and B [out, r]."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the adapter adds (alpha / r) * B A x to the projection's output."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (0 = none; the base projection never sees it)."""
+    target_modules: List[str] = field(default_factory=list)
+    """Projection names (the last part of their module path) that get adapters; empty = every attention
+    and MLP projection of the family (Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model: HF architecture and its config."""
@@ -397,5 +417,7 @@ class RunConfig:
     """Batch, sequence length, steps, precision, seed, run folder."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Distributed checkpoints: cadence, folder, resume."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """Parameter-efficient fine-tuning (LoRA adapters on a frozen base)."""
     recipe: str = ""
     """Name of the recipe this run was composed from (set by partrain)."""

@@ -174,8 +174,8 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     if r.layers:
         transient += sp_attention_transient(spec, s.tokens, dt)  # one layer's ring blocks / all-to-all buffers
     transient += _fsdp_gathered(spec, r, p, unsharded, s.gathered_param_bytes)
-    if spec.fsdp_sync_once:
-        transient += (unsharded - p) * dt.grad  # gradients accumulated unsharded until the last microbatch
+    if spec.fsdp_sync_once:  # gradients accumulated unsharded until the last microbatch (LoRA: the adapters')
+        transient += ((unsharded - p) if not spec.lora_r else g * (spec.shard - 1)) * dt.grad
     activations = saved + chunk_mbs * (ends + rotary_extra)
     transient += _grad_sync_buffer(spec, g * dt.grad, activations + transient)
     process = 0.0 if spec.mixed == "zero" else process_bytes(spec.cluster.device, s.compute, activations + transient)

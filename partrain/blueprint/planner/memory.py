@@ -145,15 +145,17 @@ def tensor_state_elements(
     expert_index: int = -1,
 ) -> Tuple[int, int, int, int]:
     """(parameter elements, FSDP optimizer elements, ZeRO-1 group of >= 2-D tensors, ZeRO-1 group of
-    the rest) that the rank at position `shard_index` of its shard group holds of `tensors`.
+    the rest, gradient elements) that the rank at position `shard_index` of its shard group holds of
+    `tensors`.
 
-    Gradients have the parameters' shape. Optimizer elements count Adam's moments once (multiply by
+    Gradients have the trainable parameters' shape; a frozen tensor (LoRA's base) has neither a
+    gradient nor optimizer state. Optimizer elements count Adam's moments once (multiply by
     the optimizer bytes per parameter); for ZeRO 0/1 they follow from the two groups
     (`zero1_optimizer_elements`). FSDP (ZeRO 2/3) cuts dim 0 of each local tensor as torch.chunk does;
     position 0 holds the largest shards (the worst rank); experts shard over n_expert ranks (their
     edp group), where the rank sits at `expert_index` (-1: the same position as shard_index).
     """
-    params = optim = group2 = group1 = 0
+    params = optim = group2 = group1 = grads = 0
     for t in tensors:
         shape = t.local_shape(tp, ep)
         numel = math.prod(shape)
@@ -162,14 +164,18 @@ def tensor_state_elements(
             index = expert_index if t.expert and expert_index >= 0 else shard_index
             local = numel // shape[0] * _chunk_rows(shape[0], n, index % n) if shape[0] else 0
             params += local
-            optim += local
+            optim += local if t.trainable else 0
+            grads += local if t.trainable else 0
         else:
             params += numel
+            grads += numel if t.trainable else 0
+            if not t.trainable:
+                continue
             if len(shape) >= 2:
                 group2 += numel
             else:
                 group1 += numel
-    return params, optim, group2, group1
+    return params, optim, group2, group1, grads
 
 
 def zero1_optimizer_elements(group2: int, group1: int, n: int, zero_stage: int) -> int:

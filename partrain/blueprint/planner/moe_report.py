@@ -38,7 +38,7 @@ def moe_report(spec: PlanSpec, tokens: float, act_bytes: int, recompute_passes: 
     tensors = [t for t in layer_tensors(f, x, index) if t.expert]
     per_layer_total = sum(t.numel for t in tensors)
     n_exp = expert_shard(spec)
-    p, o, g2, _ = tensor_state_elements(tensors, spec.tp, spec.ep, spec.shard, n_exp, spec.zero_stage, 0)
+    p, o, g2, _, _ = tensor_state_elements(tensors, spec.tp, spec.ep, spec.shard, n_exp, spec.zero_stage, 0)
     if spec.zero_stage == 1:
         o = -(-g2 // n_exp) if spec.ep > 1 else g2 / spec.shard
     elif spec.zero_stage == 0:

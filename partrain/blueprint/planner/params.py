@@ -18,7 +18,7 @@ qwen2_moe and qwen3_moe; a test checks it against meta-built models. `tensor_spe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from partrain.blueprint.model_facts import ModelFacts
@@ -40,6 +40,8 @@ class TensorSpec:
     """Dimension split by tensor parallelism; None = replicated over the TP group."""
     expert: bool = False
     """Stacked experts: dim 0 is the expert index, split by expert parallelism."""
+    trainable: bool = True
+    """Takes a gradient and optimizer state (False: a base weight frozen under LoRA)."""
 
     @property
     def numel(self) -> int:
@@ -133,6 +135,26 @@ def layer_tensors(facts: ModelFacts, extras: Optional[ModelExtras], i: int) -> L
     """Parameters of decoder layer i."""
     x = extras or default_extras(facts)
     return _gpt2_layer(facts, i) if facts.arch == "gpt2" else _llama_layer(facts, x, i)
+
+
+def with_lora(tensors: List[TensorSpec], r: int, targets: Tuple[str, ...]) -> List[TensorSpec]:
+    """`tensors` as a LoRA run holds them (r > 0): every one frozen, and beside each target projection's
+    weight W [out, in] its adapters A [r, in] and B [out, r], split as partrain.parallel.lora splits
+    them: a column-parallel W (split on out) keeps A whole and splits B like W; a row-parallel W (split
+    on in) splits A like W and keeps B whole. r == 0: `tensors` unchanged."""
+    if r <= 0:
+        return tensors
+    out: List[TensorSpec] = []
+    for t in tensors:
+        out.append(replace(t, trainable=False))
+        module, _, leaf = t.name.rpartition(".")
+        if leaf != "weight" or t.expert or len(t.shape) != 2 or module.rpartition(".")[2] not in targets:
+            continue
+        rows, cols = t.shape
+        column = t.tp_dim == 0
+        out.append(TensorSpec(f"{module}.lora_A.weight", (r, cols), t.part, t.layer, None if column else 1))
+        out.append(TensorSpec(f"{module}.lora_B.weight", (rows, r), t.part, t.layer, 0 if column else None))
+    return out
 
 
 def embed_tensors(facts: ModelFacts) -> List[TensorSpec]:

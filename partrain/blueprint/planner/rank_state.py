@@ -21,17 +21,19 @@ from partrain.blueprint.planner.params import (
     layer_is_sparse,
     layer_tensors,
     tied_head_copy,
+    with_lora,
 )
 from partrain.blueprint.planner.spec import PlanSpec, spec_from_validated
 
 
 @functools.lru_cache(maxsize=65536)
-def group_parts(spec_key: Tuple, kind: Tuple, shard_index: int, expert_index: int = -1) -> Tuple[int, int, int, int]:
+def group_parts(
+    spec_key: Tuple, kind: Tuple, shard_index: int, expert_index: int = -1
+) -> Tuple[int, int, int, int, int]:
     """tensor_state_elements of one kind of tensor group (a dense or MoE layer, embeddings, ...)."""
-    facts, extras, tp, ep, n_dense, n_exp, zero = spec_key
-    return tensor_state_elements(
-        _kind_tensors(facts, extras, kind), tp, ep, n_dense, n_exp, zero, shard_index, expert_index
-    )
+    facts, extras, lora, tp, ep, n_dense, n_exp, zero = spec_key
+    tensors = with_lora(_kind_tensors(facts, extras, kind), *lora)
+    return tensor_state_elements(tensors, tp, ep, n_dense, n_exp, zero, shard_index, expert_index)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,7 +54,8 @@ def _kind_tensors(facts, extras, kind: Tuple) -> List[TensorSpec]:
 def spec_key(spec: PlanSpec) -> Tuple:
     n_dense = spec.shard
     n_exp = expert_shard(spec)
-    return (spec.facts, spec.extras, spec.tp, spec.ep, n_dense, n_exp, spec.zero_stage)
+    lora = (spec.lora_r, spec.lora_targets)
+    return (spec.facts, spec.extras, lora, spec.tp, spec.ep, n_dense, n_exp, spec.zero_stage)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -106,22 +109,23 @@ def rank_state_elements(
     """(params, grads, optimizer, unsharded local params) elements of one rank (at `shard_index` of
     its dense shard group and `expert_index` of its edp group; -1 = shard_index)."""
     key = spec_key(spec)
-    p = o = g2 = g1 = 0
+    p = o = g2 = g1 = g = 0
     for kind, count in rank.kinds(spec):
-        pp_, oo, a2, a1 = group_parts(key, kind, shard_index, expert_index)
+        pp_, oo, a2, a1, gg = group_parts(key, kind, shard_index, expert_index)
         p += pp_ * count
         o += oo * count
         g2 += a2 * count
         g1 += a1 * count
+        g += gg * count
     if spec.zero_stage >= 2:
         unsharded = sum(group_parts(key[:-1] + (0,), kind, 0)[0] * count for kind, count in rank.kinds(spec))
-        return p, p, o, unsharded
+        return p, g, o, unsharded
     # With ep > 1 the experts are their own ZeRO-1 parameter group, sharded over their replicas (edp).
     e2 = rank.sparse * expert_layer_elements(spec) if spec.ep > 1 and spec.zero_stage == 1 else 0
     o = zero1_optimizer_elements(g2 - e2, g1, spec.shard, spec.zero_stage) + zero1_optimizer_elements(
         e2, 0, expert_shard(spec), 1
     )
-    return p, p, o, p
+    return p, g, o, p
 
 
 def pipeline_ranks(spec: PlanSpec) -> List[PipelineRank]:

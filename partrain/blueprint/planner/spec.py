@@ -240,6 +240,10 @@ class PlanSpec:
     """parallel.ps_servers (parameter-server)."""
     loss_chunk_tokens: int = 0
     """train.loss_chunk_tokens: the head and loss run over chunks of this many tokens (0 = whole)."""
+    lora_r: int = 0
+    """peft=lora's rank (0 = no LoRA): the base is frozen, only adapters take gradients and optimizer state."""
+    lora_targets: Tuple[str, ...] = ()
+    """The projections LoRA adapts (peft.target_modules or the family's default)."""
 
     def loss_chunk(self, tokens: float) -> float:
         """Tokens whose logits exist at once on a rank for a microbatch of `tokens` tokens: the
@@ -345,8 +349,13 @@ def run_settings(run) -> Dict[str, Any]:
     settings the estimate depends on (parameter dtype, FSDP and DP gradient sync, buckets,
     parameter servers, MoE capacity, loss chunking, axis order, sp mode). One function, so that a
     validated run, the layout search and `parallel=auto` estimate every layout with the same settings."""
+    from partrain.blueprint.validate_peft import lora_targets
+
     p, t = run.parallel, run.train
+    lora = run.peft.method == "lora"
     return dict(
+        lora_r=run.peft.r if lora else 0,
+        lora_targets=lora_targets(run.model.arch, run.peft.target_modules) if lora else (),
         order=tuple(p.order),
         sp_mode=p.sp_mode,
         seq=t.seq_len,
