@@ -94,6 +94,7 @@ def train_process(
     from partrain.train.lr_schedule import LRSchedule
     from partrain.train.metrics import MetricsWriter
     from partrain.train.plan_check import Plan, PlanCheckMetrics, memory_baseline
+    from partrain.train.profiling import ProfilingContext, RunProfiling
     from partrain.train.trackers import TrackerMemory
 
     run = v.run
@@ -123,6 +124,7 @@ def train_process(
     plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
     if env.is_main:
         metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank, trackers)
+    profiling = RunProfiling(ProfilingContext.of(run, run_dir, env.rank, device, start_step))
     trainer = Trainer(
         v,
         mesh,
@@ -137,15 +139,19 @@ def train_process(
         events=events,
         restart=env.restart_count,
         schedule=schedule,
+        profiling=profiling,
     )
     trainer.state.step = start_step
-    state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank, stop)
+    try:
+        state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank, stop)
+    finally:
+        profiling.close()
     saved = checkpoints.save_at_stop(state.step) if state.stopped else None
     hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
     checkpoints.finish()
     metrics.close()
 
-    gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine, trackers)
+    gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine, trackers, profiling)
     moe = getattr(engine, "moe", None)
     if relayout.peers_left(v, state, stop):  # after the shared checkpoint: torchrun restarts this node
         return relayout.PEER_LEFT_EXIT
@@ -165,9 +171,12 @@ def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
     return shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode))
 
 
-def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: int, engine, trackers=None):
+def _gather_rank_records(
+    env: DistEnv, state, pp_rank: int, device, baseline: int, engine, trackers=None, profiling=None
+):
     """Every rank's memory and traffic record, gathered on rank 0 (None elsewhere); trackers: what
-    rank 0's trackers added to its process (plan_check.measured_memory subtracts it)."""
+    rank 0's trackers added to its process (plan_check.measured_memory subtracts it); profiling: the
+    files the rank's RunProfiling wrote (its profiler trace, its memory snapshots)."""
     import torch.distributed as dist
 
     from partrain.runtime.resident import peak_rss_bytes
@@ -175,6 +184,8 @@ def _gather_rank_records(env: DistEnv, state, pp_rank: int, device, baseline: in
 
     mine = {"rank": env.rank, "model_state_bytes": state.model_state_bytes, "peak_rss_bytes": peak_rss_bytes()}
     mine.update(pp_rank=pp_rank, **measured_memory(device, baseline, trackers), **_engine_record(engine))
+    if profiling is not None:
+        mine.update(profiling.record())
     gathered = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, gathered, dst=0)
     return gathered
@@ -194,7 +205,8 @@ def _run_trainer(trainer, v: ValidatedRun, device, run_dir: Path, rank: int, pp_
             raise
         from partrain.train.gpu_memory import explain_oom
 
-        raise explain_oom(v, device, run_dir, rank, pp_rank) from exc
+        snapshot = trainer.profiling.on_oom()  # train.memory_history: the allocator's history, named in the message
+        raise explain_oom(v, device, run_dir, rank, pp_rank, written=snapshot) from exc
 
 
 def _engine_record(engine) -> dict:
@@ -228,6 +240,7 @@ def _report_summary(
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
     from partrain.train.plan_check import planned_vs_measured
+    from partrain.train.profiling import profiling_summary
 
     if env.is_main and state.history:
         timed = state.history[1:] or state.history
@@ -247,6 +260,7 @@ def _report_summary(
             summary["moe"] = moe.summary()
         if hf_dir is not None:
             summary["hf_export"] = str(hf_dir)
+        summary.update(profiling_summary(v.run, gathered))
         if plan is not None:
             steps = [r.step_time_s for r in state.history]
             summary["planned_vs_measured"] = planned_vs_measured(plan, gathered, steps, v, device_type)

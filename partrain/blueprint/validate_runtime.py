@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from partrain.blueprint.config.schema import RunConfig
 from partrain.blueprint.problems import ProblemCollector
+from partrain.blueprint.validate_profiling import profiling_problems
 
 COMPILE_VALUES = ("auto", "true", "false")
 """train.compile: auto = compile on CUDA, eager on CPU (inductor builds C++ there: slow to start)."""
@@ -49,3 +50,4 @@ def runtime_problems(c: ProblemCollector, run: RunConfig) -> None:
         "must be >= 0 (0 = one head call over the whole microbatch)",
         "e.g. train.loss_chunk_tokens=4096",
     )
+    profiling_problems(c, run)

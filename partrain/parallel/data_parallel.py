@@ -116,7 +116,8 @@ def allreduce_gradients_of(modules, group, size: int) -> None:
     if size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat, group=group)
+    with torch.profiler.record_function("partrain/dp/all_reduce"):
+        torch.distributed.all_reduce(flat, group=group)
     flat /= size
     offset = 0
     for g in grads:

@@ -468,7 +468,8 @@ def _sum_into(grads: List[torch.Tensor], group, divisor: int) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     if group is not None:
-        dist.all_reduce(flat, group=group)
+        with torch.profiler.record_function("partrain/ep/grad_all_reduce"):  # experts over edp, the rest over dp
+            dist.all_reduce(flat, group=group)
     flat /= divisor
     offset = 0
     for g in grads:

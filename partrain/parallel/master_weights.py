@@ -117,7 +117,8 @@ class MasterWeightOptimizer:
                     self._accumulate(p)
         if self.grad_size > 1:
             for g in self.groups:
-                dist.all_reduce(g["flat"], group=self.grad_group)
+                with torch.profiler.record_function("partrain/dp/all_reduce"):
+                    dist.all_reduce(g["flat"], group=self.grad_group)
                 g["flat"].div_(self.grad_size)
         for p in self.params():
             self._saved[id(p)] = p.data
@@ -165,7 +166,8 @@ class MasterWeightOptimizer:
             values = g["shard"].detach()
         else:
             values = torch.empty(g["per_rank"] * self.world, dtype=self.dtype, device=g["shard"].device)
-            dist.all_gather_into_tensor(values, g["shard"].detach().to(self.dtype), group=self.group)
+            with torch.profiler.record_function("partrain/dp/all_gather"):
+                dist.all_gather_into_tensor(values, g["shard"].detach().to(self.dtype), group=self.group)
         for p in g["params"]:
             _, offset, shape = self._where[id(p)]
             local(p).copy_(values[offset : offset + shape.numel()].view(shape))

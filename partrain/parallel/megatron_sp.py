@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.profiler import record_function
 
 from partrain.parallel.compile import eager
 
@@ -53,7 +54,8 @@ def _gather_seq(x: torch.Tensor, group, async_op: bool = False):
     t = dist.get_world_size(group)
     shard = x.transpose(0, SEQ_DIM).contiguous()  # [s/t, b, h]: gather along dim 0 is contiguous
     out = shard.new_empty((shard.shape[0] * t, *shard.shape[1:]))
-    work = dist.all_gather_single(out, shard, group=group, async_op=async_op)
+    with record_function("partrain/tp/all_gather"):  # Megatron-SP: sequence shards over the tp group
+        work = dist.all_gather_single(out, shard, group=group, async_op=async_op)
     if async_op:  # the caller transposes back after wait() (the buffer is not filled yet)
         return out, work
     return out.transpose(0, SEQ_DIM).contiguous()
@@ -64,7 +66,8 @@ def _reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
     t = dist.get_world_size(group)
     whole = x.transpose(0, SEQ_DIM).contiguous()
     out = whole.new_empty((whole.shape[0] // t, *whole.shape[1:]))
-    work = dist.reduce_scatter_single(out, whole, group=group, async_op=async_op)
+    with record_function("partrain/tp/reduce_scatter"):
+        work = dist.reduce_scatter_single(out, whole, group=group, async_op=async_op)
     if async_op:
         return out, work
     return out.transpose(0, SEQ_DIM).contiguous()

@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from partrain.parallel.compile import eager
 
@@ -32,7 +33,8 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         y = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(y, x.contiguous(), out_splits, in_splits, group=group)
+        with record_function("partrain/ep/all_to_all"):
+            dist.all_to_all_single(y, x.contiguous(), out_splits, in_splits, group=group)
         return y
 
     @staticmethod
@@ -40,7 +42,8 @@ class AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         gx = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         # contiguous(): gloo scatters by offsets and would misread permuted strides.
-        dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        with record_function("partrain/ep/all_to_all"):
+            dist.all_to_all_single(gx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return gx, None, None, None
 
 
@@ -84,7 +87,8 @@ def route(top_k_index: torch.Tensor, num_experts: int, cap: Optional[int]) -> Ro
 def exchange_counts(kept: torch.Tensor, group, ep: int) -> torch.Tensor:
     """Kept slots this rank receives: [ep sources, local experts], from each peer's [E] counts."""
     received = torch.empty_like(kept)
-    dist.all_to_all_single(received, kept, group=group)
+    with record_function("partrain/ep/all_to_all_counts"):
+        dist.all_to_all_single(received, kept, group=group)
     return received.view(ep, -1)
 
 

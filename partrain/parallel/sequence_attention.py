@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from partrain.parallel.compile import eager
 
@@ -208,12 +209,14 @@ class _Ring:
             dist.P2POp(dist.isend, send, self.nxt, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prv, self.group, tag),
         ]
-        return recv, dist.batch_isend_irecv(ops)
+        with record_function("partrain/sp/ring_post"):  # overlaps the attention block; waited for in finish()
+            return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
     def finish(reqs: list) -> None:
-        for r in reqs:
-            r.wait()
+        with record_function("partrain/sp/ring_wait"):
+            for r in reqs:
+                r.wait()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -397,7 +400,8 @@ def _seq_to_head(x: Tensor, group, sp: int) -> Tensor:
     b, h, n, d = x.shape
     send = x.reshape(b, sp, h // sp, n, d).permute(1, 0, 2, 3, 4).contiguous()  # dim 0: destination rank
     recv = torch.empty_like(send)  # dim 0: source rank = which sequence slice
-    dist.all_to_all_single(recv, send, group=group)
+    with record_function("partrain/sp/all_to_all"):
+        dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * n, d)
 
 
@@ -407,7 +411,8 @@ def _head_to_seq(x: Tensor, group, sp: int) -> Tensor:
     n = s // sp
     send = x.reshape(b, hl, sp, n, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0: destination = slice
     recv = torch.empty_like(send)  # dim 0: source rank = which head group
-    dist.all_to_all_single(recv, send, group=group)
+    with record_function("partrain/sp/all_to_all"):
+        dist.all_to_all_single(recv, send, group=group)
     # Laid out [b, n, h, d] in memory, so the caller's transpose(1, 2).contiguous() before the output
     # projection is free.
     return recv.permute(1, 3, 0, 2, 4).reshape(b, n, hl * sp, d).transpose(1, 2)

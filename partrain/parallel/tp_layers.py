@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.profiler import record_function
 
 from partrain.parallel import megatron_sp
 from partrain.parallel.compile import eager
@@ -47,7 +48,8 @@ class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        with record_function("partrain/tp/all_reduce"):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -57,7 +59,8 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        with record_function("partrain/tp/all_reduce"):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod

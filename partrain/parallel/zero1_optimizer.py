@@ -66,7 +66,8 @@ class ShardedOptimizer:
         for g in self.groups:
             g["shard"].grad = None
             # The input must not alias the output buffer: gather from a copy of this rank's slice.
-            dist.all_gather_into_tensor(g["flat"], g["shard"].detach().clone(), group=self.group)
+            with torch.profiler.record_function("partrain/dp/all_gather"):  # ZeRO-1: updated shards
+                dist.all_gather_into_tensor(g["flat"], g["shard"].detach().clone(), group=self.group)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (for the memory report)."""

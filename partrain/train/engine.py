@@ -9,6 +9,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Protocol
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from partrain.models.loss import forward_loss
 from partrain.parallel.data_parallel import DataParallelModel
@@ -96,11 +97,13 @@ class DirectEngine:
         for i, (x, y) in enumerate(micro):
             x, y = to_device(x, self.device), to_device(y, self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
-                with autocast_context(self.precision, self.device.type):
+                with autocast_context(self.precision, self.device.type), record_function("partrain/forward"):
                     loss = self.forward_loss(self.dp.module, x, y)
-                (loss * (loss_scale / len(micro))).backward()
+                with record_function("partrain/backward"):
+                    (loss * (loss_scale / len(micro))).backward()
             total += local_scalar(loss.detach()).float()
-        self.dp.finish_gradients()
+        with record_function("partrain/dp/finish_gradients"):
+            self.dp.finish_gradients()
         return float(total) / len(micro)
 
     def clip(self, max_norm: float) -> float:
@@ -166,7 +169,8 @@ class PipelineEngine:
             self.moe.grad_scale = loss_scale  # torch divides every gradient by the microbatches afterwards
         with self.loss_context(), autocast_context(self.precision, self.device.type):
             loss = self.runner.step(inputs if first else None, labels if last else None)
-        self.sync_gradients()
+        with record_function("partrain/dp/sync_gradients"):
+            self.sync_gradients()
         return loss
 
     def clip(self, max_norm: float) -> float:

@@ -94,11 +94,14 @@ class GpuOutOfMemory(RuntimeError):
     """A CUDA out-of-memory, explained (`oom_message`)."""
 
 
-def explain_oom(v, device: torch.device, run_dir: Path, rank: int, pp_rank: int) -> GpuOutOfMemory:
-    """The error to raise from a CUDA OOM on this rank, after writing the allocator's state."""
+def explain_oom(
+    v, device: torch.device, run_dir: Path, rank: int, pp_rank: int, written: Optional[Path] = None
+) -> GpuOutOfMemory:
+    """The error to raise from a CUDA OOM on this rank, after writing the allocator's state (unless
+    `written` names the file already holding it: train.memory_history's snapshot)."""
     from partrain.train.plan_check import Plan
 
-    written = write_allocator_state(device, run_dir / "errors", rank)
+    written = written or write_allocator_state(device, run_dir / "errors", rank)
     total = torch.cuda.get_device_properties(device).total_memory
     return GpuOutOfMemory(
         oom_message(

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.data import EvalBatches, TokenBatches
@@ -25,6 +26,7 @@ from partrain.train.gpu_memory import step_memory_fields
 from partrain.train.loss_scale import DynamicLossScale, unscale_gradients
 from partrain.train.lr_schedule import LRSchedule, set_lr
 from partrain.train.metrics import Events, MetricsWriter, log
+from partrain.train.profiling import RunProfiling
 
 
 @dataclass
@@ -124,7 +126,10 @@ class Trainer:
         events: Optional[Events] = None,
         restart: int = 0,
         schedule: Optional[LRSchedule] = None,
+        profiling: Optional[RunProfiling] = None,
     ) -> None:
+        self.profiling = profiling or RunProfiling()
+        """Profiler window and memory history around the steps (train.profile_steps, train.memory_history)."""
         self.schedule = schedule or LRSchedule(validated.run.optim, validated.run.train.steps)
         """The learning rate of each step; the worker shares it with the checkpoints (saved, resumed)."""
         self.on_step_end = on_step_end
@@ -167,11 +172,13 @@ class Trainer:
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
         if self.loss_scale:
             unscale_gradients(self.engine.model_parts, scale)
-        grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
+        with record_function("partrain/clip_grad_norm"):
+            grad_norm = self.engine.clip(self.cfg.optim.grad_clip)
         # The norm is global (every shard, stage and replica): all ranks take the same decision.
         stepped = self.loss_scale.update(math.isfinite(grad_norm)) if self.loss_scale else True
         if stepped:
-            optimizer.step()
+            with record_function("partrain/optimizer"):
+                optimizer.step()
         else:  # 16-bit parameters exposing fp32 gradients get their values back (master_weights)
             optimizer.zero_grad(set_to_none=True)
         self.schedule.step()  # also after a skipped fp16 step: the schedule follows the step count
@@ -227,7 +234,8 @@ class Trainer:
         while self.state.step < train.steps:
             if self._stop_agreed():
                 return self.state
-            result = self.train_step()
+            with self.profiling.step(self.state.step + 1):
+                result = self.train_step()
             self.state.history.append(result)
             elapsed = time.perf_counter() - started
             eta = elapsed / (result.step - first_step) * (train.steps - result.step)

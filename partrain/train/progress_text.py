@@ -72,6 +72,25 @@ def event_line(e: dict) -> Optional[str]:
     return None
 
 
+def _files_text(paths: list) -> str:
+    """A list of per-rank files in a few words: the first path in full, the last one's name."""
+    if len(paths) == 1:
+        return paths[0]
+    return f"{len(paths)} files, {paths[0]} .. {paths[-1].rsplit('/', 1)[-1]}"
+
+
+def profiling_rows(s: dict) -> list:
+    """(label, text) of the summary's profiler traces and memory snapshots, when the run wrote any."""
+    rows = []
+    profile = s.get("profile")
+    if profile and profile.get("traces"):
+        first, last = profile["steps"]
+        rows.append((f"profiler traces (steps {first}-{last})", _files_text(profile["traces"])))
+    if s.get("memory_snapshots"):
+        rows.append(("memory snapshots (pytorch.org/memory_viz)", _files_text(s["memory_snapshots"])))
+    return rows
+
+
 def summary_lines(s: dict) -> list:
     """The run summary as `key: value` lines (the terminal shows a table of the same)."""
     lines = [f"summary: steps {s['steps']}, final train loss {s['final_loss']:.4f}"]
@@ -87,5 +106,6 @@ def summary_lines(s: dict) -> list:
         )
     for change in s.get("layout_changes") or []:
         lines.append(f"summary: layout change at step {change['step']}: {layout_change_text(change)}")
+    lines.extend(f"summary: {label}: {text}" for label, text in profiling_rows(s))
     lines.append(f"summary: run folder {s['run_dir']}")
     return lines

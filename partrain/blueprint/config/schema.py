@@ -361,6 +361,15 @@ class TrainConfig:
     compile_backend: str = "inductor"
     """torch.compile backend when compiling: inductor (generated kernels), or aot_eager / eager (trace
     only, no code generation: quick, used by the CPU tests and to tell tracing from inductor failures)."""
+    profile_steps: List[int] = field(default_factory=list)
+    """[A, B]: run torch.profiler over optimizer steps A to B inclusive on every rank, steps counted from 1
+    as `step` in metrics.jsonl, and write one Chrome/Perfetto trace per rank, RUN_DIR/profile/rank-K.pt.trace.json
+    (ui.perfetto.dev, chrome://tracing, TensorBoard's profiler view), with partrain/... ranges for forward,
+    backward, optimizer and the collectives partrain issues. [] = off."""
+    memory_history: bool = False
+    """CUDA only: record the caching allocator's history from the first step and dump
+    RUN_DIR/memory/rank-K.pickle (for pytorch.org/memory_viz) at the end of the run's second step (step 2
+    from a fresh start; the last step when fewer) and on out-of-memory. Refused on cluster.device=cpu."""
 
 
 @dataclass

@@ -41,6 +41,11 @@ class CommCounter:
         """Post every receive and send (peers are global ranks), then wait for all of them.
         Empty tensors are skipped on both sides: both compute the same sizes."""
         t0 = time.perf_counter()
+        with torch.profiler.record_function("partrain/dp/send_recv"):
+            self._post_and_wait(sends, recvs, group)
+        self.seconds += time.perf_counter() - t0
+
+    def _post_and_wait(self, sends, recvs, group) -> None:
         works: List = []
         for buf, src in recvs:
             if buf.numel():
@@ -54,12 +59,12 @@ class CommCounter:
                 self.messages += 1
         for w in works:
             w.wait()
-        self.seconds += time.perf_counter() - t0
 
     def all_reduce(self, t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
         """The backend's sum all-reduce; counted as the bytes handed to it, each way."""
         t0 = time.perf_counter()
-        dist.all_reduce(t, group=group)
+        with torch.profiler.record_function("partrain/dp/all_reduce"):
+            dist.all_reduce(t, group=group)
         self.sent_bytes += nbytes(t)
         self.recv_bytes += nbytes(t)
         self.messages += 1

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from partrain.blueprint.stage_split import (
     SCHEDULE_CLASS,
@@ -189,17 +190,18 @@ class PipelineRunner:
             self.timing.calls["loss"] = self.timing.calls.get("loss", 0) + 1
 
     def _instrument(self, stage) -> None:
-        for method, slot in (
-            ("forward_one_chunk", "forward"),
-            ("backward_one_chunk", "backward"),
-            ("backward_weight_one_chunk", "weight"),
+        for method, slot, range_name in (
+            ("forward_one_chunk", "forward", "partrain/forward"),
+            ("backward_one_chunk", "backward", "partrain/backward"),
+            ("backward_weight_one_chunk", "weight", "partrain/backward_weight"),
         ):
             original = getattr(stage, method)
 
-            def timed(*args, _orig=original, _slot=slot, **kwargs):
+            def timed(*args, _orig=original, _slot=slot, _range=range_name, **kwargs):
                 t0 = time.perf_counter()
                 try:
-                    return _orig(*args, **kwargs)
+                    with record_function(_range):
+                        return _orig(*args, **kwargs)
                 finally:
                     setattr(self.timing, _slot, getattr(self.timing, _slot) + time.perf_counter() - t0)
                     self.timing.calls[_slot] = self.timing.calls.get(_slot, 0) + 1
@@ -229,13 +231,17 @@ class PipelineRunner:
         losses: List[torch.Tensor] = []
         self.timing = StepTiming()
         t0 = time.perf_counter()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        # torch's schedule posts and waits for the stage-to-stage sends and receives itself: in a trace
+        # they are its own send/recv operators inside this range, between partrain/forward and /backward.
+        with record_function("partrain/pp/schedule"):
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         self.timing.wall = time.perf_counter() - t0
         self.last_timing = self.timing
         if self.dp_group is not None:
             all_reduce_grads(self.modules, self.dp_group)
         if self.sync_tied:
-            tied_weight_sync(self.modules, self.group, self.first_owner, self.last_owner)
+            with record_function("partrain/pp/tied_weights"):
+                tied_weight_sync(self.modules, self.group, self.first_owner, self.last_owner)
         if not self.has_last:
             return None
         return float(torch.stack([l.detach().float() for l in losses]).mean()) / self.loss_scale
@@ -271,12 +277,14 @@ class PipelineRunner:
                     h = xs[mb]
                 elif owner[c - 1] != self.pp_rank:
                     h = torch.empty(b, s, hidden, dtype=self._activation_dtype, device=self.device)
-                    dist.recv(h, group=self.group, group_src=owner[c - 1])
+                    with record_function("partrain/pp/recv"):
+                        dist.recv(h, group=self.group, group_src=owner[c - 1])
                 h = mine[c](h)
                 if c == self.n_chunks - 1:
                     total += float(self._user_loss_fn(h, ys[mb]))
                 elif owner[c + 1] != self.pp_rank:
-                    dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])
+                    with record_function("partrain/pp/send"):
+                        dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])
         return float(total) / self.n_microbatches if self.has_last else None
 
     def _check_batch(self, t: torch.Tensor) -> None:
@@ -289,7 +297,8 @@ class PipelineRunner:
         """The last chunk's loss on every pp rank (collective over the pp group)."""
         t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
         if self.pp_size > 1:
-            dist.broadcast(t, group=self.group, group_src=self.last_owner)
+            with record_function("partrain/pp/broadcast_loss"):
+                dist.broadcast(t, group=self.group, group_src=self.last_owner)
         return float(t.item())
 
     def gather_timing(self) -> List[dict]:
