@@ -172,9 +172,10 @@ def test_explain_prints_a_candidates_full_report(cli):
 def test_show_parallel_auto_shows_the_chosen_layout(cli):
     ran = cli("show", "recipe=llama3-70b-h100", "parallel=auto")
     assert ran.code == 0, ran.stderr
-    first = ran.stdout.splitlines()[0]
-    assert first.startswith("# parallel=auto chose this layout: dp4 x tp8+sp x pp2")
-    assert "90% allowed for auto, 95% usable" in first
+    comment = [line for line in ran.stdout.splitlines() if line.startswith("# ")]
+    assert comment[0].startswith("# parallel=auto chose this layout: dp4 x tp8+sp x pp2")
+    assert all(len(line) <= 100 for line in comment), "the comment is wrapped at 100 columns"
+    assert "90% allowed for auto, 95% usable" in " ".join(line[2:] for line in comment)
     assert "\n  tp: 8\n" in ran.stdout and "\n  pp: 2\n" in ran.stdout
     out = json.loads(cli("show", "recipe=llama3-70b-h100", "parallel=auto", "--json").stdout)
     assert out["auto_choice"]["chosen"]["layout"]["tp"] == out["parallel"]["tp"] == 8

@@ -250,8 +250,8 @@ def _print_choice(choice: Optional[dict], console) -> None:
         return
     from partrain.blueprint.planner.auto import choice_lines
 
-    for line in choice_lines(choice):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for line in choice_lines(choice):  # wrapped at the console's width, as the report below it
+        console.print(line, markup=False, highlight=False)
 
 
 def _warn_if_predicted_not_to_fit(validated, console) -> None:

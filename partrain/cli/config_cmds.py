@@ -80,15 +80,22 @@ def _chosen(overrides, recipes, as_json: bool):
     return validated.run, record
 
 
+COMMENT_WIDTH = 100
+"""`show`'s comment lines stay within the width the reports keep (YAML itself is printed as it is)."""
+
+
 def _choice_comment(record: dict) -> str:
-    """One YAML comment line saying the layout below was chosen by parallel=auto, and how it does."""
+    """YAML comment lines saying the layout below was chosen by parallel=auto, and how it does."""
+    import textwrap
+
     from partrain.blueprint.planner.auto import memory_phrase, short_layout
 
     chosen = record["chosen"]
-    return (
-        f"# parallel=auto chose this layout: {short_layout(chosen['layout'])}; predicted "
+    text = (
+        f"parallel=auto chose this layout: {short_layout(chosen['layout'])}; predicted "
         f"{chosen['step_time_s']:.4g} s/step, {memory_phrase(record)}"
     )
+    return "\n".join("# " + line for line in textwrap.wrap(text, width=COMMENT_WIDTH - 2))
 
 
 def _show_diff(run, against: Optional[str], recipes, as_json: bool) -> None:
