@@ -40,8 +40,11 @@ TORCHRUN_LOG = "torchrun.log"
 
 
 def default_run_dir(v: ValidatedRun, job_id: Optional[str] = None) -> Path:
+    """runs/NAME/KEY when train.run_dir is unset. KEY: train.run_id (the same id is the same run: a
+    resubmitted sbatch script, whose run id was written into it, continues there), else the launcher's
+    job id (a requeued SLURM job keeps it), else the time now (a new run)."""
     name = v.run.recipe or v.run.model.name or "default"
-    stamp = job_id or time.strftime("%Y%m%d-%H%M%S")
+    stamp = v.run.train.run_id or job_id or time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / name / stamp
 
 
@@ -129,7 +132,10 @@ def launch(
                 )
             )
     display = display or Display("rich", console)
-    run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else _unique(default_run_dir(v))
+    if v.run.train.run_dir or v.run.train.run_id:  # a named run: its folder as it is (continued, locked)
+        run_dir = Path(v.run.train.run_dir) if v.run.train.run_dir else default_run_dir(v)
+    else:
+        run_dir = _unique(default_run_dir(v))
     # One run per folder, held until the run ends; SIGINT/SIGTERM from here on stop the run cleanly.
     with _claimed(v, run_dir), Forwarder() as signals:
         try:

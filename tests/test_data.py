@@ -284,13 +284,71 @@ def test_unwritable_cache_and_stale_temps(tmp_path):
 
     packed = prepare_tokens(DataConfig(source="builtin", max_bytes=1000), tmp_path / "cache")
     entry = packed.meta_path.parent
-    old, fresh = entry / ".train.bin.dead.tmp", entry / ".eval.bin.busy.tmp"
-    old.write_bytes(b"left by a killed build")
-    fresh.write_bytes(b"a build running elsewhere")
+    # Builds happen in temporary folders beside the entry: a killed build's old one is removed, a
+    # recent one (a build running elsewhere) is left alone.
+    old, fresh = entry.with_name(f".{entry.name}.dead.tmp"), entry.with_name(f".{entry.name}.busy.tmp")
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(b"half a build")
     os.utime(old, (0, 0))
     packed.meta_path.unlink()
-    prepare_tokens(DataConfig(source="builtin", max_bytes=1000), tmp_path / "cache")
+    assert prepare_tokens(DataConfig(source="builtin", max_bytes=1000), tmp_path / "cache") == packed
     assert not old.exists() and fresh.exists()
+
+
+def _flip_one_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "no checksums"])
+def test_a_damaged_cache_entry_is_detected_and_rebuilt_with_a_line(tmp_path, caplog, damage):
+    """Sizes are checked on every open (workers), SHA-256 when a run prepares the entry; either way a
+    damaged entry is rebuilt whole, saying so, and its tokens are the original ones again."""
+    cfg = DataConfig(source="builtin", max_bytes=SMALL)
+    packed = prepare_tokens(cfg, tmp_path / "cache")
+    tokens = packed.train_path.read_bytes()
+    meta = json.loads(packed.meta_path.read_text())
+    assert set(meta["files"]) == {"train.bin", "eval.bin"} and len(meta["files"]["train.bin"]["sha256"]) == 64
+    if damage == "flipped byte":
+        _flip_one_byte(packed.train_path)
+        assert open_packed(packed.meta_path) == packed  # sizes alone cannot tell: cheap for workers
+        with pytest.raises(ValueError, match="SHA-256"):
+            open_packed(packed.meta_path, verify=True)
+    elif damage == "truncated":
+        with open(packed.train_path, "r+b") as f:
+            f.truncate(len(tokens) - 2)
+        with pytest.raises(ValueError, match="bytes"):
+            open_packed(packed.meta_path)
+    else:  # an entry of an older partrain: trusted only with checksums
+        packed.meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+        with pytest.raises(ValueError, match="no checksums"):
+            open_packed(packed.meta_path)
+    with caplog.at_level("WARNING", logger="partrain.data.packing"):
+        assert prepare_tokens(cfg, tmp_path / "cache") == packed
+    assert any("rebuilding the damaged data cache entry" in r.getMessage() for r in caplog.records)
+    assert packed.train_path.read_bytes() == tokens and open_packed(packed.meta_path, verify=True) == packed
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [packed.meta_path.parent.name]  # nothing left aside
+
+
+def test_a_builder_that_loses_the_race_uses_the_winners_entry(tmp_path, monkeypatch):
+    """Two runs build the same entry at once: each builds in its own temporary folder; the second
+    to finish finds the first one's whole entry in place, keeps it and drops its own."""
+    cfg = DataConfig(source="builtin", max_bytes=SMALL)
+    cache = tmp_path / "cache"
+    winner = prepare_tokens(cfg, cache)
+    winner_inode = winner.train_path.stat().st_ino
+    real_exists = Path.exists
+
+    def not_there_yet(path):  # the loser looked before the winner's rename
+        return False if path == winner.meta_path else real_exists(path)
+
+    monkeypatch.setattr(Path, "exists", not_there_yet)
+    loser = prepare_tokens(cfg, cache)
+    monkeypatch.undo()
+    assert loser == winner and winner.train_path.stat().st_ino == winner_inode
+    assert [p.name for p in cache.iterdir()] == [winner.meta_path.parent.name]  # the loser's folder is gone
 
 
 def test_bad_numbers_are_config_errors(tmp_path):

@@ -311,3 +311,20 @@ def _word_tokenizer(folder: Path) -> None:
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.train_from_iterator(GOOD_DOCS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="[UNK]").save_pretrained(folder)
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "train"])
+def test_over_long_paths_exit_2_naming_the_key_and_the_limit(run_partrain, tmp_path, dry_run):
+    """A 300-byte folder name (over NAME_MAX) in each written folder, and a path over PATH_MAX: exit 2
+    before anything is written or started, each key named with its limit, no traceback."""
+    long_name = tmp_path / ("a" * 300)
+    deep = tmp_path / "/".join(["b" * 200] * 21)  # 4221 bytes in all: every name fits, the path does not
+    args = [f"train.run_dir={long_name}", f"checkpoint.dir={deep}", f"data.cache_dir={long_name}/cache"]
+    ran = run_partrain("train", "recipe=gpt-dp", "checkpoint.every_steps=5", *args, *(["--dry-run"] * dry_run))
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert "Traceback" not in ran.stderr and ran.spawned == [] and ran.created() == []
+    assert "train.run_dir=" in ran.stderr and "data.cache_dir=" in ran.stderr and "(NAME_MAX)" in ran.stderr
+    assert "checkpoint.dir=" in ran.stderr and "(PATH_MAX)" in ran.stderr
+    ran = run_partrain("train", "recipe=gpt-dp", f"train.run_id={'c' * 300}", *(["--dry-run"] * dry_run))
+    assert ran.code == 2 and "train.run_id=" in ran.stderr and "(NAME_MAX)" in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr and ran.created() == []

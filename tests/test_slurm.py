@@ -141,8 +141,10 @@ def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
     options = sbatch_lines(ran.stdout)
     assert options["--nodes"] == "8" and options["--ntasks-per-node"] == "8" and options["--gpus-per-node"] == "8"
     assert options["--time"] == "1-12:00:00" and options["--partition"] == "gpu" and options["--account"] == "proj1"
-    assert options["--signal"] == "TERM@120" and options["--open-mode"] == "append" and "--requeue" in options
+    assert options["--signal"] == "B:USR1@120" and options["--open-mode"] == "append" and "--requeue" in options
     assert options["--cpus-per-task"] == "8"
+    assert options["--job-name"] == "partrain-llama3-70b-h100" and options["--output"] == "%x-%j.out"
+    run_id = _run_id_of(ran.stdout)
     assert srun_line(ran.stdout) == [
         "srun",
         "partrain",
@@ -150,6 +152,7 @@ def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
         "recipe=llama3-70b-h100",
         "checkpoint.every_steps=50",
         "checkpoint.resume=auto",
+        f"train.run_id={run_id}",
         "train.threads_per_process=8",
     ]
     assert 'scontrol requeue "$SLURM_JOB_ID"' in ran.stdout
@@ -163,6 +166,7 @@ def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
     options = sbatch_lines(ran.stdout)
     assert (options["--nodes"], options["--ntasks-per-node"], options["--cpus-per-task"]) == ("2", "2", "4")
     assert "--gpus-per-node" not in options and options["--time"] == "00:30:00"
+    # train.run_dir given: the script adds no run id (the folder is named already).
     assert srun_line(ran.stdout)[3:] == [*args[:4], "checkpoint.resume=auto", "train.threads_per_process=4"]
     assert "warning: checkpoint.every_steps=0" in ran.stderr
     out = ran.cwd / "job.sbatch"
@@ -170,43 +174,153 @@ def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
     assert ran.code == 0, ran.stderr
     report = json.loads(ran.stdout)
     assert (report["nodes"], report["tasks_per_node"], report["world_size"], report["gpus_per_node"]) == (2, 2, 4, 0)
+    assert (report["cpus_per_task"], report["max_requeues"], report["partition_checked"]) == (1, 10, False)
     assert out.read_text() == report["script"] and os.access(out, os.X_OK)
 
 
-def test_the_script_requeues_after_a_sigterm_stop(tmp_path):
-    """The generated script run by bash with stand-ins for srun (a step stopped by SIGTERM exits 143,
-    as partrain's tasks do) and scontrol (records its arguments): SIGTERM to the batch shell (a
-    preemption) and to the step -> the shell waits for srun, then requeues its own job."""
+def _run_id_of(script: str) -> str:
+    (value,) = [a.removeprefix("train.run_id=") for a in srun_line(script) if a.startswith("train.run_id=")]
+    return value
+
+
+def _run_script(tmp_path: Path, script: str, sig: int, restarts: int = 0) -> tuple:
+    """The generated script run by bash with stand-ins for srun (its task exits 143 on SIGTERM, as
+    partrain's tasks do after saving), scancel (delivers a step signal to that task, as SLURM does)
+    and scontrol (records its arguments). `sig` goes to the batch shell as SLURM sends it: USR1 alone
+    (the time-limit warning), SIGTERM to the shell and the tasks (scancel, preemption).
+    Returns (exit code, output, the scancel arguments, the scontrol arguments)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / f"log-{sig}-{restarts}"
+    srun = '#!/bin/bash\ntrap \'kill $!; exit 143\' TERM\necho "$@" > "$LOG.args"\nsleep 30 >/dev/null &\n'
+    srun += 'echo $$ > "$LOG.pid"\nwait\n'
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "scancel").write_text('#!/bin/bash\necho "$@" > "$LOG.scancel"\nkill -TERM "$(cat "$LOG.pid")"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" > "$LOG.scontrol"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_ID="77")
+    env["SLURM_RESTART_COUNT"] = str(restarts)
+    batch = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    pid_file = Path(f"{log}.pid")
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline, "the stand-in srun did not start"
+        time.sleep(0.05)
+    batch.send_signal(sig)
+    if sig == signal.SIGTERM:
+        time.sleep(0.3)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)  # SLURM signals the step's tasks too
+    out, _ = batch.communicate(timeout=20)
+    read = lambda suffix: Path(f"{log}.{suffix}").read_text().split() if Path(f"{log}.{suffix}").exists() else None
+    return batch.returncode, out, read("scancel"), read("scontrol"), read("args")
+
+
+def test_the_script_requeues_after_the_time_limit_warning_only(tmp_path):
+    """USR1 (the time-limit warning): the shell forwards SIGTERM to step 0 through scancel, waits for
+    the tasks' 143, requeues, but not once SLURM_RESTART_COUNT reached --max-requeues. SIGTERM (a
+    user's scancel or a preemption): the tasks save and end, the script requeues nothing."""
     from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
     from partrain.runtime.sbatch import SbatchOptions, sbatch_script
 
     overrides = ["recipe=gpt-dp", "checkpoint.every_steps=5"]
-    script = sbatch_script(validate(compose(overrides, [])), overrides, SbatchOptions())
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    srun = '#!/bin/bash\ntrap \'kill $!; exit 143\' TERM\necho "$@" > "$LOG.args"\nsleep 30 >/dev/null &\n'
-    srun += 'echo $$ > "$LOG.pid"\nwait\n'
-    (bin_dir / "srun").write_text(srun)
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" > "$LOG.scontrol"\n')
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    log = tmp_path / "log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_ID="77")
-    batch = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "log.pid").exists() or not (tmp_path / "log.pid").read_text().strip():
-        assert time.monotonic() < deadline, "the stand-in srun did not start"
-        time.sleep(0.05)
-    batch.send_signal(signal.SIGTERM)  # a preemption signals the batch shell too
-    time.sleep(0.3)
-    os.kill(int((tmp_path / "log.pid").read_text()), signal.SIGTERM)  # and the step's tasks
-    out, _ = batch.communicate(timeout=20)
-    assert batch.returncode == 143, out
-    assert "SIGTERM; the workers finish their step" in out
-    assert (tmp_path / "log.scontrol").read_text().split() == ["requeue", "77"]
-    args = (tmp_path / "log.args").read_text().split()
-    assert args == ["partrain", "train", *overrides, "checkpoint.resume=auto", "train.threads_per_process=8"]
+    options = SbatchOptions(max_requeues=2, run_id="20250101-000000")
+    script = sbatch_script(validate(compose(overrides, [])), overrides, options)
+    code, out, scancel, scontrol, args = _run_script(tmp_path, script, signal.SIGUSR1)
+    assert code == 143 and "time limit in 120 s" in out and "requeue 1 of at most 2" in out, out
+    assert scancel == ["--signal=TERM", "77.0"] and scontrol == ["requeue", "77"]
+    assert args == ["partrain", "train", *overrides, "checkpoint.resume=auto", "train.run_id=20250101-000000"] + [
+        "train.threads_per_process=1"
+    ]
+    code, out, scancel, scontrol, _ = _run_script(tmp_path, script, signal.SIGUSR1, restarts=2)
+    assert code == 143 and scancel == ["--signal=TERM", "77.0"] and scontrol is None
+    assert "not requeued: requeued 2 times already" in out, out
+    code, out, scancel, scontrol, _ = _run_script(tmp_path, script, signal.SIGTERM)
+    assert code == 143 and "not requeued by this script" in out, out
+    assert scancel is None and scontrol is None
+
+
+def test_job_resources_and_names_for_cpu_and_cuda_clusters(cli):
+    """CPU clusters ask one core per process unless told (a 2-CPU node holds gpt-dp), GPU clusters
+    8 cores and the GPUs per node; job and output names are clean (no doubled prefix)."""
+    from types import SimpleNamespace
+
+    from partrain.runtime.sbatch import job_name
+
+    ran = cli("launch", "slurm", "recipe=gpt-dp")
+    options = sbatch_lines(ran.stdout)
+    assert (options["--ntasks-per-node"], options["--cpus-per-task"]) == ("2", "1") and "--gpus-per-node" not in options
+    assert (options["--job-name"], options["--output"]) == ("partrain-gpt-dp", "%x-%j.out")
+    ran = cli("launch", "slurm", "recipe=gpt-dp", "train.threads_per_process=3")
+    assert sbatch_lines(ran.stdout)["--cpus-per-task"] == "3"
+    ran = cli("launch", "slurm", "recipe=llama3-8b-h100")
+    options = sbatch_lines(ran.stdout)
+    assert options["--gpus-per-node"] == options["--ntasks-per-node"] and options["--cpus-per-task"] == "8"
+    name = lambda recipe: job_name(SimpleNamespace(recipe=recipe, model=SimpleNamespace(name="m")))
+    assert name("partrain-my recipe!!") == "partrain-my-recipe" and name("") == "partrain-m"
+    assert len(name("x" * 300)) == 64
+
+
+def test_the_run_folder_is_keyed_by_the_scripts_run_id_not_the_job_id():
+    """Every submission (and requeue) of one script continues one run folder; a new script is a new run."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.validate import validate
+    from partrain.launch import default_run_dir
+    from partrain.runtime.sbatch import SbatchOptions, sbatch_script
+
+    script = lambda overrides: sbatch_script(validate(compose(overrides, [])), overrides, SbatchOptions(run_id="r1"))
+    v = validate(compose(["recipe=gpt-dp", f"train.run_id={_run_id_of(script(['recipe=gpt-dp']))}"], []))
+    assert default_run_dir(v, job_id="77") == default_run_dir(v, job_id="78") == Path("runs/gpt-dp/r1")
+    assert default_run_dir(validate(compose(["recipe=gpt-dp"], [])), job_id="77") == Path("runs/gpt-dp/77")
+    assert _run_id_of(script(["recipe=gpt-dp", "train.run_id=mine"])) == "mine"  # the user's own, not a second
+
+
+SINFO = "debug*|2|2|(null)\ngpu|4|64|gpu:a100:4(S:0-1)\nbig|1|128+|gpu:h100:8,nvme:1\n"
+
+
+@pytest.mark.parametrize(
+    "args, key, rule",
+    [
+        (["recipe=gpt-dp", "--cpus-per-task", "4"], "--cpus-per-task", "at most 2"),
+        (["recipe=gpt-dp", "cluster.nodes=3", "parallel.dp=6", "train.global_batch_size=24"], "cluster.nodes", "has 2"),
+        (["recipe=llama3-70b-h100", "--partition", "gpu"], "cluster.devices_per_node", "at most 4"),
+        (["recipe=gpt-dp", "--partition", "nope"], "--partition", "no such partition"),
+    ],
+)
+def test_a_request_the_partition_cannot_hold_exits_2(cli, monkeypatch, args, key, rule):
+    from partrain.runtime import partition
+
+    monkeypatch.setattr(partition, "read_sinfo", lambda: partition.SinfoAnswer(partition.parse_sinfo(SINFO)))
+    ran = cli("launch", "slurm", *args, "--out", "job.sbatch")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert f"{key}=" in ran.stderr and rule in ran.stderr and "Traceback" not in ran.stderr
+    assert ran.created() == []
+
+
+def test_sinfo_is_read_only_when_it_is_there(tmp_path):
+    from partrain.runtime import partition
+
+    fake = tmp_path / "sinfo"
+    fake.write_text(f"#!/bin/bash\nprintf '{SINFO}'\n")
+    fake.chmod(0o755)
+    answer = partition.read_sinfo(which=lambda _: str(fake))
+    assert answer.groups == partition.parse_sinfo(SINFO)
+    assert answer.groups[2] == partition.NodeGroup("big", False, 1, 128, 8)
+    assert partition.read_sinfo(which=lambda _: None).unchecked == "sinfo is not on PATH"
+    fake.write_text("#!/bin/bash\necho 'slurm_load_partitions: Unable to contact slurm controller' >&2; exit 1\n")
+    assert "Unable to contact" in partition.read_sinfo(which=lambda _: str(fake)).unchecked
+
+
+def test_the_partitions_cpus_set_the_cpus_per_task(cli, monkeypatch):
+    from partrain.runtime import partition
+
+    answer = partition.SinfoAnswer(partition.parse_sinfo(SINFO))
+    monkeypatch.setattr(partition, "read_sinfo", lambda: answer)
+    ran = cli("launch", "slurm", "recipe=gpt-dp", "cluster.devices_per_node=2", "--partition", "gpu", "--json")
+    assert ran.code == 0, ran.stderr
+    report = json.loads(ran.stdout)
+    assert report["partition_checked"] and report["cpus_per_task"] == 32  # 64 CPUs / 2 tasks per node
 
 
 @pytest.mark.parametrize(
@@ -216,6 +330,7 @@ def test_the_script_requeues_after_a_sigterm_stop(tmp_path):
         (["recipe=gpt-dp", "--time", "-1"], "--time"),
         (["recipe=gpt-dp", "--time", "00:61:00"], "--time"),
         (["recipe=gpt-dp", "--cpus-per-task", "-2"], "--cpus-per-task"),
+        (["recipe=gpt-dp", "--max-requeues", "-1"], "--max-requeues"),
         (["recipe=gpt-dp", "--partition", "gpu; rm -rf ~"], "--partition"),
         (["recipe=no-such-recipe"], "recipe"),
         (["recipe=gpt-dp", "cluster.nodes=-1"], "cluster.nodes"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from partrain.blueprint.config.paths import is_there
 from partrain.errors import ConfigError, Problem
 
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
@@ -78,7 +79,7 @@ def _problem_unknown_arch(arch: str) -> Problem:
 
 def read_pretrained_config(folder: str) -> dict:
     path = Path(folder).expanduser() / "config.json"
-    if not path.is_file():
+    if not is_there(path, "file"):
         raise ConfigError(
             Problem(
                 "model.pretrained",
@@ -150,6 +151,25 @@ def _int(values: Dict[str, Any], name: str, arch: str) -> int:
     return value
 
 
+MAX_LAYERS = 100_000
+"""Most decoder layers a model may have: the planner and the dry run keep figures per layer, and no
+real model comes near it (GPT-3 175B has 96, Llama 3 405B 126)."""
+
+
+def _layers(values: Dict[str, Any], name: str, arch: str) -> int:
+    n = _int(values, name, arch)
+    if n > MAX_LAYERS:
+        raise ConfigError(
+            Problem(
+                f"model.config.{name}",
+                n,
+                f"more than {MAX_LAYERS:,} layers (the planner keeps figures per layer)",
+                f"set model.config.{name} to the model's real depth",
+            )
+        )
+    return n
+
+
 def _opt_int(values: Dict[str, Any], name: str, arch: str) -> Optional[int]:
     """A field HF derives when it is unset (None); when set, a positive integer."""
     return None if values.get(name) is None else _int(values, name, arch)
@@ -169,7 +189,7 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
         return ModelFacts(
             arch=arch,
             config_class=class_name,
-            n_layers=_int(values, "n_layer", arch),
+            n_layers=_layers(values, "n_layer", arch),
             hidden=hidden,
             heads=heads,
             kv_heads=heads,
@@ -191,7 +211,7 @@ def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> Mod
         "model.config.num_key_value_heads",
         f"must divide the attention heads num_attention_heads={heads} (each KV head serves a group of query heads)",
     )
-    n_layers = _int(values, "num_hidden_layers", arch)
+    n_layers = _layers(values, "num_hidden_layers", arch)
     common = dict(
         arch=arch,
         config_class=class_name,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from partrain.blueprint.config.hub_ids import reads_as_hub_id
 from partrain.blueprint.config.names import nearest_name
+from partrain.blueprint.config.path_limits import DEFAULT_RUNS, path_key_problems
+from partrain.blueprint.config.paths import is_there
 from partrain.blueprint.config.schema import AT_LEAST, AXES, CHOICES, TRACKERS, RunConfig
 from partrain.blueprint.degree_rules import (
     degree_problems,
@@ -176,7 +177,7 @@ def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
     resume = ck.resume
     if resume not in ("none", "auto"):
         c.check(
-            Path(resume).expanduser().exists(),
+            is_there(resume),
             "checkpoint.resume",
             resume,
             "is neither none, auto nor an existing checkpoint path",
@@ -250,7 +251,7 @@ def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFac
     d = run.data
     if d.source != "builtin":
         c.check(  # a Hub id here is a dataset a dry run or `plan` did not download (train resolves it first)
-            Path(d.source).expanduser().exists() or reads_as_hub_id(d.source),
+            is_there(d.source) or reads_as_hub_id(d.source),
             "data.source",
             d.source,
             "no such file or folder",
@@ -267,9 +268,8 @@ def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFac
                 f"set {vocab_key}={BYTE_VOCAB}",
             )
     else:
-        folder = Path(d.tokenizer).expanduser()
         c.check(
-            folder.is_dir(),
+            is_there(d.tokenizer, "dir"),
             "data.tokenizer",
             d.tokenizer,
             "neither 'byte' nor a local tokenizer folder",
@@ -315,6 +315,9 @@ def _batch(c: ProblemCollector, run: RunConfig, dp: int) -> Optional[tuple]:
 
 
 def validate(run: RunConfig) -> ValidatedRun:
+    too_long = path_key_problems(run, DEFAULT_RUNS)
+    if too_long:  # every check below that looks at these paths would fail with ENAMETOOLONG
+        raise ConfigError(too_long)
     c = ProblemCollector()
     _check_choices(c, run)
     _check_ranges(c, run)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
 
@@ -11,6 +13,7 @@ from rich.console import Console
 
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.errors import ConfigError, Problem
+from partrain.runtime.sbatch import DEFAULT_MAX_REQUEUES
 
 launch_app = typer.Typer(help="Write the launch script of a layout for a cluster scheduler.", no_args_is_help=True)
 
@@ -19,12 +22,22 @@ launch_app = typer.Typer(help="Write the launch script of a layout for a cluster
 def slurm_cmd(
     overrides: Optional[List[str]] = OVERRIDES,
     time: Optional[str] = typer.Option(None, "--time", help="Time limit HH:MM:SS or D-HH:MM:SS (#SBATCH --time)."),
-    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition (#SBATCH --partition)."),
+    partition: Optional[str] = typer.Option(
+        None, "--partition", help="SLURM partition (#SBATCH --partition); default the cluster's default partition."
+    ),
     account: Optional[str] = typer.Option(None, "--account", help="SLURM account (#SBATCH --account)."),
     cpus_per_task: Optional[int] = typer.Option(
         None,
         "--cpus-per-task",
-        help="CPU cores per task (one task = one worker); default train.threads_per_process, else 8.",
+        help="CPU cores per task (one task = one worker); default train.threads_per_process, else the "
+        "partition's CPUs per node / tasks per node as sinfo lists them (at most 8 on GPU nodes), else 8 "
+        "on GPU clusters and 1 on CPU clusters.",
+    ),
+    max_requeues: int = typer.Option(
+        DEFAULT_MAX_REQUEUES,
+        "--max-requeues",
+        help="Requeue the job after the time-limit warning at most this many times in all (SLURM_RESTART_COUNT); "
+        "0 = never. A user's scancel and a preemption are never requeued by the script.",
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the script to this file instead of printing it."),
     as_json: bool = JSON,
@@ -33,9 +46,20 @@ def slurm_cmd(
     """Validate the layout and print its sbatch script (one SLURM task per device).
 
     --nodes = cluster.nodes, --ntasks-per-node = cluster.devices_per_node, `srun partrain train
-    OVERRIDES checkpoint.resume=auto`, SIGTERM 120 s before the time limit and a requeue after the
-    checkpoint it triggers."""
-    from partrain.runtime.sbatch import SbatchOptions, check_cpus, check_name, parse_time, sbatch_script
+    OVERRIDES checkpoint.resume=auto train.run_id=ID`: USR1 120 s before the time limit saves and
+    requeues; SIGTERM (scancel, preemption) saves and ends. Every submission of the script continues
+    run ID (a new script is a new run). When `sinfo` is on PATH, a request the partition cannot
+    hold is refused (exit 2)."""
+    from partrain.runtime import partition as slurm_partition
+    from partrain.runtime.sbatch import (
+        SbatchOptions,
+        check_cpus,
+        check_max_requeues,
+        check_name,
+        job_request,
+        parse_time,
+        sbatch_script,
+    )
 
     try:
         options = SbatchOptions(
@@ -43,8 +67,19 @@ def slurm_cmd(
             partition=check_name("--partition", partition),
             account=check_name("--account", account),
             cpus_per_task=check_cpus(cpus_per_task),
+            max_requeues=check_max_requeues(max_requeues),
+            run_id=_new_run_id(),
         )
         validated = _trainable(list(overrides or []), recipes)
+        sinfo = slurm_partition.read_sinfo()
+        if sinfo.groups is not None:
+            run = validated.run
+            gpus = run.cluster.devices_per_node if run.cluster.device == "cuda" else 0
+            node_cpus = slurm_partition.cpus_per_node(sinfo.groups, options.partition, run.cluster.nodes, gpus)
+            options = dataclasses.replace(options, node_cpus=node_cpus)
+            problems = slurm_partition.partition_problems(sinfo.groups, options.partition, job_request(run, options))
+            if problems:
+                raise ConfigError(problems)
         script = sbatch_script(validated, list(overrides or []), options)
         if out is not None:
             _write(out, script)
@@ -54,17 +89,27 @@ def slurm_cmd(
         c = validated.run.cluster
         report = {"nodes": c.nodes, "tasks_per_node": c.devices_per_node, "world_size": validated.world_size}
         report.update(gpus_per_node=c.devices_per_node if c.device == "cuda" else 0, script=script)
+        report.update(cpus_per_task=job_request(validated.run, options).cpus_per_task, max_requeues=max_requeues)
+        report.update(partition_checked=sinfo.groups is not None, partition_unchecked=sinfo.unchecked or None)
         print(json.dumps(dict(report, out=str(out) if out is not None else None)))
     elif out is not None:
         stdout_console().print(f"wrote {out}: submit it with `sbatch {out}`", markup=False)
     else:
         print(script, end="")
+    warnings = Console(stderr=True, highlight=False)
+    if sinfo.groups is None:
+        warnings.print(f"note: the partition was not checked ({sinfo.unchecked})", markup=False)
     if validated.run.checkpoint.every_steps <= 0:
-        Console(stderr=True, highlight=False).print(
+        warnings.print(
             "warning: checkpoint.every_steps=0: a preempted or timed-out job saves nothing and its requeue starts "
             "from step 0; add checkpoint.every_steps=N",
             markup=False,
         )
+
+
+def _new_run_id() -> str:
+    """The run id a new script gets: the time it was written (a new script, a new run)."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def _trainable(overrides: List[str], recipes):

@@ -5,7 +5,7 @@ Layout of one cache entry (a folder under the cache root)::
     <cache root>/<source>-<key>/
         train.bin   raw token ids, little-endian, dtype uint16 (vocab <= 65536) or uint32
         eval.bin    the same for the held-out split
-        meta.json   dtype, token counts, tokenizer, eos id; written LAST
+        meta.json   dtype, token counts, tokenizer, eos id, each file's size and SHA-256; written LAST
 
 The token stream is ``doc1 eos doc2 eos ...`` (every document ends with the separator). The
 eval split is the last ``eval_fraction`` of that stream, the train split everything before it.
@@ -14,20 +14,25 @@ eval split is the last ``eval_fraction`` of that stream, the train split everyth
 its files), the tokenizer identity, ``text_field``, ``max_bytes`` and ``eval_fraction``. A
 different input gets a different folder; the same input finds its folder and skips the work.
 
-Crash safety: each file is written under a temporary name and renamed into place, and
-``meta.json`` is renamed last. An entry counts as present only if meta.json exists and the
-file sizes match it, so a crash at any point leaves nothing that is later trusted.
-Several processes may build the same entry at once (they write identical bytes, and each
-rename is atomic); a launcher should still prepare once before starting workers, and workers
-should only ``open_packed``.
+Crash safety: an entry is built in a private temporary folder beside it (``.<name>.XXXX.tmp``)
+and renamed into place whole, so the entry folder, when there, holds a finished entry. It is
+trusted only when whole: ``open_packed`` checks the file sizes against meta.json always and their
+SHA-256 when asked (``prepare_tokens`` asks: once per run, in the launcher); a damaged, truncated
+or pre-checksum entry is rebuilt, with a warning saying so. Several processes may build the same
+entry at once: the first rename wins and a builder that loses the race uses the winner's entry
+(identical bytes). A launcher should still prepare once before starting workers, and workers
+should only ``open_packed`` (sizes only: cheap).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +128,11 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
     meta_path = folder / META_NAME
     if meta_path.exists():
         try:
-            return open_packed(meta_path)
+            return open_packed(meta_path, verify=True)
         except (OSError, ValueError, KeyError) as exc:
-            # meta.json present but files do not match it (deleted or replaced by hand):
-            # rebuild rather than fail, the inputs are all still here.
-            log.warning("rebuilding damaged data cache %s: %s", folder, exc)
+            # meta.json present but the files do not match it (cut short, changed, deleted): rebuild
+            # rather than fail, the inputs are all still here.
+            log.warning("rebuilding the damaged data cache entry %s: %s", folder, exc)
     tokenizer = load_tokenizer(cfg.tokenizer)
     # Folders this build creates: removed again if it fails, so a refused run leaves no empty cache.
     fresh = [p for p in (folder, *folder.parents) if not p.exists()]
@@ -206,11 +211,12 @@ def probe_tokens(
     return counted(n_total)
 
 
-def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
+def open_packed(entry: Union[PackedData, Path, str], verify: bool = False) -> PackedData:
     """Reopen a cache entry from its meta.json (or its folder, or a PackedData), checking it.
 
     For workers that only read: it never builds anything. Raises FileNotFoundError if the entry
-    does not exist and ValueError if its files do not match its meta.json.
+    does not exist and ValueError if its files do not match its meta.json: their sizes always, their
+    SHA-256 too with ``verify`` (one read of the files).
     """
     if isinstance(entry, PackedData):
         meta_path = entry.meta_path
@@ -239,7 +245,25 @@ def open_packed(entry: Union[PackedData, Path, str]) -> PackedData:
         size = path.stat().st_size
         if size != n * itemsize:
             raise ValueError(f"{path} holds {size} bytes, {meta_path} says {n} tokens of {itemsize} bytes")
+    sums = meta.get("files")
+    if not isinstance(sums, dict):
+        raise ValueError(f"{meta_path} has no checksums (written by an older partrain)")
+    for path in (packed.train_path, packed.eval_path):
+        expected = sums.get(path.name, {})
+        if expected.get("size") != path.stat().st_size:
+            raise ValueError(f"{path} holds {path.stat().st_size} bytes, {meta_path} says {expected.get('size')}")
+        if verify and file_sha256(path) != expected.get("sha256"):
+            raise ValueError(f"{path} does not match the SHA-256 in {meta_path} (changed since it was written)")
     return packed
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def _check_numbers(cfg: DataConfig) -> None:
@@ -263,10 +287,56 @@ def _check_numbers(cfg: DataConfig) -> None:
         )
 
 
-def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: Path, key: str) -> PackedData:
+def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, entry: Path, key: str) -> PackedData:
+    """Build the entry in a private temporary folder beside it, then rename that into place whole."""
+    created = [p for p in (entry.parent, *entry.parent.parents) if not p.exists()]
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(entry.parent)
+    building = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
+    try:
+        _fill(corpus, tokenizer, eval_fraction, building, key)
+        _publish(building, entry)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        for folder in created:  # a failed build leaves no folder it made (nearest first; kept if not empty)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    return open_packed(entry / META_NAME)
+
+
+def _publish(building: Path, entry: Path) -> None:
+    """Rename the finished `building` folder to `entry` (atomic). When `entry` is already there:
+    a whole entry (another build won the race) is used and `building` dropped; a damaged one is
+    moved aside and deleted first."""
+    for _ in range(3):
+        try:
+            os.rename(building, entry)  # replaces an empty folder, fails on a non-empty one
+            fsync_dir(entry.parent)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        try:
+            open_packed(entry / META_NAME, verify=True)
+            log.info("another build finished %s first: using its entry", entry)
+            shutil.rmtree(building, ignore_errors=True)
+            return
+        except (OSError, ValueError, KeyError):
+            aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.damaged.", suffix=".tmp"))
+            try:
+                os.rename(entry, aside / entry.name)
+            except FileNotFoundError:
+                pass  # moved by another builder meanwhile
+            shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(errno.EEXIST, f"could not put the new cache entry in place of {entry}")
+
+
+def _fill(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: Path, key: str) -> None:
+    """Tokenize the corpus into `folder`: train.bin, eval.bin, then meta.json (with their checksums)."""
     started = time.perf_counter()
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(folder)
     dtype = token_dtype(tokenizer.vocab_size)
     all_tmp = temp_path(folder / TRAIN_NAME)
     eval_tmp = temp_path(folder / EVAL_NAME)
@@ -308,6 +378,10 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: P
             "max_bytes": corpus.max_bytes,
         },
         "eval_fraction": eval_fraction,
+        "files": {
+            name: {"size": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
+            for name in (TRAIN_NAME, EVAL_NAME)
+        },
     }
     fsync_dir(folder)  # the token files' renames must be durable before meta.json vouches for them
     write_json(folder / META_NAME, meta)
@@ -320,7 +394,6 @@ def _build(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: P
         time.perf_counter() - started,
         folder,
     )
-    return open_packed(folder / META_NAME)
 
 
 def _remove_empty(folders: List[Path]) -> None:
@@ -332,16 +405,14 @@ def _remove_empty(folders: List[Path]) -> None:
             return  # holds the finished entry (or another build's files), or is gone: keep the rest
 
 
-def _remove_stale_temps(folder: Path) -> None:
-    """Delete temporary files a killed build left behind (never trusted, but they take space).
-
-    Only old ones: a recent temporary file may belong to a build running right now elsewhere.
-    """
+def _remove_stale_temps(root: Path) -> None:
+    """Delete the temporary folders (and files) killed builds left in the cache root (never trusted,
+    but they take space). Only old ones: a recent one may belong to a build running right now."""
     cutoff = time.time() - _STALE_TEMP_S
-    for path in folder.glob(".*.tmp"):
+    for path in root.glob(".*.tmp"):
         try:
             if path.stat().st_mtime < cutoff:
-                path.unlink()
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         except OSError:
             pass  # removed by another process meanwhile: fine
 

@@ -8,6 +8,9 @@ except that a dry run creates nothing (no data cache entry, no Hub download) and
 settle offline is returned as "unchecked" instead of fetched. Every problem found is collected
 into one ConfigError:
 
+- every path key (train.run_dir, checkpoint.dir, data.cache_dir, model.pretrained, data.source, ...):
+  within the file system's NAME_MAX and PATH_MAX, checked first and alone by validation
+  (partrain.blueprint.config.path_limits);
 - train.run_dir and checkpoint.dir: folders (not files) that this process can write in (checkpoint.dir
   only when the run saves: resuming from a read-only archive is allowed);
 - checkpoint.resume: the checkpoint is complete and of the same model (no tensor is read: the
@@ -34,14 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from partrain.blueprint.config.path_limits import DEFAULT_RUNS
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.preflight.hub import fetch_weights, hub_id, snapshot_of
 from partrain.preflight.paths import file_problems, folder_problems
 from partrain.preflight.weights import weight_problems
-
-DEFAULT_RUNS = Path("runs")
-"""Where run folders go when train.run_dir is unset (see partrain.launch.default_run_dir)."""
 
 __all__ = ["Unchecked", "check_before_launch", "file_problems", "folder_problems", "weight_problems"]
 
@@ -69,6 +70,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecke
     anyway) and the Hub cache (a Hub model's weights); a dry run writes nothing at all and returns
     what it could not check offline (empty when everything was checked)."""
     run = v.run
+    # Path lengths were checked by validate (blueprint.config.path_limits): every path here can be looked up.
     problems: List[Problem] = []
     unchecked: List[Unchecked] = []
     run_dir = Path(run.train.run_dir).expanduser() if run.train.run_dir else None

@@ -37,12 +37,19 @@ _SNAPSHOT = re.compile(r"/(models|datasets)--([^/]+)/snapshots/([0-9a-f]{40})(/|
 
 def hub_id(spec: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
     """(repo id, revision or None) when `spec` reads as a Hub id and is not an existing path; else None."""
-    if not spec or spec in ("builtin", "byte", "auto") or Path(spec).expanduser().exists():
+    if not spec or spec in ("builtin", "byte", "auto") or _exists(spec):
         return None
     if not reads_as_hub_id(spec):
         return None
     repo, _, revision = spec.partition("@")
     return repo, revision or None
+
+
+def _exists(spec: str) -> bool:
+    try:
+        return Path(spec).expanduser().exists()
+    except OSError:  # a name too long for the file system: not a path here (preflight names the limit)
+        return False
 
 
 def _download(repo: str, revision: Optional[str], repo_type: str, patterns: List[str]) -> str:

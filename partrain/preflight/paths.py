@@ -5,6 +5,10 @@ existing ancestor (the folder a `mkdir -p` would start in). The test creates and
 empty temporary file there, because permission bits alone do not tell (root ignores them, and a
 read-only mount reports EROFS only on a write). Nothing is left behind and no folder is created.
 Free space is not predicted: a full disk is reported where the write fails.
+
+Lengths come first (`length_problems`): a name longer than the file system's NAME_MAX (255 bytes
+on Linux file systems) or a path longer than PATH_MAX (4096) makes every later stat fail with
+ENAMETOOLONG, so such a path is refused on its own, naming the key and the limit.
 """
 
 from __future__ import annotations
@@ -14,18 +18,18 @@ import tempfile
 from pathlib import Path
 from typing import List, Union
 
+from partrain.blueprint.config.path_limits import (  # noqa: F401 - re-exported for the preflight
+    NAME_MAX,
+    PATH_MAX,
+    ROOM_BELOW,
+    length_problems,
+    name_limits,
+    nearest_existing,
+)
 from partrain.blueprint.problems import os_error_problem
 from partrain.errors import Problem
 
 PathLike = Union[str, Path]
-
-
-def nearest_existing(path: Path) -> Path:
-    """`path` itself if it exists, else its closest existing ancestor (the current folder at worst)."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate
-    return Path.cwd()
 
 
 def _probe_write(key: str, value: PathLike, folder: Path) -> List[Problem]:
@@ -42,6 +46,9 @@ def _probe_write(key: str, value: PathLike, folder: Path) -> List[Problem]:
 
 def folder_problems(key: str, value: PathLike) -> List[Problem]:
     """Problems that stop `value` from being (or becoming) a folder this process can write in."""
+    too_long = length_problems(key, value, ROOM_BELOW)
+    if too_long:
+        return too_long
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         return [
@@ -67,6 +74,9 @@ def _creatable(key: str, value: PathLike, path: Path) -> List[Problem]:
 
 def file_problems(key: str, value: PathLike) -> List[Problem]:
     """Problems that stop `value` from being written as a file (its folder is created if missing)."""
+    too_long = length_problems(key, value, room_below=len(".partrain-write-test-XXXXXXXX.tmp"))
+    if too_long:
+        return too_long
     path = Path(value).expanduser()
     if path.is_dir():
         return [Problem(key, str(value), "is a folder; a file is expected here", f"e.g. {key} {path / 'out'}")]

@@ -24,3 +24,14 @@ def conf_dir() -> Path:
 
 def shipped_recipes_dir() -> Path:
     return _first_existing(PACKAGE_DIR / "_recipes", PACKAGE_DIR.parent / "recipes")
+
+
+def is_there(path: str | Path, kind: str = "any") -> bool:
+    """Whether `path` is there (kind "any", "dir" or "file"); a path the OS cannot even look up (a name
+    longer than NAME_MAX, a component that is a file) is not there, rather than an OSError: the preflight
+    then names the key and the limit (partrain.preflight.paths)."""
+    try:
+        p = Path(path).expanduser()
+        return p.is_dir() if kind == "dir" else p.is_file() if kind == "file" else p.exists()
+    except (OSError, ValueError):
+        return False

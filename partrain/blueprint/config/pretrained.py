@@ -30,6 +30,8 @@ import json
 from pathlib import Path
 from typing import Collection, Optional
 
+from partrain.blueprint.config.paths import is_there
+
 AUTO_TOKENIZER = "auto"
 """The `data.tokenizer` value that means "the model's own": model.pretrained's tokenizer, else byte."""
 
@@ -47,7 +49,7 @@ make-vocab-size-divisible-by): every tp up to 128 divides it, and matmuls keep a
 def has_tokenizer(folder: str) -> bool:
     """Whether a local folder ships tokenizer files."""
     path = Path(folder).expanduser()
-    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)
+    return is_there(path, "dir") and any(is_there(path / name, "file") for name in TOKENIZER_FILES)
 
 
 def _stored_model_type(folder: str) -> Optional[str]:
@@ -93,7 +95,7 @@ def _vocab_following_tokenizer(run, explicit_model_keys: Collection[str]):
     given = {"model.config.vocab_size", "model.config"} & set(explicit_model_keys)
     if run.model.pretrained or given:
         return run
-    if tokenizer in (AUTO_TOKENIZER, BYTE_TOKENIZER) or not Path(tokenizer).expanduser().is_dir():
+    if tokenizer in (AUTO_TOKENIZER, BYTE_TOKENIZER) or not is_there(tokenizer, "dir"):
         return run
     size = tokenizer_vocab_size(tokenizer)
     if size is None:
@@ -144,7 +146,7 @@ def adopt_pretrained(run):
     from its model_type, data.tokenizer=auto from its tokenizer files. Without a pretrained model,
     `auto` is the byte tokenizer. Idempotent; a Hub id not yet resolved is left as it is."""
     model, data = run.model, run.data
-    folder = model.pretrained if model.pretrained and Path(model.pretrained).expanduser().is_dir() else None
+    folder = model.pretrained if model.pretrained and is_there(model.pretrained, "dir") else None
     if folder is None and model.pretrained:
         return run  # a Hub id: resolve_hub_ids calls again with its snapshot folder
     if folder is not None and not model.arch:

@@ -321,7 +321,12 @@ class TrainConfig:
     seed: int = 1234
     """Seed for weights, data order and dropout; every layout starts from the same weights."""
     run_dir: str = ""
-    """Run folder; default runs/<recipe>/<timestamp>."""
+    """Run folder; default runs/<recipe>/<run_id>."""
+    run_id: str = ""
+    """The run folder's last part when train.run_dir is unset (runs/<recipe>/<run_id>): one folder name
+    (letters, digits, _ . -). The same run_id is the same run: its folder and checkpoints are reused
+    (with checkpoint.resume=auto a run continues). Empty = a new timestamp each time, or $SLURM_JOB_ID
+    under srun. `partrain launch slurm` writes one into its script, so resubmitting the script continues."""
     eval_every: int = 50
     """Evaluate every this many steps (0 = only at the end)."""
     eval_batches: int = 4
