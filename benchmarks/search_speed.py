@@ -23,7 +23,6 @@ ONE_T = [
     "model.config.n_embd=25600",
     "model.config.n_layer=128",
     "model.config.n_head=160",
-    "model.config.n_positions=2048",
     "train.seq_len=2048",
     "cluster.nodes=512",
     "cluster.devices_per_node=8",

@@ -123,6 +123,7 @@ SINGLE_PROCESS_FILES = frozenset(
     f"test_{name}.py"
     for name in (
         "bench_compute",
+        "chat_examples",
         "chunked_loss",
         "cli",
         "cli_polish",
@@ -143,8 +144,10 @@ SINGLE_PROCESS_FILES = frozenset(
         "planner_gpu_time",
         "planner_peaks_cpu",
         "preflight_dry_run",
+        "pretrained_as_is",
         "schedule_picture",
         "schedules",
+        "search_optimum",
         "simulate",
         "sp_planner",
         "validate",
