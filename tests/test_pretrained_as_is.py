@@ -115,3 +115,21 @@ def test_built_from_config_the_positions_follow_the_sequence_unless_given():
     assert compose(["recipe=gpt-3d"]).model.config["n_positions"] == 512, "a shorter sequence changes nothing"
     with pytest.raises(ConfigError, match="maximum positions"):
         validate(compose(["recipe=gpt-3d", "train.seq_len=2048", "model.config.n_positions=1024"]))
+
+
+def test_the_report_names_the_folder_and_the_keys_that_override_it(llama_folder):
+    from rich.console import Console
+
+    from partrain.blueprint.report.layout import layout_report, render_layout
+
+    report = layout_report(validate(compose([f"model.pretrained={llama_folder}", "model.config.num_hidden_layers=2"])))
+    assert report["pretrained"] == {
+        "folder": str(llama_folder),
+        "config_overrides": {"num_hidden_layers": 2},
+        "tokenizer": str(llama_folder),
+    }
+    console = Console(width=300, record=True)
+    render_layout(report, console)
+    text = console.export_text()
+    assert "overridden here: num_hidden_layers=2; tokenizer: its own" in text
+    assert layout_report(validate(compose([]))).get("pretrained") is None

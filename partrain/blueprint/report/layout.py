@@ -4,6 +4,7 @@ JSON keys (documented contract, see README):
   valid, recipe, world_size, nodes, devices_per_node, degrees, order, zero_stage, dp_shard,
   model (facts), batch (global_batch_size, micro_batch_size, microbatches, seq_len, tokens_per_step),
   ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, rank_kinds (see `rank_kinds`),
+  pretrained ({folder, config_overrides, tokenizer} with model.pretrained, else null),
   verdict, notes, status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate),
   unchecked [{check, why}] (what the launch's preflight checks and this report did not: `plan`
   without --check reads no files; a dry run names a Hub dataset or Hub weights not in the local
@@ -47,6 +48,7 @@ def layout_report(v: ValidatedRun) -> dict:
             "tokens_per_step": v.tokens_per_step,
         },
         "rank_kinds": rank_kinds(v),
+        "pretrained": _pretrained(run),
         "notes": notes,
         "verdict": _verdict(v, notes),
         # "ready" until the estimate says otherwise (report.estimate.conclude): one verdict in the end.
@@ -186,6 +188,19 @@ def error_report(err: ConfigError) -> dict:
     return {"valid": False, "errors": [p.to_json() for p in err.problems]}
 
 
+def _pretrained(run) -> dict | None:
+    """model.pretrained's folder and the model.config keys that override its config.json (with a
+    pretrained model the config holds only those: partrain.blueprint.config.pretrained), and the
+    tokenizer the run uses; None without a pretrained model."""
+    if not run.model.pretrained:
+        return None
+    return {
+        "folder": run.model.pretrained,
+        "config_overrides": dict(run.model.config),
+        "tokenizer": run.data.tokenizer,
+    }
+
+
 def render_layout(report: dict, console, all_ranks: bool = False, picture=None) -> None:
     from rich.table import Table
 
@@ -202,6 +217,16 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
         + (f", {m['n_experts']} experts top-{m['experts_per_token']}" if m["n_experts"] else "")
         + ")",
     )
+    pre = report.get("pretrained")
+    if pre:
+        over = ", ".join(f"{k}={v}" for k, v in pre["config_overrides"].items())
+        tok = "its own" if pre["tokenizer"] == pre["folder"] else pre["tokenizer"]
+        summary.add_row(
+            "pretrained",
+            f"{pre['folder']}: its config.json"
+            + (f", overridden here: {over}" if over else ", as it is")
+            + f"; tokenizer: {tok}",
+        )
     summary.add_row(
         "cluster", f"{report['cluster_name']}: {report['nodes']} node(s) x {report['devices_per_node']} devices"
     )
