@@ -23,6 +23,7 @@ from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.cuda_defaults import worker_env
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import FolderBusy, FolderUnusable, describe_holder, hold_folders, retire_old_errors
+from partrain.runtime.shared_checkpoints import checkpoint_dir_problems
 from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_name
 from partrain.runtime.slurm import check_allocation
 from partrain.runtime.torchrun import Rendezvous, elastic_restarts, torchrun_command
@@ -115,6 +116,9 @@ def launch(
         check_allocation(environ, v.run.cluster.nodes, v.run.cluster.devices_per_node)  # srun's tasks vs the layout
     env = from_environ(environ)
     if env is not None:
+        # srun or the user's torchrun: no rendezvous_of below, so its checkpoint.dir rule is checked here.
+        if problems := checkpoint_dir_problems(v.run):
+            raise_config(*problems)
         return _run_as_worker(v, env, environ, auto_choice)
     rendezvous = rendezvous_of(v)  # multi-node: exit 2 here when --rdzv-endpoint or --node-rank is wrong
     with preparing_data(v) if rendezvous else contextlib.nullcontext():  # nodes sharing a cache take turns

@@ -2,8 +2,10 @@
 
 `partrain train OVERRIDES --node-rank K --rdzv-endpoint HOST:PORT` on every node (cluster.nodes of
 them) starts torchrun there with cluster.devices_per_node processes; the nodes meet at HOST:PORT
-(node 0 hosts the store). Each node has its own run folder (train.run_dir: logs, its data manifest;
-metrics and summary land in the folder of the node that torchrun's rendezvous gave global rank 0);
+(node 0 hosts the store; torchrun's static rendezvous, so node K runs global ranks K*n..K*n+n-1 and
+node 0 runs global rank 0; an elastic run uses c10d, whose order the ranks follow). Each node has its
+own run folder (train.run_dir: logs, its data manifest; metrics and summary land in the folder of the
+node running global rank 0);
 checkpoints go to checkpoint.dir, one folder every node sees (DCP writes each rank's shards there),
 whose lock only node 0 holds. Workers check that all nodes composed the same run (runtime.agreement).
 """
@@ -19,6 +21,8 @@ from typing import Iterator, List, Optional
 
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
+from partrain.runtime.agreement import SAME_RUN_FIX
+from partrain.runtime.shared_checkpoints import checkpoint_dir_problems
 from partrain.runtime.torchrun import Rendezvous
 
 ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
@@ -63,16 +67,7 @@ def rendezvous_of(v: ValidatedRun) -> Optional[Rendezvous]:
                 "pass --node-rank K, a different K on every node, 0 on the node named by --rdzv-endpoint",
             )
         )
-    if v.run.checkpoint.every_steps and not v.run.checkpoint.dir:
-        problems.append(
-            Problem(
-                "checkpoint.dir",
-                "",
-                "a multi-node run saves every rank's shards into one folder; the default (inside each node's "
-                "run folder) would split a checkpoint between nodes",
-                "set checkpoint.dir to a folder every node sees (a shared file system), or checkpoint.every_steps=0",
-            )
-        )
+    problems += checkpoint_dir_problems(v.run)  # the same rule under srun and `launch slurm`
     if problems:
         raise ConfigError(problems)
     run_id = "partrain-" + re.sub(r"[^A-Za-z0-9]", "-", c.rdzv_endpoint)
@@ -92,16 +87,18 @@ def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Opti
     events (or a plain failure) decide. seen: the events `partrain.launch._follow` collected."""
     if seen.get("refused"):
         lines = [f"error: the nodes do not agree on {line}" for line in seen["refused"]["lines"]]
-        lines.append("fix: start every node with the same overrides, recipes and data (node-local keys aside)")
+        lines.append(f"fix: {seen['refused'].get('fix') or SAME_RUN_FIX}")
         return 2, "\n".join(lines)
     if "start" in seen or seen.get("stopped"):
         return None
     if code == 0:
+        # The static rendezvous puts global rank 0 on node 0; an elastic run's c10d puts it anywhere.
+        where = "the node that ran global rank 0" if rdzv.elastic else "node 0 (it runs global rank 0)"
         return 0, (
             f"node {rdzv.node_rank}: its workers ended cleanly; the run's summary and metrics are in the run "
-            "folder of the node that ran global rank 0"
+            f"folder of {where}"
         )
-    if "RendezvousTimeoutError" in log_text or "RendezvousClosedError" in log_text:
+    if _rendezvous_timed_out(log_text):
         # The join times out below cluster.nodes participants; with two nodes that means this one alone.
         joined = "only this node joined" if rdzv.nodes == 2 else f"fewer than {rdzv.nodes} joined"
         return 1, (
@@ -110,6 +107,16 @@ def node_outcome(rdzv: Rendezvous, code: int, seen: dict, log_text: str) -> Opti
             f"--rdzv-endpoint {rdzv.endpoint}` on every node within train.timeout_s"
         )
     return None
+
+
+def _rendezvous_timed_out(log_text: str) -> bool:
+    """torchrun's agent gave up meeting the other nodes: c10d's errors, or the static rendezvous's
+    store (node 0 waiting for clients, another node failing to connect; only the agent's own
+    traceback names static_tcp_rendezvous, a worker losing the store mid-run does not)."""
+    if "RendezvousTimeoutError" in log_text or "RendezvousClosedError" in log_text:
+        return True
+    store_gave_up = "waiting for clients" in log_text or "while trying to connect to" in log_text
+    return store_gave_up and "static_tcp_rendezvous" in log_text
 
 
 PREPARE_LOCK = ".prepare.lock"

@@ -21,6 +21,7 @@ from partrain.blueprint.validate import ValidatedRun, validate
 from partrain.blueprint.validate_elastic import is_elastic
 from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
+from partrain.runtime.node_watch import watching_nodes
 from partrain.train.metrics import Events, LauncherEvents, PlainEvents, emit
 
 log = logging.getLogger("partrain")
@@ -330,6 +331,8 @@ class Checkpoints:
         self.engine = engine
         self.batches = batches
         self.meta = ckpt.run_meta(v)
+        self.ranks_per_node = v.run.cluster.devices_per_node
+        """Consecutive global ranks per node (brief section 4): names a node whose checkpoints differ."""
         # After torchrun's elastic agent restarts the job, always continue from the newest checkpoint.
         self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
         self.last: tuple = (0, None)
@@ -345,7 +348,7 @@ class Checkpoints:
         if self.resume_spec == "none":
             return 0
         if self.resume_spec == "auto":
-            path, extra = self.ckpt.load_with_fallback(self.root, parts, optimizer, self.meta)
+            path, extra = self.ckpt.load_with_fallback(self.root, parts, optimizer, self.meta, self.ranks_per_node)
         else:
             path = self.ckpt.find_resume(self.root, self.resume_spec)
             extra = self.ckpt.load_checkpoint(path, parts, optimizer, self.meta)["extra"] if path else {}
@@ -394,7 +397,8 @@ class Checkpoints:
             self.cfg.keep_last,
             self.cfg.async_save,
         )
-        log.info("saved checkpoint %s", path)
+        # A sync save returns once every rank sees the committed folder; an async one is still writing.
+        log.info("%s checkpoint %s", "saving (in the background)" if self.cfg.async_save else "saved", path)
         self.events("checkpoint", step=step, path=str(path))
         self.last = (step, Path(path))
         return Path(path)
@@ -431,9 +435,10 @@ def _refuse(err, env: DistEnv, via_launcher: bool) -> int:
     log.error("%s", err)
     if env.local_rank == 0:
         if via_launcher:
-            emit("refused", lines=err.lines)
+            emit("refused", lines=err.lines, fix=err.fix)
         else:
-            print("\n".join(f"error: nodes disagree on {line}" for line in err.lines), file=sys.stderr, flush=True)
+            text = "\n".join([*(f"error: nodes disagree on {line}" for line in err.lines), f"fix: {err.fix}"])
+            print(text, file=sys.stderr, flush=True)
     return 0 if via_launcher else 2
 
 
@@ -450,6 +455,18 @@ def _restart_store(env: DistEnv, timeout):
         return None
     base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"partrain/attempt-{env.restart_count}", base)
+
+
+def _peer_silent(run_dir: Path, env: DistEnv, line: str) -> None:
+    """Another node stopped answering (partrain.runtime.node_watch): record the line and end this
+    rank now (its main thread waits in a collective); torchrun or srun ends the node's other ranks."""
+    from partrain.runtime.lifecycle import leave
+
+    text = f"rank {env.rank}: {line}"
+    log.error("%s", text)
+    _write_error(run_dir, env, text + "\n")
+    print(text, file=sys.stderr, flush=True)
+    leave(1)
 
 
 def _write_error(run_dir: Path, env: DistEnv, text: str) -> None:
@@ -485,7 +502,9 @@ def main(
             from partrain.train.relayout import layout_for_world
 
             v, dropped = layout_for_world(v, run_dir, env.world_size)  # an elastic run re-plans here
-            code = train_process(v, env, run_dir, stop, via_launcher, dropped)
+            # Multi-node: a node that hangs is named and stops this one within train.timeout_s.
+            with watching_nodes(v.run, env, lambda line: _peer_silent(run_dir, env, line)):
+                code = train_process(v, env, run_dir, stop, via_launcher, dropped)
         return code
     except Disagreement as err:
         return _refuse(err, env, via_launcher)

@@ -1,11 +1,12 @@
 """Two nodes on one host: two `partrain train --node-rank K --rdzv-endpoint 127.0.0.1:PORT` launchers,
-each starting torchrun with 2 (or 4) processes, meeting over torchrun's c10d rendezvous on loopback.
+each starting torchrun with 2 (or 4) processes, meeting over torchrun's static rendezvous on loopback.
 
 Checked: losses equal the single-node run of the same world size (gpt-dp dp4 on 2 x 2 processes,
 gpt-3d dp2 x tp2 x pp2 on 2 x 4, tp inside a node); a config difference between the nodes makes
 both refuse with exit 2 naming the key; SIGTERM to node 0's launcher stops every rank of both nodes
 with a checkpoint, and resume=auto then continues exactly as the uninterrupted run; a node alone
-times out with one line; a node that dies stops the other within train.timeout_s; placement.
+times out with one line; a node that dies stops the other within train.timeout_s; placement; node 1
+starting first still leaves global rank 0 (metrics, summary) on node 0.
 """
 
 from __future__ import annotations
@@ -271,3 +272,23 @@ def test_node_that_dies_stops_the_other_within_timeout(tmp_path, cache):
     assert took < 20 and procs[0].returncode != 0 and "Traceback" not in out + err, (out[-2000:], err[-2000:])
     time.sleep(1)  # the killed node's workers see their parent die at once; give them a moment to leave
     assert [workers_of_run(d) for d in dirs] == [[], []]
+
+
+def test_node_rank_0_runs_global_rank_0_whichever_node_starts_first(tmp_path, cache):
+    """Issue 38 item 4: the static rendezvous. Node 1's launcher starts first; global rank 0 (metrics,
+    summary) is still on node 0, and every checkpoint in the shared checkpoint.dir is complete."""
+    ckpt = tmp_path / "ckpt"
+    common = [*DP4, *BASE, f"data.cache_dir={cache}", "train.steps=4", "checkpoint.every_steps=2"]
+    common.append(f"checkpoint.dir={ckpt}")
+    endpoint = f"127.0.0.1:{free_port()}"
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    first = start_node(1, common, dirs[1], endpoint)
+    time.sleep(3)  # node 1 is waiting at the endpoint before node 0 exists
+    procs = [start_node(0, common, dirs[0], endpoint), first]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [(out[-2000:], err[-2000:]) for out, err in outs]
+    assert (dirs[0] / "metrics.jsonl").exists() and not (dirs[1] / "metrics.jsonl").exists()
+    assert "loss" in outs[0][0] and "node 1: its workers ended cleanly" in outs[1][0]
+    assert "folder of node 0" in outs[1][0], outs[1][0]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step-00000002", "step-00000004"]
+    assert all((ckpt / name / "partrain.json").is_file() for name in ("step-00000002", "step-00000004"))

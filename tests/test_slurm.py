@@ -114,6 +114,41 @@ def test_train_under_a_mismatched_srun_step_exits_2_before_any_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_srun_tasks_of_two_nodes_without_a_shared_checkpoint_dir_exit_2_before_any_file(tmp_path):
+    """Issue 38: under srun, as under torchrun, a multi-node run saving into each node's own run folder
+    is refused before any process or file (its checkpoints could never be resumed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PARTRAIN_"))}
+    env.update(fake_task(2, nodes=2, per_node=2, nodelist="localhost,127.0.0.1"), HOME=str(tmp_path))
+    env.update(PYTHONPATH=str(REPO))
+    args = ["recipe=gpt-dp", "cluster.nodes=2", "parallel.dp=4", "checkpoint.every_steps=5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "partrain.cli", "train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "checkpoint.dir" in proc.stderr and "every node mounts" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_launch_slurm_refuses_node_local_checkpoints_of_a_multi_node_run(cli):
+    args = ["recipe=gpt-dp", "cluster.nodes=2", "parallel.dp=4", "checkpoint.every_steps=5"]
+    ran = cli("launch", "slurm", *args, "--out", "job.sbatch")
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert "checkpoint.dir" in ran.stderr and "set checkpoint.dir to a folder on a file system every node mounts" in (
+        " ".join(ran.stderr.split())
+    )
+    assert ran.created() == [] and ran.spawned == []
+    ran = cli("launch", "slurm", *args, "checkpoint.dir=/shared/ckpt")  # one folder for all nodes: fine
+    assert ran.code == 0, ran.stderr
+    assert "checkpoint.dir=/shared/ckpt" in srun_line(ran.stdout)
+    single = cli("launch", "slurm", "recipe=gpt-dp", "checkpoint.every_steps=5")  # one node: its run folder is fine
+    assert single.code == 0, single.stderr
+
+
 def srun_line(script: str) -> list:
     (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
     return shlex.split(line.removesuffix(" &"))
@@ -130,6 +165,7 @@ def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
         "slurm",
         "recipe=llama3-70b-h100",
         "checkpoint.every_steps=50",
+        "checkpoint.dir=/shared/ckpt",
         "--time",
         "1-12:00",
         "--partition",
@@ -151,6 +187,7 @@ def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
         "train",
         "recipe=llama3-70b-h100",
         "checkpoint.every_steps=50",
+        "checkpoint.dir=/shared/ckpt",
         "checkpoint.resume=auto",
         f"train.run_id={run_id}",
         "train.threads_per_process=8",

@@ -43,6 +43,7 @@ from partrain.checkpoint.record import (
     no_checksums_warning,
     read_record,
 )
+from partrain.checkpoint.resume_agreement import check_same_checkpoints
 from partrain.checkpoint.rng import restore_rng, rng_path
 from partrain.checkpoint.safe_io import (
     SafeFileSystemReader,
@@ -184,14 +185,21 @@ def _one_line(err: ConfigError) -> str:
 
 
 def load_with_fallback(
-    root: Path, model_parts: Sequence[nn.Module], optimizer: Any, expect: Optional[Dict[str, Any]]
+    root: Path,
+    model_parts: Sequence[nn.Module],
+    optimizer: Any,
+    expect: Optional[Dict[str, Any]],
+    ranks_per_node: int = 1,
 ) -> Tuple[Optional[Path], Dict[str, Any]]:
     """checkpoint.resume=auto: load the newest complete checkpoint under root; if it cannot be read
     (missing, truncated or changed files, any read failure), warn in one line and try the one before,
     and so on. Returns (path, extra), or (None, {}) when there is nothing to resume. A checkpoint of
     another model is an error, not a fallback; so is having only damaged checkpoints, step folders
     without partrain.json included (starting afresh silently would lose the run): a ConfigError
-    listing each one's cause."""
+    listing each one's cause. Collective: first every rank must have found the same checkpoints
+    (partrain.checkpoint.resume_agreement; ranks_per_node names the nodes when they differ)."""
+    found = tuple(p.name for _, p in folders.complete_checkpoints(root))
+    check_same_checkpoints(root, (found, tuple(p.name for p in folders.incomplete_checkpoints(root))), ranks_per_node)
     skipped = _incomplete(root)
     candidates = [p for _, p in reversed(folders.complete_checkpoints(root))]
     if not candidates and not skipped:

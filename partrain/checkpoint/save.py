@@ -11,7 +11,11 @@ every rank alike, never one alone while the others wait in a collective):
    the hashes are gathered: the gather is the barrier saying every rank finished writing, and no
    rank re-reads the whole checkpoint on the training path;
 4. rank 0 writes `partrain.json` (sizes and hashes; atomically) and renames the folder to
-   `step-NNNNNNNN`, then deletes checkpoints beyond keep_last; its outcome is broadcast.
+   `step-NNNNNNNN`, then deletes checkpoints beyond keep_last; its outcome is broadcast;
+5. every rank looks for `step-NNNNNNNN` itself and the findings are gathered: a rank on a node that
+   does not see it (a node-local checkpoint.dir: its shards went into its own `.partial` folder,
+   which nobody commits) fails the save on every rank, naming the ranks and hosts; no rank reports
+   a checkpoint saved that some rank cannot see.
 
 A failure in any step removes the `.partial` folder and raises `SaveFailed` on every rank, one line
 naming the cause and the folder ("no space left on device writing <dir>: free space or set
@@ -23,8 +27,8 @@ commits in a background thread once DCP reports every rank's data written (DCP's
 gather is the barrier) and hashes every file itself there: it is off the training path, and
 a gather of per-rank hashes from those threads would be one more collective racing DCP's on the
 save group. `wait_pending_save()` (collective) blocks until that is done on every rank and raises
-a failure of any rank on all; the next save calls it first, and the trainer must call it before
-tearing the process group down.
+a failure of any rank on all (step 5 included); the next save calls it first, and the trainer must
+call it before tearing the process group down.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,7 +89,44 @@ def wait_pending_save() -> Optional[Path]:
     failed = [f for f in all_gather(str(pending.errors[0]) if pending.errors else None) if f]
     if failed:
         raise SaveFailed(failed[0])
+    _settle_visible(pending.final, pending.final.with_name(pending.final.name + folders.PARTIAL_SUFFIX))
     return pending.final
+
+
+VISIBLE_WAIT_S = 10.0
+"""How long a rank looks for the committed folder before calling it unseen: a shared file system
+(NFS's attribute cache) may show another host's rename a few seconds late."""
+
+
+def _sees(final: Path) -> bool:
+    deadline = time.monotonic() + VISIBLE_WAIT_S
+    while not (final / folders.RECORD_FILE).is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _settle_visible(final: Path, partial: Path) -> None:
+    """Step 5 (collective, after rank 0 committed `final`): every rank must see it. Otherwise the
+    checkpoint is unusable (its shards are split between folders): it and the unseen `.partial`
+    copies are removed and every rank raises SaveFailed naming the ranks that do not see it."""
+    rank, _ = _rank_world()
+    seen = all_gather(None if _sees(final) else (rank, socket.gethostname()))
+    blind = [who for who in seen if who is not None]
+    if not blind:
+        return
+    if rank in [r for r, _ in blind]:  # its shards, which no rank will commit
+        shutil.rmtree(partial, ignore_errors=True)
+    elif rank == 0:  # names shards it does not hold: verify and resume would refuse it anyway
+        shutil.rmtree(final, ignore_errors=True)
+    barrier()
+    ranks = ", ".join(f"rank {r} on {host}" for r, host in blind)
+    raise SaveFailed(
+        f"checkpoint.dir is not one folder every node sees: {ranks} cannot see {final}, which rank 0 "
+        f"committed (each node wrote its shards into its own copy of {partial.name}); set checkpoint.dir "
+        "to a folder on a file system every node mounts"
+    )
 
 
 def _attempt(action: Callable[[], Any], folder: Path) -> Optional[str]:
@@ -201,6 +243,7 @@ def save_checkpoint(
         merged = {rel: digest for _, part in gathered for rel, digest in part.items()}
         failure = _attempt(lambda: _commit(root, step, meta, extra, world, keep_last, merged), partial)
     _settle([from_rank0(failure)], partial, rank)
+    _settle_visible(final, partial)  # only now may any rank say the checkpoint is saved
     return final
 
 

@@ -202,13 +202,15 @@ def train(
     schedule_svg: Optional[Path] = SCHEDULE_SVG,
     check: bool = CHECK,
     node_rank: Optional[int] = typer.Option(
-        None, "--node-rank", help="Multi-node: this machine's node, 0..cluster.nodes-1 (sets cluster.node_rank)."
+        None,
+        "--node-rank",
+        help="Multi-node: this machine's node, 0..cluster.nodes-1; node K runs global ranks K x devices_per_node "
+        "onwards, so node 0 runs global rank 0 and holds the summary (sets cluster.node_rank).",
     ),
     rdzv_endpoint: Optional[str] = typer.Option(
         None,
         "--rdzv-endpoint",
-        help="Multi-node: HOST:PORT of the c10d rendezvous on node 0, the same on every node "
-        "(sets cluster.rdzv_endpoint).",
+        help="Multi-node: HOST:PORT of the rendezvous on node 0, the same on every node (sets cluster.rdzv_endpoint).",
     ),
 ) -> None:
     """Compose, validate and train (launches workers with torchrun)."""

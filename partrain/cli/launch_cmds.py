@@ -14,6 +14,7 @@ from rich.console import Console
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.errors import ConfigError, Problem
 from partrain.runtime.sbatch import DEFAULT_MAX_REQUEUES
+from partrain.runtime.shared_checkpoints import checkpoint_dir_problems
 
 launch_app = typer.Typer(help="Write the launch script of a layout for a cluster scheduler.", no_args_is_help=True)
 
@@ -71,6 +72,8 @@ def slurm_cmd(
             run_id=_new_run_id(),
         )
         validated = _trainable(list(overrides or []), recipes)
+        if shared := checkpoint_dir_problems(validated.run):  # srun's tasks would refuse it anyway: say so now
+            raise ConfigError(shared)
         sinfo = slurm_partition.read_sinfo()
         if sinfo.groups is not None:
             run = validated.run

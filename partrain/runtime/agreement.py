@@ -37,11 +37,16 @@ DATA_FACTS = (
 )
 
 
-class Disagreement(Exception):
-    """The nodes composed different runs; `lines` names each differing key and its values per node."""
+SAME_RUN_FIX = "start every node with the same overrides, recipes and data (node-local keys aside)"
 
-    def __init__(self, lines: List[str]) -> None:
+
+class Disagreement(Exception):
+    """The nodes composed different runs (or found different checkpoints); `lines` names each
+    differing key and its values per node, `fix` what to do (the workers end with exit 2)."""
+
+    def __init__(self, lines: List[str], fix: str = SAME_RUN_FIX) -> None:
         self.lines = lines
+        self.fix = fix
         super().__init__("the nodes do not agree on the run: " + "; ".join(lines))
 
 

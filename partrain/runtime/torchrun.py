@@ -1,7 +1,8 @@
 """The one place that builds a torchrun command line (`python -m torch.distributed.run`).
 
 Single machine: the standalone rendezvous (a free port on localhost, no endpoint to configure).
-Several machines: torchrun's c10d rendezvous at a HOST:PORT every node is given (`Rendezvous`).
+Several machines: a rendezvous at a HOST:PORT every node is given (`Rendezvous`): torchrun's static
+one (node K hosts global ranks K*devices_per_node...), or c10d for an elastic run.
 No torch import here: the CLI builds the command before any heavy import.
 """
 
@@ -15,7 +16,12 @@ from typing import List, Optional, Sequence
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where and how the nodes of a multi-node run meet (torchrun's c10d backend)."""
+    """Where and how the nodes of a multi-node run meet.
+
+    A fixed set of nodes meets at torchrun's static rendezvous: `--node-rank` is torchrun's node
+    rank, so node K runs global ranks K*n..K*n+n-1 (n = devices per node) and node 0 runs global
+    rank 0, whichever node starts first. An elastic run (min_nodes < nodes) needs c10d, whose
+    membership may change; there global ranks follow c10d's order of the nodes, not node_rank."""
 
     nodes: int
     node_rank: int
@@ -35,6 +41,16 @@ class Rendezvous:
         return 0 < self.min_nodes < self.nodes
 
     def args(self) -> List[str]:
+        if not self.elastic:
+            # Node 0 serves the store at the endpoint; the others retry connecting for timeout_s.
+            return [
+                f"--nnodes={self.nodes}",
+                "--rdzv-backend=static",
+                f"--rdzv-endpoint={self.endpoint}",
+                f"--node-rank={self.node_rank}",
+                f"--rdzv-id={self.run_id}",
+                f"--rdzv-conf=timeout={self.timeout_s}",
+            ]
         # torchrun ignores --node-rank under c10d (global ranks follow the join order); partrain's node
         # rank picks the store host, so two nodes on one host never both try to serve the port.
         host = "true" if self.node_rank == 0 else "false"

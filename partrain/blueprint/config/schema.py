@@ -142,11 +142,13 @@ class ClusterConfig:
     """Permit a tensor-parallel group to span nodes (normally a mistake: TP talks every layer)."""
     node_rank: int = 0
     """This machine's place in a multi-node run (0..nodes-1; `partrain train --node-rank`). Node 0 hosts
-    the rendezvous store and holds checkpoint.dir's lock; torchrun's c10d rendezvous orders global ranks.
+    the rendezvous store, runs global rank 0 (torchrun's static rendezvous: node K runs global ranks
+    K*devices_per_node onwards; an elastic run's c10d orders them itself) and holds checkpoint.dir's lock.
     Node-local: left out of the config agreement between nodes."""
     rdzv_endpoint: str = ""
-    """HOST:PORT of the c10d rendezvous for a multi-node run (`partrain train --rdzv-endpoint`): node 0's
-    address and a free port, the same on every node. Required when nodes > 1."""
+    """HOST:PORT of the rendezvous (torchrun's static one; c10d when elastic) for a multi-node run
+    (`partrain train --rdzv-endpoint`): node 0's address and a free port, the same on every node.
+    Required when nodes > 1."""
     min_nodes: Optional[int] = None
     """Elastic multi-node run: keep training while at least this many of the `nodes` machines take part
     (torchrun's `--nnodes=MIN:MAX`). When a node is lost or one joins, torchrun restarts the workers and
@@ -382,7 +384,8 @@ class CheckpointConfig:
     every_steps: int = 0
     """Save a checkpoint every this many steps (0 = never)."""
     dir: str = ""
-    """Checkpoint folder; default <run_dir>/checkpoints."""
+    """Checkpoint folder; default <run_dir>/checkpoints. A run over several nodes that saves checkpoints
+    must set it to one folder every node mounts (exit 2 otherwise, under torchrun, srun and `launch slurm`)."""
     resume: str = "none"
     """none, auto (the newest complete checkpoint in dir) or a checkpoint path."""
     keep_last: int = 3
