@@ -31,6 +31,7 @@ from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
 from partrain.blueprint.validate_dp_sync import dp_sync_problems
 from partrain.blueprint.validate_elastic import elastic_problems
+from partrain.blueprint.validate_float8 import float8_problems
 from partrain.blueprint.validate_moe import moe_problems
 from partrain.blueprint.validate_peft import peft_problems
 from partrain.blueprint.validate_runtime import runtime_problems
@@ -332,6 +333,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     _compute_profile_problems(c, run)
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     peft_problems(c, run, facts, degrees)
+    float8_problems(c, run, facts, degrees)
     if facts is not None:
         c.check(
             run.train.seq_len <= facts.max_positions,

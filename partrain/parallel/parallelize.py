@@ -1,6 +1,7 @@
 """Shard this rank's share of the model on the meta device, in one documented order.
 
-    meta model -> pipeline split (this rank's chunks) -> tensor parallel (and Megatron-SP)
+    meta model -> pipeline split (this rank's chunks) -> float8 linears (train.float8; torchtitan's
+    place: before every wrapper) -> tensor parallel (and Megatron-SP)
     -> LoRA adapters (peft=lora; base frozen) -> context parallel (sp attention) -> expert parallel
     -> recompute -> compile (each block)
     -> FSDP (zero_stage 2/3; experts on their own edp mesh)
@@ -23,6 +24,7 @@ from partrain.models.build import build_meta_model
 from partrain.parallel import data_parallel, expert_parallel
 from partrain.parallel.compile import apply_compile, compile_enabled
 from partrain.parallel.context_parallel import apply_sp, sequence_shard
+from partrain.parallel.float8 import apply_float8
 from partrain.parallel.lora import apply_lora
 from partrain.parallel.recompute import apply_recompute
 from partrain.parallel.tensor_parallel import apply_tp
@@ -31,6 +33,7 @@ from partrain.runtime.mesh import ParallelMesh
 
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
+    apply_float8(module, v.run.train, data_parallel.uses_fsdp(p.zero_stage))  # tp == 1 (validate_float8)
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
     apply_lora(module, adapter, v.run.peft, v.facts.arch)  # adapters against the post-TP projections
     apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode), v.run.train.seq_len)

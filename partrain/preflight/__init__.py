@@ -40,6 +40,7 @@ from typing import List, Optional
 from partrain.blueprint.config.path_limits import DEFAULT_RUNS
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
+from partrain.preflight.float8 import float8_problems
 from partrain.preflight.hub import fetch_weights, hub_id, snapshot_of
 from partrain.preflight.paths import file_problems, folder_problems
 from partrain.preflight.weights import weight_problems
@@ -97,6 +98,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecke
     else:
         problems += data_problems(v, dry_run)
     problems += tracker_problems(run.train.loggers)
+    problems += float8_problems(run)
     if problems:
         raise ConfigError(problems)
     return unchecked

@@ -313,6 +313,13 @@ class TrainConfig:
     """Optimizer steps to train."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
+    float8: bool = False
+    """Run the decoder's linear layers' matmuls in float8 through torchao (pip install 'partrain[float8]'):
+    needs train.precision=bf16, parallel.tp=1 and a dense model; the head stays in bf16, linears whose
+    dimensions are not multiples of 16 are skipped (counted in the log). Weights stay bf16/fp32."""
+    float8_recipe: str = "tensorwise"
+    """train.float8 only: torchao's scaling recipe, tensorwise (one scale per tensor; FSDP all-gathers its
+    weights in float8) or rowwise (one scale per row: closer to bf16)."""
     param_dtype: str = "auto"
     """bf16/fp16 under zero_stage 0/1: what the model's parameters are. fp32 = fp32 weights and gradients,
     torch.autocast makes 16-bit copies per op (4+4+8 bytes/param); 16bit = parameters in the 16-bit

@@ -205,6 +205,11 @@ def _grad_sync_buffer(spec: PlanSpec, grad_bytes: float, backward_extra: float) 
     return max(0.0, grad_bytes - backward_extra)
 
 
+FLOAT8_PEAK_RATIO = 2.0
+"""Dense float8 over dense bf16 tensor-core peak on sm89+ GPUs (H100/H200 SXM: 1979 vs 989 TFLOP/s),
+applied to cluster.peak_tflops (the bf16 peak) for train.float8's converted matmuls on CUDA."""
+
+
 @dataclass
 class RankCompute:
     """FLOPs of one microbatch's forward + backward (+ recompute) on one pipeline rank."""
@@ -244,6 +249,14 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
     if s.compute is not None:  # timed per matmul shape from cluster.compute_profile (compute_model.py)
         t = rank_microbatch_time(s.compute, spec, dense, r.sparse, r.first, r.last, s.tokens)
         return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t if t > 0 else s.rate)
+    if spec.float8 and spec.cluster.device == "cuda" and hw > 0:
+        # The dense layers' projections (their FLOPs less attention's core) run at the float8 peak, in all
+        # three passes and a full recompute: one rate for the mix, so every caller's t = FLOPs / rate holds.
+        # A CPU has no float8 units (torch emulates the scaled matmul): its rate is left as it is.
+        linear = dense * (s.layer_flops[False][0] - s.layer_flops[False][1])
+        linear *= 3 + (s.passes_extra if spec.recompute == "full" else 0.0)
+        t = (hw - linear) / s.rate + linear / (FLOAT8_PEAK_RATIO * s.rate)
+        return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t)
     return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=s.rate)
 
 

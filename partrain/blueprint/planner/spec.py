@@ -234,6 +234,12 @@ class PlanSpec:
     """MoE expert capacity factor (parallel.moe_capacity_factor); None = dropless (planner/moe.py)."""
     dp_sync: str = "allreduce"
     """parallel.dp_sync: how ZeRO 0/1 gradients are synchronised (planner/dp_sync_cost.py)."""
+    float8: str = ""
+    """train.float8's recipe (tensorwise/rowwise; empty = off): on CUDA the decoder layers' linear matmuls
+    (not attention's core or the head) run at FLOAT8_PEAK_RATIO x the bf16 peak (estimate.py; nominal
+    timing only: a compute profile's measured rates count as measured). Weights stay as torchao holds
+    them (bf16/fp32); under FSDP with tensorwise those linears' weights are all-gathered in float8, one
+    byte per element (step_inputs.py)."""
     dp_bucket_mb: float = 25.0
     """parallel.dp_bucket_mb: one alpha per ring step per bucket."""
     ps_servers: int = 1
@@ -367,6 +373,7 @@ def run_settings(run) -> Dict[str, Any]:
         dp_bucket_mb=p.dp_bucket_mb,
         ps_servers=p.ps_servers,
         loss_chunk_tokens=t.loss_chunk_tokens,
+        float8=t.float8_recipe if t.float8 else "",
     )
 
 

@@ -10,12 +10,13 @@ from typing import Any, Dict, Optional, Tuple
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups, link_of
 from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
 from partrain.blueprint.planner.compute_time import matmul_rate
-from partrain.blueprint.planner.flops import layer_forward_flops
+from partrain.blueprint.planner.flops import attention_proj_macs, layer_forward_flops, mlp_macs
 from partrain.blueprint.planner.memory import (
     LayerActivations,
     dtypes,
     layer_activations,
 )
+from partrain.blueprint.planner.params import param_count
 from partrain.blueprint.planner.spec import PlanSpec
 
 
@@ -25,6 +26,15 @@ def matmul_efficiency(spec: PlanSpec) -> float:
         return 0.5
     h = spec.facts.hidden
     return 0.70 * h / (h + 900)
+
+
+def float8_gathered_share(spec: PlanSpec) -> float:
+    """The share of the parameters FSDP all-gathers in float8 (1 byte, not 2) under train.float8 with the
+    tensorwise recipe at zero 2/3: the decoder layers' linear weights over all parameters."""
+    if spec.float8 != "tensorwise" or spec.zero_stage < 2 or spec.facts.is_moe:
+        return 0.0
+    linear = spec.facts.n_layers * (attention_proj_macs(spec.facts) + mlp_macs(spec.facts, spec.extras, False))
+    return linear / param_count(spec.facts, spec.extras)
 
 
 # ---- the estimate -------------------------------------------------------------------------------------
@@ -140,8 +150,9 @@ class StepInputs:
     """Bytes of one activation tensor of a microbatch on a rank."""
     passes_extra: float
     """Share of layers re-run in backward (recompute every k-th layer)."""
-    gathered_param_bytes: int
-    """Bytes per element of the parameters FSDP all-gathers (16-bit under MixedPrecisionPolicy)."""
+    gathered_param_bytes: float
+    """Bytes per element of the parameters FSDP all-gathers (16-bit under MixedPrecisionPolicy; the mean
+    over the model with float8 all-gathers, float8_gathered_share)."""
     compute: Optional[ComputeModel] = None
     """The fitted compute model of `cluster.compute_profile` (None: FLOPs / rate)."""
 
@@ -176,6 +187,6 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         act_bytes=dt.compute,
         ar_size=tokens * f.hidden * dt.compute,
         passes_extra=1.0 / max(1, spec.recompute_every),
-        gathered_param_bytes=4 if spec.precision == "fp32" else 2,
+        gathered_param_bytes=4 if spec.precision == "fp32" else 2 - float8_gathered_share(spec),
         compute=model,
     )

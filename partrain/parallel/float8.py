@@ -1,0 +1,108 @@
+"""float8 training (`train.float8=true`): the decoder's linear layers run their matmuls in float8
+through torchao's `Float8Linear` (dynamic scaling, `train.float8_recipe` tensorwise or rowwise).
+
+Applied first in parallelize's order (after the pipeline split, before everything else), as
+torchtitan does: every later wrapper (recompute, compile, FSDP2) then sees `Float8Linear` modules
+that keep the same `weight` / `bias` Parameters under the same FQNs, in the training precision.
+torchao casts to float8 inside each matmul only, so materialize, DCP checkpoints (resume is exact)
+and `checkpoint export` handle plain bf16/fp32 weights, as without float8.
+
+What is converted: every `nn.Linear` of the decoder layers. The embedding is not a linear layer; the
+output head (`lm_head`: its logits feed the loss and are sensitive to float8's 3-bit mantissa) and
+an MoE router (`gate` / `router`: its top-k choice flips under small errors) are excluded by
+module path, as torchtitan does. torchao's float8 matmul needs both dimensions divisible by 16: a
+linear whose in or out features are not is skipped and counted (`Float8Counts`, in the log).
+
+Why only plain `nn.Linear` and no tensor parallelism: partrain's TP projections are its own
+local-tensor modules (tp_layers.py) that call F.linear on their shard between their own
+collectives; torchao's float8 TP styles (Float8ColwiseParallel, ...) apply to nn.Linear + DTensor
+`parallelize_module` only. Calling Float8Linear's matmul on the local shards would work but each
+rank's tensorwise scale would then be its shard's amax, not the whole weight's (not what one
+process computes); that is left for later and `validate_float8` refuses tp > 1 with exit 2.
+
+FSDP2 (zero_stage 2/3, tensorwise recipe): torchao's float8 all-gather
+(`enable_fsdp_float8_all_gather`): each converted weight is a tensor subclass whose fp32 shard is
+cast to float8 before the all-gather (half of bf16's bytes) with the whole weight's amax, so the
+gathered weight is what one process casts. It keeps the Parameter's name, dtype and shape:
+materialize, DCP save/resume and export see plain fp32 shards (tests/test_float8.py resumes one).
+Rowwise scales are per row and are not all-gathered in float8 (torchao offers it for tensorwise
+only): under rowwise FSDP gathers bf16 and torchao casts after the gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import List
+
+from torch import nn
+
+from partrain.blueprint.config.schema import TrainConfig
+
+log = logging.getLogger(__name__)
+
+EXCLUDED_LEAVES = ("lm_head", "gate", "router")
+"""Module names (last FQN part) left in high precision: the output head and MoE routers. A Llama
+MLP's `gate_proj` is a different name and is converted."""
+FLOAT8_DIM_MULTIPLE = 16
+"""torch._scaled_mm needs both matrix dimensions of the weight divisible by 16."""
+
+
+@dataclass
+class Float8Counts:
+    """What convert_linears did to one module's linear layers (logged; tests read it)."""
+
+    converted: List[str] = field(default_factory=list)
+    skipped_dims: List[str] = field(default_factory=list)
+    """Linears whose in/out features are not multiples of 16: they stay in high precision."""
+    excluded: List[str] = field(default_factory=list)
+    """The head and routers, by module path."""
+
+    def line(self) -> str:
+        skipped = f" ({', '.join(self.skipped_dims[:4])}{', ...' if len(self.skipped_dims) > 4 else ''})"
+        return (
+            f"float8: {len(self.converted)} linear layers converted, {len(self.skipped_dims)} skipped "
+            f"(dims not divisible by {FLOAT8_DIM_MULTIPLE}){skipped if self.skipped_dims else ''}, "
+            f"{len(self.excluded)} excluded (head, router)"
+        )
+
+
+def _classify(module: nn.Module, fqn: str, counts: Float8Counts) -> bool:
+    """torchao's module_filter_fn: True to convert this linear; records why not otherwise."""
+    if type(module) is not nn.Linear:  # torchao asks about nn.Linear only; subclasses are someone else's
+        return False
+    if fqn.rsplit(".", 1)[-1] in EXCLUDED_LEAVES:
+        counts.excluded.append(fqn)
+        return False
+    if module.in_features % FLOAT8_DIM_MULTIPLE or module.out_features % FLOAT8_DIM_MULTIPLE:
+        counts.skipped_dims.append(fqn)
+        return False
+    counts.converted.append(fqn)
+    return True
+
+
+def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
+    """torchao's Float8LinearConfig for `train.float8_recipe` (dynamic scaling both ways)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+
+
+def apply_float8(module: nn.Module, train: TrainConfig, fsdp: bool = False) -> Float8Counts:
+    """Swap `module`'s eligible nn.Linear children for torchao's Float8Linear (on the meta device
+    too: the Parameters are reused, so materialize fills them as before). Nothing without train.float8."""
+    counts = Float8Counts()
+    if not train.float8:
+        return counts
+    from torchao.float8 import convert_to_float8_training  # an extra: imported only when float8 is on
+
+    convert_to_float8_training(
+        module,
+        config=float8_config(train.float8_recipe, fsdp and train.float8_recipe == "tensorwise"),
+        module_filter_fn=lambda mod, fqn: _classify(mod, fqn, counts),
+    )
+    log.info(counts.line())
+    return counts
