@@ -80,10 +80,10 @@ def _data_facts_file(v: ValidatedRun, run_dir: Path) -> Path:
         facts = run_dir / STREAM_FACTS
         facts.write_text(json.dumps(stream_facts(v.run.data), indent=1) + "\n")
         return facts
-    from partrain.data import prepare_tokens
+    from partrain.data.prepare import prepare_data
 
     cache_root = Path(v.run.data.cache_dir).expanduser() if v.run.data.cache_dir else None
-    return prepare_tokens(v.run.data, cache_root).meta_path
+    return prepare_data(v.run.data, cache_root).meta_path
 
 
 def worker_command(v: ValidatedRun, run_dir: Path, rendezvous: Optional[Rendezvous] = None) -> list:

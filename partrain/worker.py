@@ -63,13 +63,17 @@ def _device(v: ValidatedRun, env: DistEnv):
 
 def _open_data(v: ValidatedRun, run_dir: Path):
     from partrain.data import EvalBatches, TokenBatches, open_packed
+    from partrain.data.prepare import is_examples_entry, open_example_batches
 
     t = v.run.train
     if v.run.data.streaming:  # tokenized on the fly by every rank, no cache entry
         from partrain.data.streaming import open_stream
 
         return open_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
-    packed = open_packed(json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"])
+    meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
+    if is_examples_entry(meta_path):  # fine-tuning rows: one padded example per row
+        return open_example_batches(meta_path, t.seq_len, v.global_batch_size, t.seed, t.eval_batches > 0)
+    packed = open_packed(meta_path)
     batches = TokenBatches.from_packed(packed, t.seq_len, v.global_batch_size, t.seed)
     evals = EvalBatches.from_packed(packed, t.seq_len, v.global_batch_size) if t.eval_batches > 0 else None
     return batches, evals

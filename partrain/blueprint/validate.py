@@ -29,6 +29,7 @@ from partrain.blueprint.degree_rules import (
 from partrain.blueprint.layout import Layout
 from partrain.blueprint.model_facts import ModelFacts, model_facts
 from partrain.blueprint.problems import ProblemCollector
+from partrain.blueprint.validate_data_format import data_format_problems
 from partrain.blueprint.validate_dp_sync import dp_sync_problems
 from partrain.blueprint.validate_elastic import elastic_problems
 from partrain.blueprint.validate_float8 import float8_problems
@@ -334,6 +335,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     degrees = degree_problems(c, run, facts) if run.cluster.nodes >= 1 and run.cluster.devices_per_node >= 1 else None
     peft_problems(c, run, facts, degrees)
     float8_problems(c, run, facts, degrees)
+    data_format_problems(c, run, degrees)
     if facts is not None:
         c.check(
             run.train.seq_len <= facts.max_positions,

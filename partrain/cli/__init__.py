@@ -19,6 +19,7 @@ from partrain.cli.bench_cmds import bench_app
 from partrain.cli.checkpoint_cmds import checkpoint_app
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.cli.config_cmds import list_recipes_cmd, show
+from partrain.cli.data_cmds import data_app
 from partrain.cli.launch_cmds import launch_app
 from partrain.errors import ConfigError, Problem
 
@@ -458,6 +459,7 @@ app.command("recipes")(list_recipes_cmd)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(bench_app, name="bench")
 app.add_typer(launch_app, name="launch")
+app.add_typer(data_app, name="data")
 
 
 def command():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Tuple
 
 from partrain.errors import ConfigError, Problem
 
@@ -71,7 +71,28 @@ def _read_txt(path: Path, limit: Optional[int], errors: str) -> Iterator[str]:
     yield text
 
 
+def read_rows(path: Path) -> Iterator[Tuple[str, object]]:
+    """(where, record) of every row of a .jsonl or .parquet file, in file order: where is "line N"
+    (jsonl, 1-based, blank lines skipped) or "row N" (parquet). For fine-tuning rows, whose fields the
+    caller reads (partrain.data.examples)."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _jsonl_records(path)
+    if suffix == ".parquet":
+        return _parquet_records(path)
+    raise source_error(
+        path,
+        f"fine-tuning rows are read from .jsonl or .parquet files, not {suffix or '(none)'}",
+        "convert the data to .jsonl (one JSON object per line) or .parquet",
+    )
+
+
 def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    for where, record in _jsonl_records(path):
+        yield _text_of(record, path, text_field, where)
+
+
+def _jsonl_records(path: Path) -> Iterator[Tuple[str, object]]:
     try:
         f = open(path, "rb")
     except OSError as exc:
@@ -88,14 +109,14 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
                     raise source_error(
                         path, f"line {lineno} is not valid JSON: {exc}", "write one JSON object per line (JSON Lines)"
                     ) from exc
-                yield _text_of(record, path, text_field, f"line {lineno}")
+                yield f"line {lineno}", record
         except OSError as exc:  # e.g. a network filesystem dropping out mid-file
             raise source_error(
                 path, f"reading failed after line {lineno}: {exc}", "check the file and its storage"
             ) from exc
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -105,11 +126,23 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
             "pip install pyarrow",
         ) from exc
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise source_error(
             path, f"cannot read the parquet file: {exc}", "check that the file is a complete parquet file"
         ) from exc
+
+
+def _parquet_records(path: Path) -> Iterator[Tuple[str, object]]:
+    row = 0
+    for batch in _parquet_file(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"row {row}", record
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    parquet = _parquet_file(path)
     if text_field not in parquet.schema_arrow.names:
         raise _field_error(
             path, text_field, f"the parquet file has no column {text_field!r} (columns: {parquet.schema_arrow.names})"

@@ -119,6 +119,11 @@ class DatasetCorpus:
             if isinstance(text, str) and text:
                 yield text
 
+    def rows(self) -> Iterator[Tuple[str, Any]]:
+        """("row N", row) of every row of the split, in order (fine-tuning rows: partrain.data.examples)."""
+        for n, row in enumerate(self._dataset(), start=1):
+            yield f"row {n}", row
+
     def documents(self) -> Iterator[str]:
         """The documents in order, empty ones skipped, cut at max_bytes (as corpus.Corpus does)."""
         produced = False

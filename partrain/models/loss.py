@@ -16,7 +16,7 @@ from partrain.models.chunked_loss import IGNORE_INDEX, chunked_model_loss
 
 # IGNORE_INDEX (-100, defined beside the chunked loss): the label value that contributes nothing
 # to the loss (padding, document ends).
-__all__ = ["IGNORE_INDEX", "forward_loss", "token_loss"]
+__all__ = ["IGNORE_INDEX", "forward_loss", "label_weight", "token_loss"]
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,14 @@ def forward_loss(
         return total / count
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return token_loss(logits, labels)
+
+
+def label_weight(labels: torch.Tensor, label_share: Optional[float]) -> float:
+    """What a microbatch's mean loss is multiplied by so that the engines' averaging (over
+    microbatches and dp ranks, each weighing 1) yields sum(token losses) / (global labelled tokens):
+    its labelled tokens over the global batch's average per microbatch (label_share x rows). 1.0 when
+    every label counts (label_share None), and exactly 1.0 when no label is masked, so pretraining
+    losses are bit-identical to a plain mean of means."""
+    if label_share is None:
+        return 1.0
+    return int((labels != IGNORE_INDEX).sum()) / (label_share * labels.shape[0])

@@ -192,12 +192,18 @@ def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
     writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
     (nothing is tokenized ahead, so a corpus too short for one batch is found by the workers)."""
     from partrain.data import batch_problems, prepare_tokens, probe_tokens
+    from partrain.data.example_batches import example_batch_problems
+    from partrain.data.examples import prepare_examples, probe_examples, uses_examples
 
     t = v.run.train
     with_eval = t.eval_batches > 0
     try:
         if v.run.data.streaming:
             return _vocab_problems(v, _streamed_vocab_size(v))
+        if uses_examples(v.run.data):  # fine-tuning rows: every row rendered, in memory for a dry run
+            examples = probe_examples(v.run.data) if dry_run else prepare_examples(v.run.data)
+            problems = _vocab_problems(v, examples.vocab_size)
+            return problems + example_batch_problems(examples, t.seq_len, v.global_batch_size, with_eval)
         if dry_run:
             # The same rule decides when enough has been read and what the launch would refuse.
             packed = probe_tokens(

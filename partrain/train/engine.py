@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from partrain.models.loss import forward_loss
+from partrain.models.loss import forward_loss, label_weight
 from partrain.parallel.data_parallel import DataParallelModel
 from partrain.parallel.grad_norm import clip_gradients
 from partrain.runtime.cuda_defaults import to_device
@@ -42,9 +42,13 @@ class Engine(Protocol):
         """The modules this rank trains (one model, or its pipeline stages), for checkpoints and metrics."""
         ...
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+    ) -> Optional[float]:
         """Gradients of the step's mean loss times `loss_scale`; the unscaled mean loss where this
-        rank sees it (None on pipeline ranks without the last stage)."""
+        rank sees it (None on pipeline ranks without the last stage). `label_share`: labelled tokens
+        per row over the global batch when labels are masked (fine-tuning examples): the mean is then
+        over the global batch's labelled tokens, not a mean of microbatch means (`label_weight`)."""
         ...
 
     def clip(self, max_norm: float) -> float:
@@ -55,8 +59,10 @@ class Engine(Protocol):
         """The step's loss on every rank of this replica."""
         ...
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
-        """Mean loss of a forward-only pass over the batch."""
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+    ) -> Optional[float]:
+        """Mean loss of a forward-only pass over the batch (over its labelled tokens: `label_share`)."""
         ...
 
 
@@ -88,17 +94,22 @@ class DirectEngine:
     def model_parts(self) -> List[nn.Module]:
         return [self.dp.inner]
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+    ) -> Optional[float]:
         """Gradients of the step's mean loss times `loss_scale` (fp16); returns the unscaled mean loss."""
         micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # read once: one device sync a step
         if self.moe is not None:
             self.moe.grad_scale = loss_scale / len(micro)  # the router losses weigh like the LM loss
+        weights = [label_weight(y, label_share) for _, y in micro]  # counted on the host: no device sync
         for i, (x, y) in enumerate(micro):
             x, y = to_device(x, self.device), to_device(y, self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(self.precision, self.device.type), record_function("partrain/forward"):
                     loss = self.forward_loss(self.dp.module, x, y)
+                if weights[i] != 1.0:
+                    loss = loss * weights[i]
                 with record_function("partrain/backward"):
                     (loss * (loss_scale / len(micro))).backward()
             total += local_scalar(loss.detach()).float()
@@ -115,17 +126,17 @@ class DirectEngine:
         return float(value)
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+    ) -> Optional[float]:
         module = self.dp.module
         module.eval()
         total, count = torch.zeros((), dtype=torch.float32), 0
         for x, y in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)):
+            weight = label_weight(y, label_share)
             with autocast_context(self.precision, self.device.type), self.loss_context():
-                total += (
-                    local_scalar(self.forward_loss(module, to_device(x, self.device), to_device(y, self.device)))
-                    .float()
-                    .cpu()
-                )
+                loss = local_scalar(self.forward_loss(module, to_device(x, self.device), to_device(y, self.device)))
+                total += (loss.float() if weight == 1.0 else loss.float() * weight).cpu()
             count += 1
         module.train()
         return float(total) / count
@@ -162,9 +173,12 @@ class PipelineEngine:
     def model_parts(self) -> List[nn.Module]:
         return list(self.stage_modules)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0) -> Optional[float]:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+    ) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
         self.runner.loss_scale = loss_scale
+        self.runner.label_share = label_share
         if self.moe is not None:
             self.moe.grad_scale = loss_scale  # torch divides every gradient by the microbatches afterwards
         with self.loss_context(), autocast_context(self.precision, self.device.type):
@@ -181,8 +195,11 @@ class PipelineEngine:
     def share_loss(self, value: Optional[float]) -> float:
         return self.runner.broadcast_loss(value)
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+    ) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
+        self.runner.label_share = label_share
         for m in self.stage_modules:
             m.eval()
         with self.loss_context(), autocast_context(self.precision, self.device.type):

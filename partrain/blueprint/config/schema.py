@@ -30,6 +30,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 PEFT_METHODS = ("none", "lora")
+DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "tokenized")
+TRAIN_ON = ("completion", "all")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -46,6 +48,8 @@ CHOICES = {
     "optim.implementation": OPTIMIZER_IMPLEMENTATIONS,
     "parallel.zero_stage": ZERO_STAGES,
     "peft.method": PEFT_METHODS,
+    "data.format": DATA_FORMATS,
+    "data.train_on": TRAIN_ON,
 }
 """Keys whose value is one of a fixed list: validation refuses others, and a value of the wrong type
 (`parallel.zero_stage=two`) is answered with the list."""
@@ -260,6 +264,23 @@ class DataConfig:
     """Share of the token stream held out for evaluation."""
     cache_dir: str = ""
     """Where tokenized, packed token files are cached (default ~/.cache/partrain/data)."""
+    format: str = "auto"
+    """How a row is read: text (the text_field string, packed into windows), chat ({"messages": [{role,
+    content}]}), prompt_completion ({"prompt", "completion"}), tokenized ({"input_ids", optional "labels"}),
+    or auto (from the first row's fields; builtin is text). See partrain.data.chat and partrain.data.examples."""
+    train_on: str = "completion"
+    """Fine-tuning formats: completion (loss on the assistant turns / the completion only, end-of-turn
+    token included) or all (every token)."""
+    chat_template: str = ""
+    """Jinja chat template of chat rows (and prompt_completion rows when set): "" = the tokenizer's own,
+    or a built-in name (chatml, llama3, zephyr), or a file holding a template."""
+    prompt_template: str = ""
+    """prompt_completion rows without a chat template: the text before the completion, {prompt} replaced
+    by the row's prompt ("" = the prompt as it is)."""
+    packing: bool = True
+    """text: documents packed into seq_len windows (the only way text is read). chat, prompt_completion
+    and tokenized need data.packing=false in this version: one example per row, padded to train.seq_len,
+    longer ones truncated (and counted); packing examples is not built yet."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from partrain.blueprint.stage_split import (
     schedule_problems,
     schedule_style,
 )
+from partrain.models.loss import label_weight
 from partrain.parallel.pipeline.stage import unwrap_ddp
 from partrain.parallel.pipeline.tied_weights import all_reduce_grads, tied_weight_sync
 from partrain.parallel.pipeline.timing import StepTiming
@@ -123,6 +124,8 @@ class PipelineRunner:
         self._measure = measure
         self._user_loss_fn = loss_fn
         self.loss_scale = 1.0
+        self.label_share: Optional[float] = None
+        """Labelled tokens per row over the global batch when labels are masked (set per step by the engine)."""
         """Multiplier of the loss before backward (fp16 dynamic loss scaling); step() returns the unscaled loss."""
         self._activation_dtype = activation_dtype
         hidden = unwrap_ddp(stage_modules[0]).config.hidden_size
@@ -177,6 +180,9 @@ class PipelineRunner:
     # -- instrumentation --------------------------------------------------------------------------
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self._user_loss_fn(output, target)
+        weight = label_weight(target, self.label_share)  # masked labels: the global batch's token mean
+        if weight != 1.0:
+            loss = loss * weight
         return loss if self.loss_scale == 1.0 else loss * self.loss_scale
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -281,7 +287,7 @@ class PipelineRunner:
                         dist.recv(h, group=self.group, group_src=owner[c - 1])
                 h = mine[c](h)
                 if c == self.n_chunks - 1:
-                    total += float(self._user_loss_fn(h, ys[mb]))
+                    total += float(self._user_loss_fn(h, ys[mb])) * label_weight(ys[mb], self.label_share)
                 elif owner[c + 1] != self.pp_rank:
                     with record_function("partrain/pp/send"):
                         dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])

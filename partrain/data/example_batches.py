@@ -1,0 +1,194 @@
+"""Batches of fine-tuning examples, one example per row, padded: the interface of loader.TokenBatches.
+
+Row of example e (ids x, labels l, n tokens): inputs = x[:seq_len] without its last token, padded
+with the pad id to seq_len; labels = l shifted by one (labels[t] = l[t + 1], the loss's target for
+inputs[t]), -100 on the padding. An example longer than seq_len + 1 tokens is cut there (counted in
+``truncated``); one with no trained token left after the cut is dropped (counted in ``dropped``), so
+every row, and so every microbatch, holds at least one labelled token.
+
+Order: a seeded permutation of the usable training examples per epoch, the same for every layout;
+dp rank r takes contiguous rows of the global batch, as TokenBatches does. ``label_count(step)`` is
+the global batch's labelled tokens, which every rank knows without communicating: the engines divide
+the summed token losses by it, so the loss is the same for every layout (partrain.train.engine).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from partrain.data.chat import IGNORE_INDEX
+from partrain.data.examples import Examples, example_label_counts
+from partrain.data.loader import Batch, rank_rows
+from partrain.errors import ConfigError, Problem
+
+
+def _usable(examples: Examples, first: int, stop: int, seq_len: int) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(indices of the examples with a trained token in their row, those rows' label counts, truncated)."""
+    counts = example_label_counts(examples, first, stop, seq_len)
+    lengths = examples.offsets[first + 1 : stop + 1] - examples.offsets[first:stop]
+    keep = np.nonzero(counts > 0)[0]
+    return keep + first, counts[keep], int(np.sum(lengths > seq_len + 1))
+
+
+def _too_few(split: str, usable: int, dropped: int, global_batch_size: int, fix: str) -> ConfigError:
+    return ConfigError(
+        Problem(
+            "train.global_batch_size",
+            global_batch_size,
+            f"the {split} split holds {usable} usable examples ({dropped} more have no trained token within "
+            f"train.seq_len), fewer than one global batch",
+            fix,
+        )
+    )
+
+
+class _Rows:
+    """Examples as padded [rows, seq_len] inputs and shifted labels."""
+
+    def __init__(self, examples: Examples, seq_len: int):
+        self.examples = examples
+        self.seq_len = seq_len
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        inputs = torch.full((len(indices), self.seq_len), self.examples.pad_id, dtype=torch.long)
+        labels = torch.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        for row, e in enumerate(indices.tolist()):
+            start = int(self.examples.offsets[e])
+            n = min(int(self.examples.offsets[e + 1]) - start, self.seq_len + 1)
+            ids = np.asarray(self.examples.ids[start : start + n], dtype=np.int64)
+            lab = np.asarray(self.examples.labels[start : start + n], dtype=np.int64)
+            inputs[row, : n - 1] = torch.from_numpy(ids[:-1])
+            labels[row, : n - 1] = torch.from_numpy(lab[1:])
+        return inputs, labels
+
+
+class ExampleBatches:
+    """Shuffled padded training batches of examples; resumable, identical across dp layouts."""
+
+    def __init__(self, examples: Examples, seq_len: int, global_batch_size: int, seed: int):
+        self._rows = _Rows(examples, seq_len)
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.index, self.counts, self.truncated = _usable(examples, 0, examples.n_train, seq_len)
+        self.dropped = examples.n_train - len(self.index)
+        """Training examples with no trained token within seq_len (left out)."""
+        self.n_examples = len(self.index)
+        if self.n_examples < global_batch_size:
+            raise _too_few(
+                "training", self.n_examples, self.dropped, global_batch_size, "lower it, or raise train.seq_len"
+            )
+        self.steps_per_epoch = self.n_examples // global_batch_size
+        self.step = 0
+        self._perm: Optional[Tuple[int, np.ndarray]] = None
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def positions(self, step: int) -> np.ndarray:
+        """Positions (into the usable examples) of the global batch of ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_examples))
+        start = within * self.global_batch_size
+        return self._perm[1][start : start + self.global_batch_size]
+
+    def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+        """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s rows."""
+        rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
+        return self._rows.rows(self.index[self.positions(step)[rows]])
+
+    def label_count(self, step: int) -> int:
+        """Labelled tokens of the whole global batch of ``step`` (every rank computes the same)."""
+        return int(self.counts[self.positions(step)].sum())
+
+    def label_share(self, step: int) -> float:
+        """Labelled tokens per row over the global batch of ``step`` (what the engines normalise by)."""
+        return self.label_count(step) / self.global_batch_size
+
+    def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+        batch = self.rank_batch(self.step, dp_rank, dp_size)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> Dict[str, int]:
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "n_examples": self.n_examples,
+        }
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
+        for name, key in (
+            ("seed", "train.seed"),
+            ("seq_len", "train.seq_len"),
+            ("global_batch_size", "train.global_batch_size"),
+            ("n_examples", "data.source"),
+        ):
+            if int(state.get(name, -1)) != getattr(self, name):
+                raise ConfigError(
+                    Problem(
+                        key,
+                        getattr(self, name),
+                        f"the checkpoint's data position was recorded with {name}={state.get(name)}; "
+                        "with another value the run would not continue the same data order",
+                        f"resume with the original value ({state.get(name)}), or start a new run",
+                    )
+                )
+        self.step = int(state["step"])
+
+
+class EvalExampleBatches:
+    """Held-out examples (the last data.eval_fraction of the rows) in row order, as EvalBatches."""
+
+    def __init__(self, examples: Examples, seq_len: int, global_batch_size: int):
+        self._rows = _Rows(examples, seq_len)
+        self.global_batch_size = global_batch_size
+        self.index, self.counts, _ = _usable(examples, examples.n_train, examples.n_examples, seq_len)
+        dropped = examples.n_examples - examples.n_train - len(self.index)
+        if len(self.index) < global_batch_size:
+            raise _too_few(
+                "eval", len(self.index), dropped, global_batch_size, "raise data.eval_fraction, or train.eval_batches=0"
+            )
+        self.num_batches = len(self.index) // global_batch_size
+
+    def _positions(self, i: int) -> np.ndarray:
+        first = (i % self.num_batches) * self.global_batch_size
+        return np.arange(first, first + self.global_batch_size)
+
+    def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+        if i < 0:
+            raise ValueError(f"eval batch index must be >= 0, got {i}")
+        rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
+        return self._rows.rows(self.index[self._positions(i)[rows]])
+
+    def label_share(self, i: int) -> float:
+        """Labelled tokens per row over eval batch i."""
+        return int(self.counts[self._positions(i)].sum()) / self.global_batch_size
+
+    def batches(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
+        for i in range(count):
+            yield self.eval_batch(i, dp_rank, dp_size)
+
+
+def example_batch_problems(examples: Examples, seq_len: int, global_batch_size: int, with_eval: bool) -> list:
+    """The problems the workers would meet opening these examples (the preflight's check)."""
+    problems = []
+    try:
+        ExampleBatches(examples, seq_len, global_batch_size, 0)
+    except ConfigError as err:
+        problems += err.problems
+    if with_eval:
+        try:
+            EvalExampleBatches(examples, seq_len, global_batch_size)
+        except ConfigError as err:
+            problems += err.problems
+    return problems

@@ -1,0 +1,380 @@
+"""Fine-tuning rows rendered once into an examples cache that every worker can memory-map.
+
+Rows (chat, prompt_completion or tokenized; ``data.format``, auto = the first row's fields) are read
+with the readers of ``formats`` (.jsonl lines, .parquet rows) or ``hf_dataset`` (a `datasets` folder),
+rendered by ``chat`` into (input_ids, labels) and written as one entry::
+
+    <cache root>/<source>-examples-<key>/
+        ids.bin      every example's ids, one after the other (uint16 or uint32, little-endian)
+        labels.bin   their aligned labels (int32; -100 = no loss), unshifted as Hugging Face aligns them
+        offsets.bin  int64 [examples + 1]: example i is ids[offsets[i]:offsets[i+1]]
+        meta.json    counts, tokenizer, pad id, each file's size and SHA-256; written last
+
+The last ``data.eval_fraction`` of the examples (row order) are held out for evaluation. The key hashes
+the source identity, the tokenizer, format, templates and train_on, so any change renders again. The
+entry is built in a temporary folder and renamed into place whole, and trusted only when its files match
+meta.json, as ``packing`` does for token caches.
+
+A bad row is a ConfigError naming the file, the line (or row) and the rule it breaks: the launch's
+preflight renders every row here (``prepare_examples``) and the dry run with the same code in memory
+(``probe_examples``), so both refuse the same rows before any process starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from partrain.blueprint.config.schema import DataConfig
+from partrain.blueprint.problems import os_error_problem
+from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem
+from partrain.data.atomic import fsync_dir, write_json
+from partrain.data.chat import (
+    IGNORE_INDEX,
+    ChatRenderer,
+    ChatRowError,
+    Example,
+    chat_example,
+    detect_format,
+    prompt_completion_example,
+    resolve_template,
+    tokenized_example,
+)
+from partrain.data.corpus import BUILTIN, Corpus
+from partrain.data.formats import read_rows
+from partrain.data.hf_dataset import DatasetCorpus
+from partrain.data.packing import (
+    _publish,
+    _remove_empty,
+    _remove_stale_temps,
+    cache_root_for,
+    file_sha256,
+    token_dtype,
+)
+from partrain.data.tokenizer import load_tokenizer, tokenizer_name
+from partrain.errors import ConfigError, Problem
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bumped whenever the entry's layout or the rendering rules change, so old entries are not reused."""
+KIND = "examples"
+"""meta.json's "kind": tells a worker this entry holds examples, not a packed token stream."""
+META_NAME = "meta.json"
+FILES = ("ids.bin", "labels.bin", "offsets.bin")
+LABEL_DTYPE = np.dtype("<i4")
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Rendered examples: flat ids and labels and each example's offsets (memory-mapped or in memory)."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    """int64 [n_examples + 1]."""
+    n_train: int
+    """Examples 0..n_train-1 train; the rest are the eval split."""
+    vocab_size: int
+    pad_id: int
+    """Fills the rows after an example's end (never trained: its labels are -100)."""
+    tokenizer: str
+    meta_path: Path
+    """Where the entry's meta.json is (or would be, for a dry run's examples)."""
+
+    @property
+    def n_examples(self) -> int:
+        return len(self.offsets) - 1
+
+
+def row_source(cfg: DataConfig) -> Iterator[Tuple[str, str, Any]]:
+    """(file, where, row) of every row of data.source, in order."""
+    corpus = Corpus.from_config(cfg)
+    if isinstance(corpus, DatasetCorpus):
+        for where, row in corpus.rows():
+            yield str(corpus.root), where, row
+        return
+    for path in corpus.files:
+        for where, row in read_rows(path):
+            yield str(path), where, row
+
+
+def resolve_format(cfg: DataConfig) -> str:
+    """data.format, with auto resolved from the first row's fields; a ConfigError naming data.packing
+    when the resolved format and data.packing do not go together."""
+    fmt = cfg.format
+    if fmt == "auto":
+        if cfg.source == BUILTIN:
+            return "text"
+        first = next(iter(_first_row(cfg)), None)
+        fmt = detect_format(first[2]) if first is not None else "text"
+    problem = packing_problem(fmt, cfg.packing)
+    if problem is not None:
+        raise ConfigError(Problem("data.packing", cfg.packing, f"{problem[0]} (data.format=auto read it)", problem[1]))
+    return fmt
+
+
+def _first_row(cfg: DataConfig):
+    try:
+        rows = row_source(cfg)
+        return [next(rows)]
+    except StopIteration:
+        return []
+    except ConfigError:
+        return []  # not rows (e.g. .txt files): text, whose own readers report problems
+
+
+def uses_examples(cfg: DataConfig) -> bool:
+    """Whether data.source is read as fine-tuning examples rather than packed text."""
+    return not cfg.streaming and resolve_format(cfg) in EXAMPLE_FORMATS
+
+
+def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
+    """row -> Example for this format; ChatRowError for a row that breaks a rule."""
+    template = None
+    if fmt == "chat" or (fmt == "prompt_completion" and cfg.chat_template):
+        try:
+            text = resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
+            template = ChatRenderer(text, tokenizer.bos_token, tokenizer.eos_token)
+        except ChatRowError as exc:
+            raise ConfigError(
+                Problem(
+                    "data.chat_template",
+                    cfg.chat_template,
+                    str(exc),
+                    "data.chat_template=chatml (or llama3, zephyr, or a Jinja file)",
+                )
+            ) from None
+
+    def render(row: Any) -> Example:
+        if not isinstance(row, dict):
+            raise ChatRowError(f"the row is a {type(row).__name__}, not an object")
+        if fmt == "chat":
+            if "messages" not in row:
+                raise ChatRowError(f"the row has no 'messages' field (fields: {list(row)})")
+            return chat_example(template, tokenizer, row["messages"], cfg.train_on)
+        if fmt == "prompt_completion":
+            missing = [k for k in ("prompt", "completion") if k not in row]
+            if missing:
+                raise ChatRowError(f"the row has no {' or '.join(repr(k) for k in missing)} (fields: {list(row)})")
+            return prompt_completion_example(
+                tokenizer, row["prompt"], row["completion"], template, cfg.prompt_template, cfg.train_on
+            )
+        return tokenized_example(row, tokenizer.vocab_size)
+
+    return render
+
+
+def _examples(cfg: DataConfig, fmt: str, tokenizer) -> Iterator[Example]:
+    render = _renderer(cfg, fmt, tokenizer)
+    for path, where, row in row_source(cfg):
+        try:
+            example = render(row)
+        except ChatRowError as exc:
+            raise ConfigError(
+                Problem(
+                    "data.source",
+                    path,
+                    f"{path} {where}: {exc}",
+                    f"fix or remove {where} of {Path(path).name} (data.format={fmt})",
+                )
+            ) from None
+        if example.trained_tokens == 0:
+            raise ConfigError(
+                Problem(
+                    "data.source",
+                    path,
+                    f"{path} {where}: no token of this row is trained",
+                    f"fix or remove {where} of {Path(path).name}",
+                )
+            )
+        yield example
+
+
+def cache_key(cfg: DataConfig, fmt: str) -> str:
+    """A hash of everything the rendered examples depend on."""
+    corpus = Corpus.from_config(cfg)
+    template = cfg.chat_template
+    if template and Path(template).expanduser().is_file():  # a file: its text, not just its name
+        template = Path(template).expanduser().read_text()
+    inputs = {
+        "format": FORMAT_VERSION,
+        "source": corpus.identity(),
+        "tokenizer": tokenizer_name(cfg.tokenizer),
+        "data_format": fmt,
+        "chat_template": template,
+        "prompt_template": cfg.prompt_template,
+        "train_on": cfg.train_on,
+        "eval_fraction": float(cfg.eval_fraction),
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def _entry(cfg: DataConfig, cache_root: Optional[Path]) -> Tuple[str, Path]:
+    fmt = resolve_format(cfg)
+    corpus = Corpus.from_config(cfg)
+    return fmt, cache_root_for(cfg, cache_root) / f"{corpus.slug}-examples-{cache_key(cfg, fmt)[:16]}"
+
+
+def prepare_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Examples:
+    """Render data.source's rows into the cache, or reuse the entry there (checked against its SHA-256)."""
+    fmt, folder = _entry(cfg, cache_root)
+    meta_path = folder / META_NAME
+    if meta_path.exists():
+        try:
+            return open_examples(meta_path, verify=True)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("rebuilding the damaged examples cache entry %s: %s", folder, exc)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    fresh = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        return _build(cfg, fmt, tokenizer, folder)
+    except OSError as exc:
+        raise ConfigError(
+            os_error_problem(
+                "data.cache_dir",
+                folder.parent,
+                exc,
+                "write the examples cache",
+                "set data.cache_dir to a writable folder with enough free space",
+            )
+        ) from exc
+    finally:
+        _remove_empty(fresh)
+
+
+def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Examples:
+    """What ``prepare_examples`` would return, rendered in memory and written nowhere (the dry run):
+    every row is rendered, so the dry run refuses exactly the rows the launch refuses."""
+    fmt, folder = _entry(cfg, cache_root)
+    meta_path = folder / META_NAME
+    if meta_path.exists():
+        try:
+            return open_examples(meta_path)
+        except (OSError, ValueError, KeyError):
+            pass  # damaged: prepare_examples rebuilds it; render as if it were not there
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    ids, labels, lengths = [], [], [0]
+    for example in _examples(cfg, fmt, tokenizer):
+        ids += example.input_ids
+        labels += example.labels
+        lengths.append(len(example.input_ids))
+    offsets = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    return Examples(
+        ids=np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size)),
+        labels=np.asarray(labels, dtype=LABEL_DTYPE),
+        offsets=offsets,
+        n_train=_n_train(len(lengths) - 1, cfg.eval_fraction),
+        vocab_size=tokenizer.vocab_size,
+        pad_id=tokenizer.eos_id,
+        tokenizer=tokenizer.name,
+        meta_path=meta_path,
+    )
+
+
+def _n_train(n_examples: int, eval_fraction: float) -> int:
+    return n_examples - int(round(n_examples * eval_fraction))
+
+
+def open_examples(meta_path, verify: bool = False) -> Examples:
+    """Reopen an entry from its meta.json (memory-mapped); ValueError when its files do not match it
+    (sizes always, SHA-256 with ``verify``)."""
+    meta_path = Path(meta_path)
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("kind") != KIND or meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path} is not an examples entry of format {FORMAT_VERSION}")
+    folder = meta_path.parent
+    for name in FILES:
+        expected = meta["files"][name]
+        size = (folder / name).stat().st_size
+        if size != expected["size"]:
+            raise ValueError(f"{folder / name} holds {size} bytes, {meta_path} says {expected['size']}")
+        if verify and file_sha256(folder / name) != expected["sha256"]:
+            raise ValueError(f"{folder / name} does not match the SHA-256 in {meta_path}")
+    return Examples(
+        ids=_map(folder / "ids.bin", np.dtype(meta["dtype"])),
+        labels=_map(folder / "labels.bin", LABEL_DTYPE),
+        offsets=np.array(_map(folder / "offsets.bin", OFFSET_DTYPE)),
+        n_train=int(meta["n_train_examples"]),
+        vocab_size=int(meta["vocab_size"]),
+        pad_id=int(meta["pad_id"]),
+        tokenizer=meta["tokenizer"],
+        meta_path=meta_path,
+    )
+
+
+def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map an empty file
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _build(cfg: DataConfig, fmt: str, tokenizer, entry: Path) -> Examples:
+    """Render into a private temporary folder beside the entry, then rename that into place whole."""
+    started = time.perf_counter()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(entry.parent)
+    building = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
+    try:
+        dtype = token_dtype(tokenizer.vocab_size)
+        n_tokens, offsets = 0, [0]
+        with open(building / "ids.bin", "wb") as ids, open(building / "labels.bin", "wb") as labels:
+            for example in _examples(cfg, fmt, tokenizer):
+                ids.write(np.asarray(example.input_ids, dtype=dtype).tobytes())
+                labels.write(np.asarray(example.labels, dtype=LABEL_DTYPE).tobytes())
+                n_tokens += len(example.input_ids)
+                offsets.append(n_tokens)
+        (building / "offsets.bin").write_bytes(np.asarray(offsets, dtype=OFFSET_DTYPE).tobytes())
+        meta = {
+            "kind": KIND,
+            "format": FORMAT_VERSION,
+            "data_format": fmt,
+            "dtype": dtype.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "pad_id": tokenizer.eos_id,
+            "tokenizer": tokenizer.name,
+            "n_examples": len(offsets) - 1,
+            "n_train_examples": _n_train(len(offsets) - 1, cfg.eval_fraction),
+            "n_tokens": n_tokens,
+            "train_on": cfg.train_on,
+            "files": {
+                name: {"size": (building / name).stat().st_size, "sha256": file_sha256(building / name)}
+                for name in FILES
+            },
+        }
+        fsync_dir(building)
+        write_json(building / META_NAME, meta)
+        _publish(building, entry)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    log.info(
+        "rendered %d %s examples (%d tokens) in %.1f s (%s)",
+        len(offsets) - 1,
+        fmt,
+        n_tokens,
+        time.perf_counter() - started,
+        entry,
+    )
+    return open_examples(entry / META_NAME)
+
+
+def example_label_counts(examples: Examples, first: int, stop: int, seq_len: int) -> np.ndarray:
+    """Trained tokens of examples first..stop-1 as rows of seq_len see them: the shifted labels
+    (labels[1:]) of the first seq_len + 1 tokens, so a truncated example counts only what stays."""
+    starts = examples.offsets[first:stop]
+    lengths = examples.offsets[first + 1 : stop + 1] - starts
+    trained = np.concatenate([[0], np.cumsum(np.asarray(examples.labels) != IGNORE_INDEX, dtype=np.int64)])
+    ends = starts + np.minimum(lengths, seq_len + 1)
+    return trained[ends] - trained[np.minimum(starts + 1, ends)]
