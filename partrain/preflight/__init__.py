@@ -192,7 +192,6 @@ def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
     writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
     (nothing is tokenized ahead, so a corpus too short for one batch is found by the workers)."""
     from partrain.data import batch_problems, prepare_tokens, probe_tokens
-    from partrain.data.example_batches import example_batch_problems
     from partrain.data.examples import prepare_examples, probe_examples, uses_examples
 
     t = v.run.train
@@ -201,6 +200,9 @@ def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
         if v.run.data.streaming:
             return _vocab_problems(v, _streamed_vocab_size(v))
         if uses_examples(v.run.data):  # fine-tuning rows: every row rendered, in memory for a dry run
+            # Imported here: the example batches build torch tensors, and text runs stay torch-free.
+            from partrain.data.example_batches import example_batch_problems
+
             examples = probe_examples(v.run.data) if dry_run else prepare_examples(v.run.data)
             problems = _vocab_problems(v, examples.vocab_size)
             return problems + example_batch_problems(examples, t.seq_len, v.global_batch_size, with_eval)
