@@ -141,7 +141,7 @@ def run_hf(a, compiled: bool) -> dict:
     return out
 
 
-def _run_config(a, compiled: bool, zero: int, recompute: str):
+def _run_config(a, compiled: bool, zero: int, recompute: str, float8: bool = False):
     from partrain.blueprint.config.schema import ClusterConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 
     cuda = a.device == "cuda"
@@ -156,13 +156,14 @@ def _run_config(a, compiled: bool, zero: int, recompute: str):
         precision=a.precision,
         compile="true" if compiled else "false",
         compile_backend=a.backend,
+        float8=float8,
     )
     model = ModelConfig(arch="llama", config=dict(a.model, bos_token_id=0, eos_token_id=0), name="bench-llama")
     parallel = ParallelConfig(dp=1, tp=1, pp=1, zero_stage=zero, recompute=recompute)
     return RunConfig(model=model, cluster=cluster, parallel=parallel, train=train)
 
 
-def run_partrain(a, compiled: bool, zero: int, recompute: str) -> dict:
+def run_partrain(a, compiled: bool, zero: int, recompute: str, float8: bool = False) -> dict:
     """partrain's own path (validate -> mesh -> shard -> materialize -> wrap -> engine) on one rank."""
     import torch.nn.functional as F
 
@@ -171,7 +172,7 @@ def run_partrain(a, compiled: bool, zero: int, recompute: str) -> dict:
     from partrain.runtime.mesh import build_mesh
     from partrain.train.assemble import build_engine
 
-    v = validate(_run_config(a, compiled, zero, recompute))
+    v = validate(_run_config(a, compiled, zero, recompute, float8))
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
     if a.device == "cuda":
         torch.cuda.set_device(device)
