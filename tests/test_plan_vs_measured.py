@@ -117,8 +117,10 @@ def test_last_metrics_record_and_tensorboard_carry_the_plan_check(gpt_dp):
     assert last["plan_tokens_per_s"] == pytest.approx(block["tokens_per_s"]["planned"])
     assert last["measured_tokens_per_s"] == pytest.approx(block["tokens_per_s"]["measured"])
     assert last["plan_memory_bytes"] == block["memory_per_rank"][0]["planned"]
-    # Rank 0's memory at its last step; the summary's is read after the final eval (never lower).
-    assert 0 < last["measured_memory_bytes"] <= block["memory_per_rank"][0]["measured"]
+    # Rank 0's memory at its last step; the summary's is read after the final eval: its peak is never
+    # lower, but the trackers' resident growth subtracted from it (plan_check.measured_memory) also
+    # counts the final eval's logging calls, measured at 90 kB once: allow 2 MiB of that.
+    assert 0 < last["measured_memory_bytes"] <= block["memory_per_rank"][0]["measured"] + (2 << 20)
     ratio = last["measured_memory_bytes"] / last["plan_memory_bytes"]
     assert last["memory_measured_over_planned"] == pytest.approx(ratio)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
