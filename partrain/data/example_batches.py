@@ -14,14 +14,14 @@ the summed token losses by it, so the loss is the same for every layout (partrai
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from partrain.data.chat import IGNORE_INDEX
 from partrain.data.examples import Examples, example_label_counts
-from partrain.data.loader import Batch, rank_rows
+from partrain.data.loader import Batch, DataPosition, rank_rows
 from partrain.errors import ConfigError, Problem
 
 
@@ -65,8 +65,10 @@ class _Rows:
         return inputs, labels
 
 
-class ExampleBatches:
+class ExampleBatches(DataPosition):
     """Shuffled padded training batches of examples; resumable, identical across dp layouts."""
+
+    SIZE_FIELD = "n_examples"
 
     def __init__(self, examples: Examples, seq_len: int, global_batch_size: int, seed: int):
         self._rows = _Rows(examples, seq_len)
@@ -110,40 +112,6 @@ class ExampleBatches:
     def label_share(self, step: int) -> float:
         """Labelled tokens per row over the global batch of ``step`` (what the engines normalise by)."""
         return self.label_count(step) / self.global_batch_size
-
-    def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
-        batch = self.rank_batch(self.step, dp_rank, dp_size)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> Dict[str, int]:
-        return {
-            "step": self.step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size,
-            "n_examples": self.n_examples,
-        }
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
-        for name, key in (
-            ("seed", "train.seed"),
-            ("seq_len", "train.seq_len"),
-            ("global_batch_size", "train.global_batch_size"),
-            ("n_examples", "data.source"),
-        ):
-            if int(state.get(name, -1)) != getattr(self, name):
-                raise ConfigError(
-                    Problem(
-                        key,
-                        getattr(self, name),
-                        f"the checkpoint's data position was recorded with {name}={state.get(name)}; "
-                        "with another value the run would not continue the same data order",
-                        f"resume with the original value ({state.get(name)}), or start a new run",
-                    )
-                )
-        self.step = int(state["step"])
 
 
 class EvalExampleBatches:

@@ -93,7 +93,47 @@ def split_inputs_labels(rows: torch.Tensor) -> Batch:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-class TokenBatches:
+class DataPosition:
+    """A deterministic batch stream's position and what its order depends on (checked on resume).
+
+    Subclasses set ``step``, ``seed``, ``seq_len``, ``global_batch_size``, the count named by
+    ``SIZE_FIELD`` (what the permutation orders), and ``rank_batch``."""
+
+    SIZE_FIELD = "n_tokens"
+
+    def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+        """``rank_batch`` at the current step, then advance one step."""
+        batch = self.rank_batch(self.step, dp_rank, dp_size)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> Dict[str, int]:
+        """The position, plus what the order depends on (checked on load)."""
+        names = ("step", "seed", "seq_len", "global_batch_size", self.SIZE_FIELD)
+        return {name: getattr(self, name) for name in names}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
+        for name, key in (
+            ("seed", "train.seed"),
+            ("seq_len", "train.seq_len"),
+            ("global_batch_size", "train.global_batch_size"),
+            (self.SIZE_FIELD, "data.source"),
+        ):
+            if int(state.get(name, -1)) != getattr(self, name):
+                raise ConfigError(
+                    Problem(
+                        key=key,
+                        value=getattr(self, name),
+                        rule=f"the checkpoint's data position was recorded with {name}={state.get(name)}; "
+                        "with another value the run would not continue the same data order",
+                        fix=f"resume with the original value ({state.get(name)}), or start a new run",
+                    )
+                )
+        self.step = int(state["step"])
+
+
+class TokenBatches(DataPosition):
     """Shuffled training batches from a token file, resumable, identical across dp layouts.
 
     ``global_batch(step)`` is the full batch; ``rank_batch(step, dp_rank, dp_size)`` is one
@@ -160,42 +200,6 @@ class TokenBatches:
         contiguous rows of ``global_batch(step)``. Reads only those rows."""
         rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
         return split_inputs_labels(self._windows.rows(self.windows(step)[rows]))
-
-    def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
-        """``rank_batch`` at the current step, then advance one step."""
-        batch = self.rank_batch(self.step, dp_rank, dp_size)
-        self.step += 1
-        return batch
-
-    def state_dict(self) -> Dict[str, int]:
-        """The position, plus what the order depends on (checked on load)."""
-        return {
-            "step": self.step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size,
-            "n_tokens": self.n_tokens,
-        }
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
-        for name, key in (
-            ("seed", "train.seed"),
-            ("seq_len", "train.seq_len"),
-            ("global_batch_size", "train.global_batch_size"),
-            ("n_tokens", "data.source"),
-        ):
-            if int(state[name]) != getattr(self, name):
-                raise ConfigError(
-                    Problem(
-                        key=key,
-                        value=getattr(self, name),
-                        rule=f"the checkpoint's data position was recorded with {name}={state[name]}; "
-                        "with another value the run would not continue the same data order",
-                        fix=f"resume with the original value ({state[name]}), or start a new run",
-                    )
-                )
-        self.step = int(state["step"])
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
