@@ -34,15 +34,8 @@ def float8_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFa
         "matmuls would stay fp32 and fp16's loss scaling is not combined with float8's own scales",
         f"train.precision=bf16, {OFF}",
     )
-    tp = degrees["tp"] if degrees is not None else run.parallel.tp
-    c.check(
-        tp == 1,
-        "parallel.tp",
-        tp,
-        "float8 is not built for partrain's tensor-parallel projections (their own local-tensor modules, "
-        "not the nn.Linear that torchao's float8 TP styles shard)",
-        f"parallel.tp=1 (use FSDP: parallel.zero_stage=3), {OFF}",
-    )
+    # Tensor parallelism composes (partrain.parallel.float8_tp: the TP projections cast with the whole
+    # tensors' amax, all-reduced over the TP group), with or without Megatron-SP.
     c.check(
         run.peft.method == "none",
         "peft.method",

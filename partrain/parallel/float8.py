@@ -13,12 +13,15 @@ an MoE router (`gate` / `router`: its top-k choice flips under small errors) are
 module path, as torchtitan does. torchao's float8 matmul needs both dimensions divisible by 16: a
 linear whose in or out features are not is skipped and counted (`Float8Counts`, in the log).
 
-Why only plain `nn.Linear` and no tensor parallelism: partrain's TP projections are its own
-local-tensor modules (tp_layers.py) that call F.linear on their shard between their own
-collectives; torchao's float8 TP styles (Float8ColwiseParallel, ...) apply to nn.Linear + DTensor
-`parallelize_module` only. Calling Float8Linear's matmul on the local shards would work but each
-rank's tensorwise scale would then be its shard's amax, not the whole weight's (not what one
-process computes); that is left for later and `validate_float8` refuses tp > 1 with exit 2.
+Tensor parallelism (tp > 1, with or without Megatron-SP): partrain's TP projections are its own
+local-tensor modules (tp_layers.py, megatron_sp.py), not the nn.Linear + DTensor `parallelize_module`
+that torchao's float8 TP styles (Float8ColwiseParallel, ...) expect. Conversion still runs first:
+when TP replaces a Float8Linear it keeps its float8 config and runs its matmuls on the local shards
+through float8_tp.py, with every sharded operand's amax all-reduced over the TP group, so the
+scales are the whole tensors' (what one process computes). Under tp a linear is converted only when
+its dimensions divided by tp are still multiples of 16 (either may be the split one). FSDP's float8
+all-gather is not combined with TP (its weight wrapper is not a TP DTensor): 2-D FSDP x TP gathers
+bf16 and the TP module casts.
 
 FSDP2 (zero_stage 2/3, tensorwise recipe): torchao's float8 all-gather
 (`enable_fsdp_float8_all_gather`): each converted weight is a tensor subclass whose fp32 shard is
@@ -57,12 +60,14 @@ class Float8Counts:
     """Linears whose in/out features are not multiples of 16: they stay in high precision."""
     excluded: List[str] = field(default_factory=list)
     """The head and routers, by module path."""
+    multiple: int = FLOAT8_DIM_MULTIPLE
+    """What in/out features must be multiples of: 16, times tp under tensor parallelism (the shards')."""
 
     def line(self) -> str:
         skipped = f" ({', '.join(self.skipped_dims[:4])}{', ...' if len(self.skipped_dims) > 4 else ''})"
         return (
             f"float8: {len(self.converted)} linear layers converted, {len(self.skipped_dims)} skipped "
-            f"(dims not divisible by {FLOAT8_DIM_MULTIPLE}){skipped if self.skipped_dims else ''}, "
+            f"(dims not divisible by {self.multiple}){skipped if self.skipped_dims else ''}, "
             f"{len(self.excluded)} excluded (head, router)"
         )
 
@@ -74,7 +79,7 @@ def _classify(module: nn.Module, fqn: str, counts: Float8Counts) -> bool:
     if fqn.rsplit(".", 1)[-1] in EXCLUDED_LEAVES:
         counts.excluded.append(fqn)
         return False
-    if module.in_features % FLOAT8_DIM_MULTIPLE or module.out_features % FLOAT8_DIM_MULTIPLE:
+    if module.in_features % counts.multiple or module.out_features % counts.multiple:
         counts.skipped_dims.append(fqn)
         return False
     counts.converted.append(fqn)
@@ -91,17 +96,19 @@ def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
 
 
-def apply_float8(module: nn.Module, train: TrainConfig, fsdp: bool = False) -> Float8Counts:
+def apply_float8(module: nn.Module, train: TrainConfig, fsdp: bool = False, tp: int = 1) -> Float8Counts:
     """Swap `module`'s eligible nn.Linear children for torchao's Float8Linear (on the meta device
-    too: the Parameters are reused, so materialize fills them as before). Nothing without train.float8."""
-    counts = Float8Counts()
+    too: the Parameters are reused, so materialize fills them as before). Nothing without train.float8.
+    `tp` > 1: the TP modules installed next take the float8 config over (float8_tp)."""
+    counts = Float8Counts(multiple=FLOAT8_DIM_MULTIPLE * tp)
     if not train.float8:
         return counts
     from torchao.float8 import convert_to_float8_training  # an extra: imported only when float8 is on
 
+    gather_float8 = fsdp and tp == 1 and train.float8_recipe == "tensorwise"
     convert_to_float8_training(
         module,
-        config=float8_config(train.float8_recipe, fsdp and train.float8_recipe == "tensorwise"),
+        config=float8_config(train.float8_recipe, gather_float8),
         module_filter_fn=lambda mod, fqn: _classify(mod, fqn, counts),
     )
     log.info(counts.line())

@@ -21,7 +21,8 @@ so FSDP2 and distributed checkpoints see the usual global shapes). A forward pre
 takes the sequence shard, runs `_GatherColumns` and hands each `SequenceColumn` its output; the
 block itself receives a zero-byte stand-in of the full [b, s, h] shape (HF reads only its shape).
 Row-parallel projections end the block with a reduce-scatter to sequence shards
-(`partrain.parallel.tp_layers`' row-parallel modules with `to_sequence`).
+(`partrain.parallel.tp_layers`' row-parallel modules with `to_sequence`). Under `train.float8` the
+gathered projections' matmuls (forward and both gradients) run through `float8_tp`.
 
 Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) is
 `SequenceDropout`: each rank draws the whole tensor's mask with the generator every rank seeds alike
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
+from partrain.parallel import float8_tp
 from partrain.parallel.compile import eager
 
 SEQ_DIM = 1
@@ -115,18 +117,21 @@ class _GatherColumns(torch.autograd.Function):
     """outs[i] = gather_seq(x) @ W_i (+ b_i), saving only the shard x (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, group, conv, has_bias, *params):
-        ctx.group, ctx.conv, ctx.has_bias, ctx.dtype = group, conv, has_bias, x.dtype
-        if torch.is_autocast_enabled(x.device.type):
+    def forward(ctx, x, group, conv, has_bias, float8s, *params):
+        ctx.group, ctx.conv, ctx.has_bias, ctx.float8s, ctx.dtype = group, conv, has_bias, float8s, x.dtype
+        if any(float8s):
+            # float8 projections (float8_tp) take the input in the dtype torchao's Float8Linear would.
+            x = float8_tp.autocast_input(x)
+        elif torch.is_autocast_enabled(x.device.type):
             # Cast once before the gather (autocast would cast the gathered input per projection):
             # half the traffic, and the 16-bit shard is what is kept.
             x = x.to(torch.get_autocast_dtype(x.device.type))
         full = _gather_seq(x, group)
         outs, it = [], iter(params)
-        for hb in has_bias:
+        for hb, f8 in zip(has_bias, float8s):
             w = next(it)
             b = next(it) if hb else None
-            outs.append(_project(full, w, b, conv))
+            outs.append(_project(full, w, b, conv) if f8 is None else f8.project(full, w, b))
         ctx.save_for_backward(x, *params)
         return tuple(outs)
 
@@ -142,9 +147,12 @@ class _GatherColumns(torch.autograd.Function):
         # Input gradient of every projection while the shard is re-gathered.
         flat_grads = [g.reshape(-1, g.shape[-1]) for g in grads]
         grad_in = None
-        for g, w in zip(flat_grads, weights):
-            w = w.to(g.dtype)
-            part = g @ w.t() if ctx.conv else g @ w
+        for g, w, f8 in zip(flat_grads, weights, ctx.float8s):
+            if f8 is not None:
+                part = f8.grad_input(g, w)
+            else:
+                w = w.to(g.dtype)
+                part = g @ w.t() if ctx.conv else g @ w
             grad_in = part if grad_in is None else grad_in + part
         grad_in = grad_in.view(*grads[0].shape[:-1], grad_in.shape[-1])
         gather.wait()
@@ -153,15 +161,18 @@ class _GatherColumns(torch.autograd.Function):
         # Weight gradients while the input gradient is reduce-scattered.
         flat_full = full.reshape(-1, full.shape[-1])  # a copy in [b, s] order, like the gradients
         out: List[Optional[torch.Tensor]] = []
-        for g, w, hb in zip(flat_grads, weights, ctx.has_bias):
-            x_in = flat_full.to(g.dtype)
-            gw = x_in.t() @ g if ctx.conv else g.t() @ x_in
+        for g, w, hb, f8 in zip(flat_grads, weights, ctx.has_bias, ctx.float8s):
+            if f8 is not None:
+                gw = f8.grad_weight(g, flat_full)
+            else:
+                x_in = flat_full.to(g.dtype)
+                gw = x_in.t() @ g if ctx.conv else g.t() @ x_in
             out.append(gw.to(w.dtype))
             if hb:
                 out.append(g.sum(0).to(w.dtype))
         scatter.wait()
         grad_x = grad_x.transpose(0, SEQ_DIM).contiguous()
-        return (grad_x.to(ctx.dtype), None, None, None, *out)
+        return (grad_x.to(ctx.dtype), None, None, None, None, *out)
 
 
 class SequenceColumn(nn.Module):
@@ -186,6 +197,8 @@ class SequenceColumn(nn.Module):
             self.bias = sharded_parameter(bias, mesh, place)
         else:
             self.register_parameter("bias", None)
+        # float8 matmuls (train.float8: `proj` is a torchao Float8Linear); None otherwise.
+        self.float8 = None if conv else float8_tp.for_projection(proj, mesh, float8_tp.COLUMN)
         self._out: Optional[torch.Tensor] = None
 
     def local_params(self) -> List[torch.Tensor]:
@@ -232,7 +245,7 @@ def install_block(block: nn.Module, names: Sequence[str], mesh: DeviceMesh, conv
             ps = c.local_params()
             params.extend(ps)
             has_bias.append(len(ps) == 2)
-        outs = _GatherColumns_eager(x, group, conv, tuple(has_bias), *params)
+        outs = _GatherColumns_eager(x, group, conv, tuple(has_bias), tuple(c.float8 for c in cols), *params)
         for c, o in zip(cols, outs):
             c._out = o
         shape = list(x.shape)

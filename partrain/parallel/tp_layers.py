@@ -18,6 +18,10 @@ attention / MLP block once (`copy_block_input`), not once per column projection:
 and up) read the same tensor, so their input gradients are summed locally and all-reduced once.
 Under Megatron-SP the column projections are `megatron_sp.SequenceColumn`s (one gather, the sequence
 shard saved) and the row projections end with a reduce-scatter to sequence shards.
+
+Under `train.float8` a projection built from torchao's Float8Linear runs its matmuls through
+`float8_tp` (scales of the whole tensors, amax all-reduced over TP); `self.float8` is None otherwise
+and the code path is the plain one.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
-from partrain.parallel import megatron_sp
+from partrain.parallel import float8_tp, megatron_sp
 from partrain.parallel.compile import eager
 
 
@@ -88,6 +92,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.group = mesh.get_group()
         self.copies_input = copies_input
+        self.float8 = float8_tp.for_projection(linear, mesh, float8_tp.COLUMN)  # None unless train.float8
         shard_param(self, "weight", mesh, Shard(0))
         if self.bias is not None:
             shard_param(self, "bias", mesh, Shard(0))
@@ -95,6 +100,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copies_input:
             x = copy_to_tp(x, self.group)
+        if self.float8 is not None:
+            return self.float8.linear(x, self.weight.to_local(), _local(self.bias))
         return F.linear(x, self.weight.to_local(), _local(self.bias))
 
 
@@ -109,12 +116,16 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.mesh, self.group = mesh, mesh.get_group()
         self.to_sequence = to_sequence
+        self.float8 = float8_tp.for_projection(linear, mesh, float8_tp.ROW)  # None unless train.float8
         shard_param(self, "weight", mesh, Shard(1))
         if self.bias is not None:
             shard_param(self, "bias", mesh, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight.to_local())
+        if self.float8 is not None:
+            partial = self.float8.linear(x, self.weight.to_local(), None)
+        else:
+            partial = F.linear(x, self.weight.to_local())
         return _row_output(partial, self.bias, self.mesh, self.group, self.to_sequence)
 
 
