@@ -5,7 +5,7 @@ Checked: losses equal the single-node run of the same world size (gpt-dp dp4 on 
 gpt-3d dp2 x tp2 x pp2 on 2 x 4, tp inside a node); a config difference between the nodes makes
 both refuse with exit 2 naming the key; SIGTERM to node 0's launcher stops every rank of both nodes
 with a checkpoint, and resume=auto then continues exactly as the uninterrupted run; a node alone
-times out with one line; a node that dies stops the other within train.timeout_s; placement; node 1
+times out with one line; a node that dies, or hangs (SIGSTOP), stops the other within train.timeout_s; placement; node 1
 starting first still leaves global rank 0 (metrics, summary) on node 0.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from partrain.runtime.procs import workers_of_run
+from partrain.checkpoint.verify import verify_path
+from partrain.runtime.procs import children_of, workers_of_run
 from partrain.testing.in_process import train_all
 from partrain.testing.parity import parity_args
 
@@ -272,6 +273,47 @@ def test_node_that_dies_stops_the_other_within_timeout(tmp_path, cache):
     assert took < 20 and procs[0].returncode != 0 and "Traceback" not in out + err, (out[-2000:], err[-2000:])
     time.sleep(1)  # the killed node's workers see their parent die at once; give them a moment to leave
     assert [workers_of_run(d) for d in dirs] == [[], []]
+
+
+def _tree(pid: int) -> list:
+    """pid and its descendants, parents first."""
+    found = [pid]
+    for child in children_of(pid):
+        found += _tree(child)
+    return found
+
+
+def test_node_that_hangs_stops_the_other_within_timeout(tmp_path, cache):
+    """Issue 38 item 5: SIGSTOP to node 1's launcher, torchrun and workers mid-run (a node that stops
+    answering): node 0 ends within train.timeout_s with one line naming node 1, no traceback, and
+    the checkpoints saved before the hang verify."""
+    common = [*DP4, *BASE, f"data.cache_dir={cache}", "train.timeout_s=12", "train.steps=300"]
+    common += ["checkpoint.every_steps=5", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    procs = [start_node(k, common, dirs[k], endpoint) for k in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        metrics = dirs[0] / "metrics.jsonl"  # node 0 hosts global rank 0
+        while time.monotonic() < deadline and (not metrics.exists() or metrics.read_text().count('"loss"') < 7):
+            time.sleep(0.2)  # past the checkpoint of step 5
+        hung = _tree(procs[1].pid)  # the launcher, torchrun and the workers (torchrun gives them sessions of their own)
+        stopped = time.monotonic()
+        for pid in hung:
+            os.kill(pid, signal.SIGSTOP)
+        out, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        for pid in _tree(procs[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        procs[1].wait(timeout=10)
+    print(f"node 1 stopped: node 0 ended {took:.1f} s later (train.timeout_s=12), code {procs[0].returncode}")
+    assert took < 12 and procs[0].returncode != 0, (out[-2000:], err[-2000:])
+    assert "node 1 stopped answering" in out + err and "Traceback" not in out + err, (out[-2000:], err[-2000:])
+    time.sleep(1)
+    assert workers_of_run(dirs[0]) == []
+    verdicts = verify_path(tmp_path / "ckpt")  # the complete checkpoints (a .partial is never resumed)
+    assert verdicts and all(v.ok for v in verdicts), verdicts
 
 
 def test_node_rank_0_runs_global_rank_0_whichever_node_starts_first(tmp_path, cache):

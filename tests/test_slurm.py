@@ -29,6 +29,16 @@ from partrain.testing.parity import RunRecord, check_parity, run_training
 REPO = Path(partrain.__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def no_sinfo(monkeypatch):
+    """`launch slurm` reads the partition with sinfo when it is on PATH (a machine with slurm-wlm, such as
+    one that ran tests/e2e/slurm.sh): these tests decide what sinfo says themselves."""
+    from partrain.runtime import partition
+
+    real = partition.read_sinfo
+    monkeypatch.setattr(partition, "read_sinfo", lambda which=lambda _: None: real(which=which))
+
+
 def fake_task(procid: int, nodes: int = 2, per_node: int = 4, nodelist: str = "node[03-04]", job: str = "4242"):
     """The variables srun sets for task `procid` of a `nodes` x `per_node` step (block distribution)."""
     return {

@@ -57,7 +57,6 @@ def slurm_cmd(
         check_cpus,
         check_max_requeues,
         check_name,
-        job_request,
         parse_time,
         sbatch_script,
     )
@@ -75,30 +74,52 @@ def slurm_cmd(
         if shared := checkpoint_dir_problems(validated.run):  # srun's tasks would refuse it anyway: say so now
             raise ConfigError(shared)
         sinfo = slurm_partition.read_sinfo()
-        if sinfo.groups is not None:
-            run = validated.run
-            gpus = run.cluster.devices_per_node if run.cluster.device == "cuda" else 0
-            node_cpus = slurm_partition.cpus_per_node(sinfo.groups, options.partition, run.cluster.nodes, gpus)
-            options = dataclasses.replace(options, node_cpus=node_cpus)
-            problems = slurm_partition.partition_problems(sinfo.groups, options.partition, job_request(run, options))
-            if problems:
-                raise ConfigError(problems)
+        options = _fit_partition(validated.run, options, sinfo)
         script = sbatch_script(validated, list(overrides or []), options)
         if out is not None:
             _write(out, script)
     except ConfigError as err:
         fail(err, as_json)
     if as_json:
-        c = validated.run.cluster
-        report = {"nodes": c.nodes, "tasks_per_node": c.devices_per_node, "world_size": validated.world_size}
-        report.update(gpus_per_node=c.devices_per_node if c.device == "cuda" else 0, script=script)
-        report.update(cpus_per_task=job_request(validated.run, options).cpus_per_task, max_requeues=max_requeues)
-        report.update(partition_checked=sinfo.groups is not None, partition_unchecked=sinfo.unchecked or None)
-        print(json.dumps(dict(report, out=str(out) if out is not None else None)))
+        print(json.dumps(_json_report(validated, options, script, sinfo, out)))
     elif out is not None:
         stdout_console().print(f"wrote {out}: submit it with `sbatch {out}`", markup=False)
     else:
         print(script, end="")
+    _warn(validated, sinfo)
+
+
+def _fit_partition(run, options, sinfo):
+    """`options` with the partition's CPUs per node, when `sinfo` read the partitions; a ConfigError
+    when the partition cannot hold the job. Unchanged when sinfo is not there (nothing to check)."""
+    from partrain.runtime import partition as slurm_partition
+    from partrain.runtime.sbatch import job_request
+
+    if sinfo.groups is None:
+        return options
+    gpus = run.cluster.devices_per_node if run.cluster.device == "cuda" else 0
+    node_cpus = slurm_partition.cpus_per_node(sinfo.groups, options.partition, run.cluster.nodes, gpus)
+    options = dataclasses.replace(options, node_cpus=node_cpus)
+    problems = slurm_partition.partition_problems(sinfo.groups, options.partition, job_request(run, options))
+    if problems:
+        raise ConfigError(problems)
+    return options
+
+
+def _json_report(validated, options, script: str, sinfo, out: Optional[Path]) -> dict:
+    """`launch slurm --json`: the job's shape, the script, and whether the partition was checked."""
+    from partrain.runtime.sbatch import job_request
+
+    c = validated.run.cluster
+    report = {"nodes": c.nodes, "tasks_per_node": c.devices_per_node, "world_size": validated.world_size}
+    report.update(gpus_per_node=c.devices_per_node if c.device == "cuda" else 0, script=script)
+    report.update(cpus_per_task=job_request(validated.run, options).cpus_per_task, max_requeues=options.max_requeues)
+    report.update(partition_checked=sinfo.groups is not None, partition_unchecked=sinfo.unchecked or None)
+    return dict(report, out=str(out) if out is not None else None)
+
+
+def _warn(validated, sinfo) -> None:
+    """The notes on stderr after the script: an unchecked partition, a job that would save nothing."""
     warnings = Console(stderr=True, highlight=False)
     if sinfo.groups is None:
         warnings.print(f"note: the partition was not checked ({sinfo.unchecked})", markup=False)

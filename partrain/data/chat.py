@@ -72,7 +72,12 @@ BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "zephyr": ZEPHYR}
 
 
 class ChatRowError(ValueError):
-    """A row that cannot be rendered; the message is the rule it breaks (the reader names file and line)."""
+    """A row that cannot be rendered; the message is the rule it breaks (the reader names file and line).
+    ``rule`` is its short name: data.skip_bad_rows counts skipped rows per rule."""
+
+    def __init__(self, message: str, rule: str = "bad_row"):
+        super().__init__(message)
+        self.rule = rule
 
 
 @dataclass(frozen=True)
@@ -94,23 +99,31 @@ Piece = Union[str, List[int]]
 def check_messages(messages: Any) -> List[dict]:
     """The conversation as a list of {role, content}; ChatRowError naming the first rule broken."""
     if not isinstance(messages, list):
-        raise ChatRowError(f"'messages' must be a list of turns, not a {type(messages).__name__}")
+        raise ChatRowError(f"'messages' must be a list of turns, not a {type(messages).__name__}", "not_a_list")
     if not messages:
-        raise ChatRowError("the conversation is empty")
+        raise ChatRowError("the conversation is empty", "empty_conversation")
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
-            raise ChatRowError(f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'")
+            raise ChatRowError(
+                f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'", "not_an_object"
+            )
         missing = [k for k in ("role", "content") if k not in turn]
         if missing:
-            raise ChatRowError(f"turn {i} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(turn)})")
+            raise ChatRowError(
+                f"turn {i} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(turn)})", "no_role_or_content"
+            )
         if turn["role"] not in ROLES:
-            raise ChatRowError(f"turn {i} has role {turn['role']!r}; roles are {', '.join(ROLES)}")
+            raise ChatRowError(f"turn {i} has role {turn['role']!r}; roles are {', '.join(ROLES)}", "unknown_role")
         if not isinstance(turn["content"], str):
-            raise ChatRowError(f"turn {i}: content is a {type(turn['content']).__name__}, not a string")
+            raise ChatRowError(f"turn {i}: content is a {type(turn['content']).__name__}, not a string", "not_a_string")
         if turn["role"] == "system" and i > 0:
-            raise ChatRowError(f"turn {i} is a system turn after the start; a system turn may only come first")
+            raise ChatRowError(
+                f"turn {i} is a system turn after the start; a system turn may only come first", "system_not_first"
+            )
     if not any(turn["role"] == "assistant" for turn in messages):
-        raise ChatRowError("the conversation has no assistant turn, so nothing in it would be trained")
+        raise ChatRowError(
+            "the conversation has no assistant turn, so nothing in it would be trained", "no_assistant_turn"
+        )
     return [{"role": t["role"], "content": t["content"]} for t in messages]
 
 
@@ -138,7 +151,7 @@ def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
-        raise ChatRowError(f"the chat template refused the conversation: {message}")
+        raise ChatRowError(f"the chat template refused the conversation: {message}", "template_refused")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
@@ -168,7 +181,7 @@ class ChatRenderer:
                 eos_token=self.eos_token,
             )
         except TemplateError as exc:
-            raise ChatRowError(f"the chat template failed on this conversation: {exc}") from None
+            raise ChatRowError(f"the chat template failed on this conversation: {exc}", "template_refused") from None
 
     def segments(self, messages: Sequence[dict]) -> List[Tuple[str, bool]]:
         """The conversation's text cut into (text, is an assistant turn) pieces, in order."""
@@ -183,7 +196,10 @@ class ChatRenderer:
             span = whole[start:end]
             end = start + len(span.rstrip())  # the newline after an end-of-turn marker is scaffolding
             if start < done or end <= start:
-                raise ChatRowError(f"turn {i}: the chat template renders no text of its own for this assistant turn")
+                raise ChatRowError(
+                    f"turn {i}: the chat template renders no text of its own for this assistant turn",
+                    "template_refused",
+                )
             out += [(whole[done:start], False), (whole[start:end], True)]
             done = end
         out.append((whole[done:], False))
@@ -194,7 +210,8 @@ class ChatRenderer:
         if not whole.startswith(text):
             raise ChatRowError(
                 f"turn {turn}: the chat template renders earlier turns differently once later ones follow, so "
-                "the assistant's tokens cannot be told apart (choose another data.chat_template)"
+                "the assistant's tokens cannot be told apart (choose another data.chat_template)",
+                "template_refused",
             )
         return len(text)
 
@@ -230,9 +247,9 @@ def prompt_completion_example(
     when empty) followed by the completion and the tokenizer's EOS, the completion and EOS trained."""
     for name, value in (("prompt", prompt), ("completion", completion)):
         if not isinstance(value, str):
-            raise ChatRowError(f"field {name!r} is a {type(value).__name__}, not a string")
+            raise ChatRowError(f"field {name!r} is a {type(value).__name__}, not a string", "not_a_string")
     if not completion:
-        raise ChatRowError("field 'completion' is empty, so nothing in this row would be trained")
+        raise ChatRowError("field 'completion' is empty, so nothing in this row would be trained", "empty_completion")
     if renderer is not None:
         turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return tokenize_pieces(tokenizer, renderer.segments(turns), train_on)
@@ -248,12 +265,12 @@ def tokenized_example(row: dict, vocab_size: int) -> Example:
     """A pre-tokenized row: ``input_ids`` and optionally ``labels`` (the same length; -100 = no loss)."""
     ids = row.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ChatRowError("field 'input_ids' must be a non-empty list of integers")
+        raise ChatRowError("field 'input_ids' must be a non-empty list of integers", "bad_input_ids")
     if any(i < 0 or i >= vocab_size for i in ids):
-        raise ChatRowError(f"field 'input_ids' holds ids outside the tokenizer's 0..{vocab_size - 1}")
+        raise ChatRowError(f"field 'input_ids' holds ids outside the tokenizer's 0..{vocab_size - 1}", "bad_input_ids")
     labels = row.get("labels", ids)
     if not isinstance(labels, list) or len(labels) != len(ids) or not all(isinstance(i, int) for i in labels):
-        raise ChatRowError("field 'labels' must be a list of integers as long as 'input_ids'")
+        raise ChatRowError("field 'labels' must be a list of integers as long as 'input_ids'", "bad_labels")
     return Example(list(ids), list(labels))
 
 
