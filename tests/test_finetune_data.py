@@ -57,6 +57,7 @@ def data_overrides(chat_file, tmp_path_factory):
         "data.tokenizer=byte",
         "data.chat_template=chatml",
         "data.packing=false",
+        "data.long_examples=truncate",  # many rows are longer than seq_len: the cut is part of what is checked
         "data.eval_fraction=0.25",
         f"data.cache_dir={tmp_path_factory.mktemp('cache')}",
         f"train.seq_len={SEQ_LEN}",
@@ -85,6 +86,12 @@ def runs(data_overrides, tmp_path_factory):
     cases = {"reference": parity_args(reference_overrides(data_overrides + ["train.micro_batch_size=8"]), STEPS)}
     for name, layout in LAYOUTS.items():
         cases[name] = parity_args(data_overrides + layout + ["parallel.tp=1", "cluster.devices_per_node=2"], STEPS)
+    # Two malformed rows skipped (data.skip_bad_rows): the run summary counts them and the cut examples.
+    bad = [{"messages": [{"role": "user", "content": "no answer"}]}, {"messages": []}]
+    skipping = _write(tmp_path_factory.mktemp("bad") / "chat.jsonl", _rows()[:20] + bad + _rows()[20:])
+    overrides = [o for o in data_overrides if not o.startswith("data.source=")]
+    overrides += [f"data.source={skipping}", "data.skip_bad_rows=true", "train.micro_batch_size=8"]
+    cases["reference-skipping"] = parity_args(reference_overrides(overrides), STEPS)
     return train_all(cases, tmp_path_factory.mktemp("runs"))
 
 
@@ -94,6 +101,14 @@ def test_masked_loss_matches_single_process(name, runs):
     got, ref = runs[name], runs["reference"]
     print(name, check_parity(ref, got, rtol=1e-5))
     assert got.losses[-1] < got.losses[0]
+
+
+@pytest.mark.slow
+def test_the_run_summary_counts_skipped_rows_and_truncated_examples(runs):
+    rows = runs["reference-skipping"].summary["data_rows"]
+    assert rows["skipped_rows"] == {"empty_conversation": 1, "no_assistant_turn": 1}
+    assert rows["long_examples"]["mode"] == "truncate" and rows["long_examples"]["count"] > 0
+    assert runs["reference"].summary["data_rows"] == {"long_examples": rows["long_examples"]}
 
 
 def _config(chat_file, tmp_path) -> DataConfig:
@@ -154,10 +169,10 @@ def test_a_bad_row_exits_2_naming_file_and_line_in_dry_run_and_train(run_partrai
 @pytest.mark.parametrize(
     "extra, key",
     [
-        (["data.format=chat", "data.packing=true"], "data.packing"),
         (["data.format=text", "data.packing=false"], "data.packing"),
-        (["data.format=chat", "data.packing=false", "parallel.sp=2"], "parallel.sp"),
-        (["data.format=chat", "data.packing=false", "data.streaming=true"], "data.streaming"),
+        # streamed rows are built (tests/test_example_stream.py), padded only and never read ahead
+        (["data.format=chat", "data.packing=true", "data.streaming=true"], "data.packing"),
+        (["data.format=chat", "data.packing=false", "data.streaming=true"], "data.long_examples"),
         (["data.format=prompt_completion", "data.packing=false", "data.prompt_template=Q:"], "data.prompt_template"),
         (["data.format=dialogue"], "data.format"),
         (["data.train_on=prompt"], "data.train_on"),

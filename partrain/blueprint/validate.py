@@ -251,7 +251,7 @@ def _compute_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
 
 def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
     d = run.data
-    if d.source != "builtin":
+    if d.source not in ("builtin", "builtin-chat"):  # generated sources (partrain.data), no path
         c.check(  # a Hub id here is a dataset a dry run or `plan` did not download (train resolves it first)
             is_there(d.source) or reads_as_hub_id(d.source),
             "data.source",

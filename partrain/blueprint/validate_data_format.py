@@ -1,10 +1,12 @@
 """Rules for the fine-tuning keys of the `data` group (format, train_on, templates, packing).
 
 The values themselves are checked with the other choices (schema.CHOICES); here are the combinations
-this version does not do. Fine-tuning rows are read one example per row, padded (partrain.data.examples):
-packing them, streaming them and sharding their sequences (sp) are not built yet, and are refused
-plainly rather than half-working. data.format=auto is resolved when the first row is read
-(partrain.data.examples.resolve_format applies the same packing rule then).
+this version does not do. Fine-tuning rows are packed into windows with document masks
+(data.packing=true, partrain.data.example_packing) or read one example per row, padded
+(data.packing=false), under every layout (sp included); streamed (data.streaming=true) they are rendered
+on the fly, one padded example per row (partrain.data.example_stream), and what a stream cannot do is
+refused plainly rather than half-working. data.format=auto is resolved when the first row is read
+(partrain.data.examples.resolve_format and the preflight apply the same rules then).
 """
 
 from __future__ import annotations
@@ -19,17 +21,55 @@ EXAMPLE_FORMATS = ("chat", "prompt_completion", "tokenized")
 
 def packing_problem(fmt: str, packing: bool) -> Optional[tuple]:
     """(rule, fix) when data.packing does not fit the (resolved) format, else None."""
-    if fmt in EXAMPLE_FORMATS and packing:
-        return (
-            f"packing {fmt} examples into shared windows is not built yet (data.format={fmt})",
-            "set data.packing=false: one example per row, padded to train.seq_len",
-        )
     if fmt == "text" and not packing:
         return (
             "text without packing (one padded document per row) is not built yet",
             "set data.packing=true, or give chat, prompt_completion or tokenized rows",
         )
     return None
+
+
+def packed_layout_problem(run: RunConfig, tp: int) -> Optional[tuple]:
+    """(key, value, rule, fix) when packed examples meet a layout that cannot keep attention inside
+    each example yet (Megatron-style sequence sharding builds its attention mask from a sequence
+    shard), else None. Called for explicit formats here and, for data.format=auto, by the preflight."""
+    if run.data.packing and not run.data.streaming and run.parallel.tp_sequence_parallel and tp > 1:
+        return (
+            "parallel.tp_sequence_parallel",
+            True,
+            "packed examples need a block-diagonal attention mask, which tensor-parallel sequence sharding "
+            "(norms and dropout on sequence shards) does not build yet",
+            "set parallel.tp_sequence_parallel=false, or data.packing=false (one padded example per row)",
+        )
+    return None
+
+
+def stream_example_problems(fmt: str, d) -> list:
+    """(key, value, rule, fix) of each data key a stream of fine-tuning rows cannot honour: rows are
+    rendered on the fly one padded example per row (partrain.data.example_stream), so nothing is packed
+    and no row is seen ahead. data.format=auto: applied again once the first row names the format."""
+    if not d.streaming or fmt not in EXAMPLE_FORMATS:
+        return []
+    out = []
+    if d.packing:
+        out.append(
+            (
+                "data.packing",
+                True,
+                f"streamed {fmt} rows are read one padded example per row; packing them on the fly is not built yet",
+                "set data.packing=false (or data.streaming=false: the examples cache packs them)",
+            )
+        )
+    if d.long_examples == "error":
+        out.append(
+            (
+                "data.long_examples",
+                "error",
+                "a stream is not read ahead, so an over-long example cannot be refused before the run starts",
+                "set data.long_examples=truncate or skip (or data.streaming=false)",
+            )
+        )
+    return out
 
 
 def data_format_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
@@ -39,24 +79,21 @@ def data_format_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
     problem = packing_problem(fmt, d.packing)
     if problem is not None:
         c.add("data.packing", d.packing, *problem)
+    for key, value in (("data.eval_split", d.eval_split), ("data.eval_source", d.eval_source)):
+        c.check(  # the stream holds out its first windows (partrain.data.streaming); a second stream is not built
+            not (d.streaming and value),
+            key,
+            value,
+            "a streamed run evaluates on the first train.eval_batches global batches of its own stream; an eval "
+            "split or source of its own is not built for streaming yet",
+            f"unset {key}, or set data.streaming=false",
+        )
     if fmt not in EXAMPLE_FORMATS:
         return
-    c.check(
-        not d.streaming,
-        "data.streaming",
-        d.streaming,
-        f"streaming {fmt} rows is not built yet (they are rendered once into the examples cache)",
-        "set data.streaming=false",
-    )
-    sp = degrees["sp"] if degrees else run.parallel.sp
-    c.check(
-        sp == 1,
-        "parallel.sp",
-        sp,
-        f"sequence sharding of padded {fmt} examples is not built yet (the loss is normalised over the "
-        "global batch's labelled tokens, which sequence shards do not count yet)",
-        "set parallel.sp=1",
-    )
+    for problem in stream_example_problems(fmt, d):
+        c.add(*problem)
+    if layout := packed_layout_problem(run, degrees["tp"] if degrees else run.parallel.tp):
+        c.add(*layout)
     c.check(
         not d.prompt_template or "{prompt}" in d.prompt_template,
         "data.prompt_template",

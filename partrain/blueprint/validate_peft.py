@@ -1,11 +1,12 @@
 """Rules for the `peft` group (LoRA adapters on a frozen base), checked before any process starts.
 
-Two kinds of rule, each reported as one problem naming the key:
-- the values themselves (method, r, alpha, dropout, target_modules, and LoRA keys set while
-  peft.method=none, which would otherwise be silently unused);
-- the combinations partrain's LoRA runtime (`partrain.parallel.lora`) does not do yet. LoRA runs
-  only where it is built and parity-tested (tests/test_lora.py); everything else is refused plainly
-  rather than half-working.
+The values themselves (method, r, alpha, dropout, target_modules, and LoRA keys set while
+peft.method=none, which would otherwise be silently unused), each reported as one problem naming the
+key. LoRA composes with every layout `train` runs (dp: DDP, ZeRO-1/2/3, HSDP, every dp_sync; tp with
+and without Megatron-SP; every pipeline schedule; Ulysses and ring context parallelism; expert
+parallelism; recompute, compile, fp16/bf16 with either param_dtype): parity-tested against one
+process in tests/test_lora.py. The one refusal, float8 (its linears would not reach LoRA's frozen
+base), lives with the float8 rules (validate_float8).
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ import math
 from typing import Dict, Optional, Tuple
 
 from partrain.blueprint.config.schema import PeftConfig, RunConfig
+from partrain.blueprint.families import FAMILIES
+from partrain.blueprint.families.llama import DENSE_MLP
 from partrain.blueprint.model_facts import ModelFacts
-from partrain.blueprint.precision_mode import uses_master_weights
-from partrain.blueprint.validate_runtime import compile_resolved
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGETS: Dict[str, Tuple[str, ...]] = {"llama": LLAMA_PROJECTIONS}
-"""Families LoRA is tested on -> their attention and MLP projections (the default target_modules).
-GPT-2's fused Conv1D QKV (strided TP shards) and MoE experts are not built yet."""
-
-LORA_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""Pipeline schedules tested with LoRA. The zero-bubble ones split each backward into input and weight
-gradients, which frozen base weights change (not tested yet)."""
+LORA_TARGETS: Dict[str, Tuple[str, ...]] = {arch: f.lora_projections for arch, f in FAMILIES.items()}
+"""Family -> the projections LoRA can adapt, which are also the default target_modules (each family's
+`lora_projections`, partrain/blueprint/families/)."""
 
 _DEFAULTS = PeftConfig()
 
@@ -35,8 +31,9 @@ def lora_targets(arch: str, target_modules) -> Tuple[str, ...]:
     return tuple(target_modules) if target_modules else LORA_TARGETS.get(arch, ())
 
 
-def peft_problems(c, run: RunConfig, facts: Optional[ModelFacts], degrees: Optional[dict]) -> None:
-    """Append every problem of run.peft to the collector `c` (`check(ok, key, value, rule, fix)`)."""
+def peft_problems(c, run: RunConfig, facts: Optional[ModelFacts], degrees: Optional[dict] = None) -> None:
+    """Append every problem of run.peft to the collector `c` (`check(ok, key, value, rule, fix)`);
+    `degrees` (the resolved parallel degrees) is not needed by any rule now."""
     f = run.peft
     if f.method != "lora":
         for key in ("r", "alpha", "dropout", "target_modules"):
@@ -61,13 +58,12 @@ def peft_problems(c, run: RunConfig, facts: Optional[ModelFacts], degrees: Optio
     if facts is None:
         return
     known = LORA_TARGETS.get(facts.arch)
-    if known is None or facts.is_moe:
+    if known is None:  # a family partrain supports but has no LoRA targets for
         c.add(
             "peft.method",
             f.method,
-            f"LoRA is built and tested for {', '.join(LORA_TARGETS)} models, not {facts.arch}"
-            + (" (mixture of experts)" if facts.is_moe else ""),
-            "use a llama model (e.g. model=llama-tiny), or peft=none",
+            f"LoRA targets are known for {', '.join(LORA_TARGETS)} models, not {facts.arch}",
+            "use one of those families, or peft=none",
         )
         return
     wrong = [t for t in f.target_modules if t not in known]
@@ -78,73 +74,12 @@ def peft_problems(c, run: RunConfig, facts: Optional[ModelFacts], degrees: Optio
         f"must name distinct projections of {facts.arch}: {', '.join(known)}",
         "e.g. peft.target_modules=[q_proj,v_proj], or [] for all of them",
     )
-    _combination_problems(c, run, degrees)
-
-
-def _combination_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
-    p, t = run.parallel, run.train
-    tp = degrees["tp"] if degrees else p.tp
-    sp = degrees["sp"] if degrees else p.sp
-    dp = degrees["dp"] if degrees else p.dp
-    refuse = "with peft=lora is not built yet"
-    c.check(sp == 1, "parallel.sp", sp, f"sequence/context parallelism {refuse}", "set parallel.sp=1")
+    dense_mlp = facts.shared_expert_ffn > 0 or facts.moe_layers < facts.n_layers
     c.check(
-        not (p.tp_sequence_parallel and tp > 1),
-        "parallel.tp_sequence_parallel",
-        p.tp_sequence_parallel,
-        f"Megatron sequence parallelism {refuse}",
-        "set parallel.tp_sequence_parallel=false",
-    )
-    c.check(not compile_resolved(run), "train.compile", t.compile, f"torch.compile {refuse}", "set train.compile=false")
-    c.check(
-        p.zero_stage != 1,
-        "parallel.zero_stage",
-        p.zero_stage,
-        f"ZeRO-1 {refuse}",
-        "use parallel.zero_stage=0 (DDP) or 3 (FSDP; the adapters' state is tiny anyway)",
-    )
-    dp_shard = p.dp_shard if p.dp_shard > 0 else dp
-    c.check(
-        dp_shard >= dp,
-        "parallel.dp_shard",
-        p.dp_shard,
-        f"hybrid sharding (HSDP) {refuse}",
-        "set parallel.dp_shard=-1",
-    )
-    c.check(
-        p.dp_sync == "allreduce",
-        "parallel.dp_sync",
-        p.dp_sync,
-        f"this gradient sync {refuse}",
-        "parallel.dp_sync=allreduce",
-    )
-    c.check(
-        p.recompute in ("none", "full"),
-        "parallel.recompute",
-        p.recompute,
-        f"selective recompute {refuse}",
-        "set parallel.recompute=full or none",
-    )
-    pp = degrees["pp"] if degrees else p.pp
-    c.check(
-        pp == 1 or p.pp_schedule in LORA_PP_SCHEDULES,
-        "parallel.pp_schedule",
-        p.pp_schedule,
-        f"this pipeline schedule {refuse}",
-        f"use one of {', '.join(LORA_PP_SCHEDULES)}",
-    )
-    c.check(
-        not run.checkpoint.export_hf,
-        "checkpoint.export_hf",
-        True,
-        f"the parallel HF export (it would write the base without the adapters) {refuse}",
-        "set checkpoint.export_hf=false; export afterwards with partrain checkpoint export CK --peft OUT",
-    )
-    c.check(t.precision == "fp32", "train.precision", t.precision, f"mixed precision {refuse}", "train.precision=fp32")
-    c.check(
-        not uses_master_weights(t.precision, t.param_dtype, p.zero_stage, run.cluster.device),
-        "train.param_dtype",
-        t.param_dtype,
-        f"16-bit parameters with master weights {refuse}",
-        "set train.param_dtype=fp32",
+        not (facts.is_moe and f.target_modules and set(f.target_modules) <= set(DENSE_MLP) and not dense_mlp),
+        "peft.target_modules",
+        list(f.target_modules),
+        f"names only dense MLP projections, and this {facts.arch} model has none (its routed experts get no "
+        "adapters): nothing would train",
+        "add attention projections, e.g. peft.target_modules=[q_proj,v_proj], or [] for the default",
     )

@@ -1,5 +1,6 @@
 """Exports of a LoRA checkpoint (a run with peft=lora): the adapters alone in PEFT's format
-(`partrain checkpoint export CK --peft OUT`), or the merged model as an HF folder (`--hf OUT`).
+(`partrain checkpoint export CK --peft OUT`), or the merged model as an HF folder (`--hf OUT`,
+written by hf_export).
 
 PEFT's format: `adapter_config.json` (LoraConfig's fields) and `adapter_model.safetensors` whose keys
 are `base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`; partrain's adapter FQNs are
@@ -77,7 +78,9 @@ def export_peft(path: Path, out_dir: Path) -> Dict[str, Any]:
         "lora_dropout": float(peft["dropout"]),
         "target_modules": targets,
         "bias": "none",
-        "fan_in_fan_out": False,
+        # GPT-2's Conv1D stores W [in, out]: peft must transpose B A when merging (the adapters'
+        # own shapes, A [r, in] and B [out, r], are the same for every family).
+        "fan_in_fan_out": record["model"].get("arch") == "gpt2",
         "inference_mode": True,
         "base_model_name_or_path": record["model"].get("pretrained"),
     }
@@ -102,19 +105,8 @@ def merged_model(path: Path):
                 continue
             projection = fqn.rsplit(".", 2)[0]
             b = adapters[f"{projection}.lora_B.weight"]
-            model.get_parameter(f"{projection}.weight").add_(b @ a, alpha=scaling)
+            base = model.get_submodule(projection)
+            delta = b @ a  # [out, in]
+            conv1d = hasattr(base, "nf")  # GPT-2's Conv1D stores W [in, out]
+            base.weight.add_(delta.t() if conv1d else delta, alpha=scaling)
     return model, record
-
-
-def export_merged(path: Path, out_dir: Path, nproc: int, dtype: str, wanted) -> Dict[str, Any]:
-    """`--hf OUT` of a LoRA checkpoint: the merged model as an HF save_pretrained folder, written by one
-    process (the parallel shard writer reads base tensors only and would drop the adapters); `wanted`
-    is the torch dtype of --dtype `dtype`."""
-    if nproc != 1:
-        raise ConfigError(
-            Problem("--nproc", nproc, "a LoRA checkpoint's merged export is written by one process", "pass --nproc 1")
-        )
-    model, _ = merged_model(path)
-    model.config.use_cache = True  # partrain turns the KV cache off for training only
-    model.to(wanted).save_pretrained(Path(out_dir))
-    return {"exported": str(out_dir), "dtype": dtype, "merged_lora": True, "shards": [{"file": "model.safetensors"}]}

@@ -17,9 +17,10 @@ IGNORE_INDEX = -100
 
 
 def first_rows(v, n: int) -> tuple:
-    """(tokenizer, [(inputs, shifted labels)] of the first n training rows, pad id): global batches
-    0, 1, ... of the run's loader, rows in order (the cache entry is prepared as the launch does)."""
-    from partrain.data.example_batches import ExampleBatches
+    """(tokenizer, [(inputs, shifted labels, position ids or None)] of the first n training rows, pad id):
+    global batches 0, 1, ... of the run's loader, rows in order (the cache entry is prepared as the launch
+    does). Position ids come with packed examples (restarting at 0 per example); None = 0..seq_len-1."""
+    from partrain.data.example_packing import example_batch_classes
     from partrain.data.examples import prepare_examples, uses_examples
     from partrain.data.loader import TokenBatches
     from partrain.data.packing import prepare_tokens
@@ -28,26 +29,35 @@ def first_rows(v, n: int) -> tuple:
     t, d = v.run.train, v.run.data
     if uses_examples(d):
         examples = prepare_examples(d)
-        batches, pad_id = ExampleBatches(examples, t.seq_len, v.global_batch_size, t.seed), examples.pad_id
+        train_cls, _ = example_batch_classes(d.packing)
+        batches = train_cls(examples, t.seq_len, v.global_batch_size, t.seed, d.long_examples)
+        pad_id = examples.pad_id
     else:
         batches, pad_id = TokenBatches.from_packed(prepare_tokens(d), t.seq_len, v.global_batch_size, t.seed), None
     rows: List[tuple] = []
     step = 0
     while len(rows) < n:
-        inputs, labels = batches.rank_batch(step)
-        rows += [(inputs[i].tolist(), labels[i].tolist()) for i in range(len(inputs))]
+        inputs, labels, *positions = batches.rank_batch(step)
+        rows += [
+            (inputs[i].tolist(), labels[i].tolist(), positions[0][i].tolist() if positions else None)
+            for i in range(len(inputs))
+        ]
         step += 1
     return load_tokenizer(d.tokenizer), rows[:n], pad_id
 
 
-def hf_sample(inputs: List[int], shifted: List[int]) -> dict:
+def hf_sample(inputs: List[int], shifted: List[int], positions: Optional[List[int]] = None) -> dict:
     """A row in Hugging Face's convention: labels aligned with input_ids (labels[t] = input_ids[t] where
-    the loss is taken, -100 elsewhere; the model shifts), position_ids 0..seq_len-1. The loader's last
-    target (the token after the row's last input) has no input_ids position to sit at and is left out."""
+    the loss is taken, -100 elsewhere; the model shifts), position_ids 0..seq_len-1, or for packed
+    examples the loader's own, restarting at 0 at each example (where attention starts afresh). The
+    loader's last target of each example (the token after its last input: the row's end, or the end of a
+    packed example) has no input_ids position to sit at and is left out: -100 where an example starts."""
+    positions = positions if positions is not None else list(range(len(inputs)))
+    labels = [IGNORE_INDEX] + shifted[:-1]
     return {
         "input_ids": inputs,
-        "labels": [IGNORE_INDEX] + shifted[:-1],
-        "position_ids": list(range(len(inputs))),
+        "labels": [IGNORE_INDEX if p == 0 else label for p, label in zip(positions, labels)],
+        "position_ids": positions,
     }
 
 
@@ -84,7 +94,7 @@ def data_show_cmd(
         tokenizer, rows, pad_id = first_rows(v, n)
     except ConfigError as err:
         fail(err, as_json)
-    samples = [hf_sample(inputs, labels) for inputs, labels in rows]
+    samples = [hf_sample(*row) for row in rows]
     if as_json:
         print(json.dumps({"samples": samples}))
         return
@@ -102,3 +112,26 @@ def data_show_cmd(
             text.append(f" [+{padding} padding]", style="dim italic")
         console.print(text)
     console.print(Text("green: tokens the loss is taken on", style="dim"))
+
+
+@data_app.command("make-chat")
+def data_make_chat_cmd(
+    out: Path = typer.Argument(..., help="The .jsonl file to write."),
+    rows: int = typer.Option(2000, "--rows", min=1, help="How many chats to write."),
+    as_json: bool = JSON,
+) -> None:
+    """Write the generated chat set of data.source=builtin-chat to a .jsonl file (one {"messages": [...]}
+    per line), to read or to edit before training on it with data.source=OUT."""
+    from partrain.blueprint.problems import os_error_problem
+    from partrain.data.builtin_chat import chat_rows
+
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            for row in chat_rows(rows):
+                f.write(json.dumps(row) + "\n")
+    except OSError as exc:
+        fail(ConfigError(os_error_problem("OUT", out, exc, "write the chat set", "give a writable path")), as_json)
+    if as_json:
+        print(json.dumps({"written": str(out), "rows": rows}))
+        return
+    stdout_console().print(f"wrote {rows} chats to {out} (train on them with data.source={out})", markup=False)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from partrain.blueprint.config.schema import DataConfig
+from partrain.data.builtin_chat import BUILTIN_CHAT, BuiltinChat
 from partrain.data.formats import SUFFIXES, capped, read_documents, source_error
 from partrain.data.hf_dataset import DatasetCorpus, is_dataset_folder
 
@@ -53,8 +54,10 @@ class Corpus:
     """Cap on UTF-8 bytes of document text (0 = no cap)."""
 
     @classmethod
-    def from_config(cls, cfg: DataConfig) -> "Corpus | DatasetCorpus":
+    def from_config(cls, cfg: DataConfig) -> "Corpus | DatasetCorpus | BuiltinChat":
         """Resolve ``cfg.source`` to its files; a ConfigError if it names nothing readable."""
+        if cfg.source == BUILTIN_CHAT:  # generated chat rows (partrain.data.builtin_chat), no files
+            return BuiltinChat()
         if cfg.source == BUILTIN:
             root = Path(sysconfig.get_paths()["stdlib"]).resolve()
             return cls(BUILTIN, root, _builtin_files(root), cfg.text_field, cfg.max_bytes)

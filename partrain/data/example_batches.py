@@ -1,10 +1,12 @@
-"""Batches of fine-tuning examples, one example per row, padded: the interface of loader.TokenBatches.
+"""Batches of fine-tuning examples, one example per row, padded (data.packing=false): the interface of
+loader.TokenBatches. Packed windows of several examples are partrain.data.example_packing's.
 
 Row of example e (ids x, labels l, n tokens): inputs = x[:seq_len] without its last token, padded
 with the pad id to seq_len; labels = l shifted by one (labels[t] = l[t + 1], the loss's target for
 inputs[t]), -100 on the padding. An example longer than seq_len + 1 tokens is cut there (counted in
-``truncated``); one with no trained token left after the cut is dropped (counted in ``dropped``), so
-every row, and so every microbatch, holds at least one labelled token.
+``truncated``), or left out with data.long_examples=skip (the preflight refuses it under the default,
+error: partrain.data.long_examples); one with no trained token left after the cut is dropped (counted
+in ``dropped``), so every row, and so every microbatch, holds at least one labelled token.
 
 Order: a seeded permutation of the usable training examples per epoch, the same for every layout;
 dp rank r takes contiguous rows of the global batch, as TokenBatches does. ``label_count(step)`` is
@@ -25,12 +27,16 @@ from partrain.data.loader import Batch, DataPosition, rank_rows
 from partrain.errors import ConfigError, Problem
 
 
-def _usable(examples: Examples, first: int, stop: int, seq_len: int) -> Tuple[np.ndarray, np.ndarray, int]:
-    """(indices of the examples with a trained token in their row, those rows' label counts, truncated)."""
+def _usable(
+    examples: Examples, first: int, stop: int, seq_len: int, long_examples: str = "truncate"
+) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(indices of the examples with a trained token in their row, those rows' label counts, how many are
+    longer than a row: truncated, or with long_examples=skip left out)."""
     counts = example_label_counts(examples, first, stop, seq_len)
     lengths = examples.offsets[first + 1 : stop + 1] - examples.offsets[first:stop]
-    keep = np.nonzero(counts > 0)[0]
-    return keep + first, counts[keep], int(np.sum(lengths > seq_len + 1))
+    long = lengths > seq_len + 1
+    keep = np.nonzero((counts > 0) & ~(long & (long_examples == "skip")))[0]
+    return keep + first, counts[keep], int(np.sum(long))
 
 
 def _too_few(split: str, usable: int, dropped: int, global_batch_size: int, fix: str) -> ConfigError:
@@ -38,8 +44,8 @@ def _too_few(split: str, usable: int, dropped: int, global_batch_size: int, fix:
         Problem(
             "train.global_batch_size",
             global_batch_size,
-            f"the {split} split holds {usable} usable examples ({dropped} more have no trained token within "
-            f"train.seq_len), fewer than one global batch",
+            f"the {split} split holds {usable} usable examples ({dropped} more are left out: no trained token "
+            f"within train.seq_len, or longer than it with data.long_examples=skip), fewer than one global batch",
             fix,
         )
     )
@@ -70,14 +76,16 @@ class ExampleBatches(DataPosition):
 
     SIZE_FIELD = "n_examples"
 
-    def __init__(self, examples: Examples, seq_len: int, global_batch_size: int, seed: int):
+    def __init__(
+        self, examples: Examples, seq_len: int, global_batch_size: int, seed: int, long_examples: str = "truncate"
+    ):
         self._rows = _Rows(examples, seq_len)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.index, self.counts, self.truncated = _usable(examples, 0, examples.n_train, seq_len)
+        self.index, self.counts, self.truncated = _usable(examples, 0, examples.n_train, seq_len, long_examples)
         self.dropped = examples.n_train - len(self.index)
-        """Training examples with no trained token within seq_len (left out)."""
+        """Training examples left out: no trained token within seq_len, or too long with long_examples=skip."""
         self.n_examples = len(self.index)
         if self.n_examples < global_batch_size:
             raise _too_few(
@@ -117,10 +125,10 @@ class ExampleBatches(DataPosition):
 class EvalExampleBatches:
     """Held-out examples (the last data.eval_fraction of the rows) in row order, as EvalBatches."""
 
-    def __init__(self, examples: Examples, seq_len: int, global_batch_size: int):
+    def __init__(self, examples: Examples, seq_len: int, global_batch_size: int, long_examples: str = "truncate"):
         self._rows = _Rows(examples, seq_len)
         self.global_batch_size = global_batch_size
-        self.index, self.counts, _ = _usable(examples, examples.n_train, examples.n_examples, seq_len)
+        self.index, self.counts, _ = _usable(examples, examples.n_train, examples.n_examples, seq_len, long_examples)
         dropped = examples.n_examples - examples.n_train - len(self.index)
         if len(self.index) < global_batch_size:
             raise _too_few(
@@ -145,18 +153,3 @@ class EvalExampleBatches:
     def batches(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
         for i in range(count):
             yield self.eval_batch(i, dp_rank, dp_size)
-
-
-def example_batch_problems(examples: Examples, seq_len: int, global_batch_size: int, with_eval: bool) -> list:
-    """The problems the workers would meet opening these examples (the preflight's check)."""
-    problems = []
-    try:
-        ExampleBatches(examples, seq_len, global_batch_size, 0)
-    except ConfigError as err:
-        problems += err.problems
-    if with_eval:
-        try:
-            EvalExampleBatches(examples, seq_len, global_batch_size)
-        except ConfigError as err:
-            problems += err.problems
-    return problems

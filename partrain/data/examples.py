@@ -10,7 +10,9 @@ rendered by ``chat`` into (input_ids, labels) and written as one entry::
         offsets.bin  int64 [examples + 1]: example i is ids[offsets[i]:offsets[i+1]]
         meta.json    counts, tokenizer, pad id, each file's size and SHA-256; written last
 
-The last ``data.eval_fraction`` of the examples (row order) are held out for evaluation. The key hashes
+The last ``data.eval_fraction`` of the examples (row order) are held out for evaluation, unless
+data.eval_split / data.eval_source name an eval set of its own: its rows are rendered after the training
+rows (``_split_examples``, partrain.data.eval_source). The key hashes
 the source identity, the tokenizer, format, templates and train_on, so any change renders again. The
 entry is built in a temporary folder and renamed into place whole, and trusted only when its files match
 meta.json, as ``packing`` does for token caches.
@@ -28,7 +30,7 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Tuple
 
@@ -38,6 +40,7 @@ from partrain.blueprint.config.schema import DataConfig
 from partrain.blueprint.problems import os_error_problem
 from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem
 from partrain.data.atomic import fsync_dir, write_json
+from partrain.data.builtin_chat import BuiltinChat
 from partrain.data.chat import (
     IGNORE_INDEX,
     ChatRenderer,
@@ -50,6 +53,7 @@ from partrain.data.chat import (
     tokenized_example,
 )
 from partrain.data.corpus import BUILTIN, Corpus
+from partrain.data.eval_source import eval_config, with_eval_source
 from partrain.data.formats import read_rows
 from partrain.data.hf_dataset import DatasetCorpus
 from partrain.data.packing import (
@@ -60,6 +64,7 @@ from partrain.data.packing import (
     file_sha256,
     token_dtype,
 )
+from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
 from partrain.data.tokenizer import load_tokenizer, tokenizer_name
 from partrain.errors import ConfigError, Problem
 
@@ -91,6 +96,8 @@ class Examples:
     tokenizer: str
     meta_path: Path
     """Where the entry's meta.json is (or would be, for a dry run's examples)."""
+    skipped: dict = field(default_factory=dict)
+    """data.skip_bad_rows: the rows left out (partrain.data.row_skips.SkippedRows.to_json; {} = none)."""
 
     @property
     def n_examples(self) -> int:
@@ -100,7 +107,7 @@ class Examples:
 def row_source(cfg: DataConfig) -> Iterator[Tuple[str, str, Any]]:
     """(file, where, row) of every row of data.source, in order."""
     corpus = Corpus.from_config(cfg)
-    if isinstance(corpus, DatasetCorpus):
+    if isinstance(corpus, (DatasetCorpus, BuiltinChat)):
         for where, row in corpus.rows():
             yield str(corpus.root), where, row
         return
@@ -158,15 +165,17 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
 
     def render(row: Any) -> Example:
         if not isinstance(row, dict):
-            raise ChatRowError(f"the row is a {type(row).__name__}, not an object")
+            raise ChatRowError(f"the row is a {type(row).__name__}, not an object", "not_an_object")
         if fmt == "chat":
             if "messages" not in row:
-                raise ChatRowError(f"the row has no 'messages' field (fields: {list(row)})")
+                raise ChatRowError(f"the row has no 'messages' field (fields: {list(row)})", "missing_field")
             return chat_example(template, tokenizer, row["messages"], cfg.train_on)
         if fmt == "prompt_completion":
             missing = [k for k in ("prompt", "completion") if k not in row]
             if missing:
-                raise ChatRowError(f"the row has no {' or '.join(repr(k) for k in missing)} (fields: {list(row)})")
+                raise ChatRowError(
+                    f"the row has no {' or '.join(repr(k) for k in missing)} (fields: {list(row)})", "missing_field"
+                )
             return prompt_completion_example(
                 tokenizer, row["prompt"], row["completion"], template, cfg.prompt_template, cfg.train_on
             )
@@ -175,48 +184,56 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
     return render
 
 
-def _examples(cfg: DataConfig, fmt: str, tokenizer) -> Iterator[Example]:
+def _examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows) -> Iterator[Example]:
+    """Every row's example; a bad row is a ConfigError naming file, line and rule, or with
+    data.skip_bad_rows left out and recorded in ``skipped`` (every row bad is still an error)."""
     render = _renderer(cfg, fmt, tokenizer)
-    for path, where, row in row_source(cfg):
+    made = 0
+    for ordinal, (path, where, row) in enumerate(row_source(cfg)):
         try:
             example = render(row)
+            if example.trained_tokens == 0:
+                raise ChatRowError("no token of this row is trained", "no_trained_token")
         except ChatRowError as exc:
-            raise ConfigError(
-                Problem(
-                    "data.source",
-                    path,
-                    f"{path} {where}: {exc}",
-                    f"fix or remove {where} of {Path(path).name} (data.format={fmt})",
-                )
-            ) from None
-        if example.trained_tokens == 0:
-            raise ConfigError(
-                Problem(
-                    "data.source",
-                    path,
-                    f"{path} {where}: no token of this row is trained",
-                    f"fix or remove {where} of {Path(path).name}",
-                )
-            )
+            message = f"{path} {where}: {exc} (rule {exc.rule})"
+            if not cfg.skip_bad_rows:
+                fix = f"fix or remove {where} of {Path(path).name} (data.format={fmt}), {SKIP_FIX}"
+                raise ConfigError(Problem("data.source", path, message, fix)) from None
+            skipped.add(ordinal, exc.rule, message)
+            continue
+        made += 1
         yield example
+    if made == 0 and skipped.total:
+        raise every_row_bad(cfg.source, skipped)
 
 
-def cache_key(cfg: DataConfig, fmt: str) -> str:
-    """A hash of everything the rendered examples depend on."""
-    corpus = Corpus.from_config(cfg)
+def rendering(cfg: DataConfig, fmt: str) -> dict:
+    """What turns a row into an example's tokens and labels besides the tokenizer: the format, the
+    templates (a template file by its text, not just its name) and data.train_on. The examples cache
+    key and a streamed run's data identity (partrain.data.stream_facts) both cover it."""
     template = cfg.chat_template
-    if template and Path(template).expanduser().is_file():  # a file: its text, not just its name
+    if template and Path(template).expanduser().is_file():
         template = Path(template).expanduser().read_text()
-    inputs = {
-        "format": FORMAT_VERSION,
-        "source": corpus.identity(),
-        "tokenizer": tokenizer_name(cfg.tokenizer),
+    return {
         "data_format": fmt,
         "chat_template": template,
         "prompt_template": cfg.prompt_template,
         "train_on": cfg.train_on,
+    }
+
+
+def cache_key(cfg: DataConfig, fmt: str) -> str:
+    """A hash of everything the rendered examples depend on."""
+    corpus = with_eval_source(cfg, Corpus.from_config(cfg))  # the eval set's rows too, when it has its own
+    inputs = {
+        "format": FORMAT_VERSION,
+        "source": corpus.identity(),
+        "tokenizer": tokenizer_name(cfg.tokenizer),
+        **rendering(cfg, fmt),
         "eval_fraction": float(cfg.eval_fraction),
     }
+    if cfg.skip_bad_rows:  # only when set, so the entries of clean runs keep their keys
+        inputs["skip_bad_rows"] = True
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
@@ -265,7 +282,9 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
             pass  # damaged: prepare_examples rebuilds it; render as if it were not there
     tokenizer = load_tokenizer(cfg.tokenizer)
     ids, labels, lengths = [], [], [0]
-    for example in _examples(cfg, fmt, tokenizer):
+    skipped = SkippedRows()
+    split = {}
+    for example in _split_examples(cfg, fmt, tokenizer, skipped, split):
         ids += example.input_ids
         labels += example.labels
         lengths.append(len(example.input_ids))
@@ -274,12 +293,29 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
         ids=np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size)),
         labels=np.asarray(labels, dtype=LABEL_DTYPE),
         offsets=offsets,
-        n_train=_n_train(len(lengths) - 1, cfg.eval_fraction),
+        n_train=split["n_train"],
         vocab_size=tokenizer.vocab_size,
         pad_id=tokenizer.eos_id,
         tokenizer=tokenizer.name,
         meta_path=meta_path,
+        skipped=skipped.to_json(),
     )
+
+
+def _split_examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows, split: dict) -> Iterator[Example]:
+    """The training rows' examples, then those of the eval set when data.eval_split / data.eval_source
+    names one (partrain.data.eval_source); at the end split["n_train"] is the training examples' count
+    (without an eval set of its own, all but the held-out last data.eval_fraction)."""
+    n = 0
+    for example in _examples(cfg, fmt, tokenizer, skipped):
+        n += 1
+        yield example
+    held = eval_config(cfg)
+    if held is None:
+        split["n_train"] = _n_train(n, cfg.eval_fraction)
+        return
+    split["n_train"] = n
+    yield from _examples(held, fmt, tokenizer, skipped)
 
 
 def _n_train(n_examples: int, eval_fraction: float) -> int:
@@ -310,6 +346,7 @@ def open_examples(meta_path, verify: bool = False) -> Examples:
         pad_id=int(meta["pad_id"]),
         tokenizer=meta["tokenizer"],
         meta_path=meta_path,
+        skipped=meta.get("skipped") or {},
     )
 
 
@@ -328,8 +365,10 @@ def _build(cfg: DataConfig, fmt: str, tokenizer, entry: Path) -> Examples:
     try:
         dtype = token_dtype(tokenizer.vocab_size)
         n_tokens, offsets = 0, [0]
+        skipped = SkippedRows()
         with open(building / "ids.bin", "wb") as ids, open(building / "labels.bin", "wb") as labels:
-            for example in _examples(cfg, fmt, tokenizer):
+            split = {}
+            for example in _split_examples(cfg, fmt, tokenizer, skipped, split):
                 ids.write(np.asarray(example.input_ids, dtype=dtype).tobytes())
                 labels.write(np.asarray(example.labels, dtype=LABEL_DTYPE).tobytes())
                 n_tokens += len(example.input_ids)
@@ -345,9 +384,10 @@ def _build(cfg: DataConfig, fmt: str, tokenizer, entry: Path) -> Examples:
             "pad_id": tokenizer.eos_id,
             "tokenizer": tokenizer.name,
             "n_examples": len(offsets) - 1,
-            "n_train_examples": _n_train(len(offsets) - 1, cfg.eval_fraction),
+            "n_train_examples": split["n_train"],
             "n_tokens": n_tokens,
             "train_on": cfg.train_on,
+            "skipped": skipped.to_json(),
             "files": {
                 name: {"size": (building / name).stat().st_size, "sha256": file_sha256(building / name)}
                 for name in FILES

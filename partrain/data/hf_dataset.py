@@ -46,6 +46,8 @@ class DatasetCorpus:
     split: str
     streaming: bool
     kind: str = "dataset"
+    split_key: str = "data.split"
+    """The key that chose ``split`` (data.eval_split for the eval set), named when the split is missing."""
 
     @classmethod
     def open(cls, root: Path, text_field: str, max_bytes: int, split: str, streaming: bool) -> "DatasetCorpus":
@@ -90,14 +92,20 @@ class DatasetCorpus:
                 ds = datasets.load_from_disk(str(self.root))
                 if isinstance(ds, datasets.DatasetDict):
                     if self.split not in ds:
-                        raise KeyError(self.split)
+                        raise KeyError(f"the splits are {', '.join(sorted(ds))}")
                     ds = ds[self.split]
+                elif self.split_key == "data.eval_split":  # one Dataset: data.split is moot, but no eval split
+                    raise KeyError("it is one Dataset (save_to_disk of a Dataset, not a DatasetDict): no splits")
                 return ds.to_iterable_dataset() if self.streaming else ds
             return datasets.load_dataset(str(self.root), split=self.split, streaming=self.streaming)
         except (KeyError, ValueError) as exc:
             if "split" in str(exc).lower() or isinstance(exc, KeyError):
+                why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
                 raise _problem(
-                    "data.split", self.split, f"{self.root} has no split {self.split!r} ({exc})", "set data.split"
+                    self.split_key,
+                    self.split,
+                    f"{self.root} has no split {self.split!r} ({why})",
+                    f"set {self.split_key}",
                 ) from None
             raise _problem(
                 "data.source", str(self.root), f"datasets cannot read it: {exc}", "check the folder"

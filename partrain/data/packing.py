@@ -8,7 +8,9 @@ Layout of one cache entry (a folder under the cache root)::
         meta.json   dtype, token counts, tokenizer, eos id, each file's size and SHA-256; written LAST
 
 The token stream is ``doc1 eos doc2 eos ...`` (every document ends with the separator). The
-eval split is the last ``eval_fraction`` of that stream, the train split everything before it.
+eval split is the last ``eval_fraction`` of that stream, the train split everything before it; with
+data.eval_split / data.eval_source (partrain.data.eval_source) the eval split is that set's own stream
+and every training document trains.
 
 ``key`` hashes everything the tokens depend on: the source identity (paths, sizes, mtimes of
 its files), the tokenizer identity, ``text_field``, ``max_bytes`` and ``eval_fraction``. A
@@ -44,6 +46,7 @@ from partrain.blueprint.config.schema import DataConfig
 from partrain.blueprint.problems import os_error_problem
 from partrain.data.atomic import commit, fsync_dir, temp_path, write_json
 from partrain.data.corpus import Corpus
+from partrain.data.eval_source import SplitCorpus, with_eval_source
 from partrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_name
 from partrain.errors import ConfigError, Problem
 
@@ -157,7 +160,7 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
 def _entry(cfg: DataConfig, cache_root: Optional[Path]) -> tuple:
     """(corpus, cache key, entry folder) of ``cfg``: the same for prepare_tokens and probe_tokens."""
     _check_numbers(cfg)
-    corpus = Corpus.from_config(cfg)
+    corpus = with_eval_source(cfg, Corpus.from_config(cfg))  # data.eval_split / eval_source: its own eval set
     key = cache_key(corpus, tokenizer_name(cfg.tokenizer), cfg.eval_fraction)
     return corpus, key, cache_root_for(cfg, cache_root) / f"{corpus.slug}-{key[:16]}"
 
@@ -187,8 +190,11 @@ def probe_tokens(
     tokenizer = load_tokenizer(cfg.tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
 
+    held_out = _count_eval(corpus, tokenizer)
+
     def counted(n_total: int) -> PackedData:
-        n_eval = int(round(n_total * cfg.eval_fraction))
+        n_eval = int(round(n_total * cfg.eval_fraction)) if held_out is None else held_out
+        n_total += 0 if held_out is None else held_out
         return PackedData(
             train_path=folder / TRAIN_NAME,
             eval_path=folder / EVAL_NAME,
@@ -345,13 +351,18 @@ def _fill(corpus: Corpus, tokenizer: Tokenizer, eval_fraction: float, folder: Pa
         # the corpus is read once and never held in memory.
         with open(all_tmp, "wb") as out:
             n_total, n_docs = _write_stream(corpus.documents(), tokenizer, dtype, out)
-        n_eval = int(round(n_total * eval_fraction))
-        n_train = n_total - n_eval
-        with open(all_tmp, "rb") as src, open(eval_tmp, "wb") as dst:
-            src.seek(n_train * dtype.itemsize)
-            shutil.copyfileobj(src, dst)
-        with open(all_tmp, "r+b") as f:
-            f.truncate(n_train * dtype.itemsize)
+        if isinstance(corpus, SplitCorpus):  # data.eval_split / eval_source: the eval set is a stream of its own
+            with open(eval_tmp, "wb") as out:
+                n_eval, _ = _write_stream(corpus.eval_documents(), tokenizer, dtype, out)
+            n_train = n_total
+        else:
+            n_eval = int(round(n_total * eval_fraction))
+            n_train = n_total - n_eval
+            with open(all_tmp, "rb") as src, open(eval_tmp, "wb") as dst:
+                src.seek(n_train * dtype.itemsize)
+                shutil.copyfileobj(src, dst)
+            with open(all_tmp, "r+b") as f:
+                f.truncate(n_train * dtype.itemsize)
         commit(all_tmp, folder / TRAIN_NAME)
         commit(eval_tmp, folder / EVAL_NAME)
     except BaseException:
@@ -415,6 +426,18 @@ def _remove_stale_temps(root: Path) -> None:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         except OSError:
             pass  # removed by another process meanwhile: fine
+
+
+def _count_eval(corpus, tokenizer: Tokenizer) -> Optional[int]:
+    """Tokens of a SplitCorpus's eval documents (read whole: eval sets are small), else None."""
+    if not isinstance(corpus, SplitCorpus):
+        return None
+    n_eval = 0
+    for batch in document_batches(corpus.eval_documents()):
+        for ids in tokenizer.encode_batch(batch):
+            check_ids(ids, tokenizer)
+            n_eval += len(ids) + 1
+    return n_eval
 
 
 def _write_stream(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype, out) -> tuple:

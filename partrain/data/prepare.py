@@ -28,10 +28,21 @@ def is_examples_entry(meta_path) -> bool:
     return json.loads(Path(meta_path).read_text(encoding="utf-8")).get("kind") == KIND
 
 
-def open_example_batches(meta_path, seq_len: int, global_batch_size: int, seed: int, with_eval: bool):
-    """(training batches, eval batches or None) of an examples entry (for a worker)."""
-    from partrain.data.example_batches import EvalExampleBatches, ExampleBatches
+def open_example_batches(
+    meta_path,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    with_eval: bool,
+    long_examples: str = "truncate",
+    packing: bool = False,
+):
+    """(training batches, eval batches or None) of an examples entry (for a worker). long_examples:
+    data.long_examples (error reaches here only when the preflight found no long example); packing:
+    data.packing (windows of whole examples, partrain.data.example_packing) or one padded example per row."""
+    from partrain.data.example_packing import example_batch_classes
 
+    train_cls, eval_cls = example_batch_classes(packing)
     examples = open_examples(meta_path)
-    evals = EvalExampleBatches(examples, seq_len, global_batch_size) if with_eval else None
-    return ExampleBatches(examples, seq_len, global_batch_size, seed), evals
+    evals = eval_cls(examples, seq_len, global_batch_size, long_examples) if with_eval else None
+    return train_cls(examples, seq_len, global_batch_size, seed, long_examples), evals

@@ -31,7 +31,7 @@ from partrain.blueprint.config.schema import DataConfig
 from partrain.data.corpus import Corpus
 from partrain.data.loader import Batch, rank_rows, split_inputs_labels
 from partrain.data.packing import check_ids, document_batches
-from partrain.data.stream_facts import stream_facts
+from partrain.data.stream_facts import STREAM_SOURCE_COVERS, stream_facts
 from partrain.data.tokenizer import Tokenizer, load_tokenizer
 from partrain.errors import ConfigError, Problem
 
@@ -169,6 +169,8 @@ class StreamBatches:
         for name, key, mine in checks:
             if state.get(name) != mine:
                 saved = state.get(name, "a cached (not streamed) position" if name == "stream_source" else None)
+                if name == "stream_source" and name in state:  # a digest: say what it covers instead
+                    saved = f"another stream ({STREAM_SOURCE_COVERS})"
                 raise ConfigError(
                     Problem(
                         key=key,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -54,12 +55,22 @@ def forward_loss(
     return token_loss(logits, labels)
 
 
-def label_weight(labels: torch.Tensor, label_share: Optional[float]) -> float:
+def label_weight(labels: torch.Tensor, label_share: Optional[float], group=None) -> float:
     """What a microbatch's mean loss is multiplied by so that the engines' averaging (over
     microbatches and dp ranks, each weighing 1) yields sum(token losses) / (global labelled tokens):
     its labelled tokens over the global batch's average per microbatch (label_share x rows). 1.0 when
     every label counts (label_share None), and exactly 1.0 when no label is masked, so pretraining
-    losses are bit-identical to a plain mean of means."""
+    losses are bit-identical to a plain mean of means.
+
+    `group`: the sp group when `labels` are this rank's sequence slice. The microbatch's mean loss is
+    then over the labels of all its slices (context_parallel.SequenceShard.scale_sum), so the count
+    is summed over the group too (a collective: every sp rank calls this in the same order)."""
     if label_share is None:
         return 1.0
-    return int((labels != IGNORE_INDEX).sum()) / (label_share * labels.shape[0])
+    count = (labels != IGNORE_INDEX).sum()
+    if group is not None:
+        count = count.to(torch.float64).reshape(1)
+        if torch.distributed.get_backend(group) == "nccl" and count.device.type != "cuda":
+            count = count.cuda()  # host-side labels (DirectEngine): NCCL reduces device tensors only
+        torch.distributed.all_reduce(count, group=group)
+    return int(count.item()) / (label_share * labels.shape[0])

@@ -16,11 +16,19 @@ What `parallel.sp > 1` changes, and where:
   `ulysses_attention` over that group (grouped-query K/V unrepeated). A mask function of the same name
   returns no mask: the causal structure is the ops' business (HF would otherwise read zig-zag
   position_ids as packed documents). sp == 1 leaves the model on SDPA.
+- packed examples (`SequenceShard.documents`, data.packing of fine-tuning rows): the batch's position
+  ids restart at 0 for each example and are sharded with the tokens; the attention function gets this
+  rank's slice of them (HF passes position_ids through to it) and turns them into each query's
+  document start (global index - position), so ring and Ulysses attention mask keys outside the
+  query's example: block-diagonal causal attention, the same as the unsplit model's.
 - loss (`SequenceShard.loss`): each rank returns sp x (its summed token losses) / (the labelled
   tokens of the whole microbatch, summed over the sp group). The sp values add up to sp x the
   unsplit mean, and the gradient average over dp x sp (DDP, FSDP, the pipeline's all-reduce, all
   over the `dp_sp` mesh) divides by sp again: gradients equal the unsplit model's. The trainer
-  averages the reported loss over dp x sp for the same reason.
+  averages the reported loss over dp x sp for the same reason. Fine-tuning examples (masked labels)
+  then weigh each microbatch by its labelled tokens counted over the sp group too (`label_weight`
+  with the sp group), so the loss is over the global batch's labelled tokens whatever sp is; the
+  batches' `label_share` reaches the trainer through `SequenceSharded`.
 
 No parameter is sharded over sp (weights are replicated on sp ranks like on dp ranks), so
 checkpoints do not depend on the sp degree.
@@ -40,6 +48,7 @@ from torch import nn
 from partrain.models.chunked_loss import chunked_model_loss
 from partrain.models.loss import IGNORE_INDEX
 from partrain.parallel import sequence_attention as ops
+from partrain.parallel import sequence_split as split
 
 ATTENTION_NAMES = {"ulysses": "partrain_ulysses", "ring": "partrain_ring"}
 """The `config._attn_implementation` name of each sp mode (entries in transformers' registries)."""
@@ -62,6 +71,8 @@ class SequenceShard:
     """This rank's coordinate on the sp axis."""
     group: Optional[dist.ProcessGroup]
     """The sp process group."""
+    documents: bool = False
+    """The rows are packed examples: attention stays inside each (position ids restart at 0 per example)."""
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """Global positions of this rank's tokens, LongTensor [seq_len // sp]."""
@@ -100,12 +111,15 @@ class SequenceShard:
         model: nn.Module,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
         head_path: str = "",
         chunk_tokens: int = 0,
     ) -> torch.Tensor:
-        """`models.loss.forward_loss` for sequence-sharded rows (already `take`n): global position ids, sp loss."""
+        """`models.loss.forward_loss` for sequence-sharded rows (already `take`n): the batch's position
+        ids (packed examples, `take`n with the tokens) or the global ones, sp loss."""
         seq_len = input_ids.shape[1] * self.size
-        position_ids = self.position_ids(seq_len, input_ids.device)
+        if position_ids is None:
+            position_ids = self.position_ids(seq_len, input_ids.device)
         if chunk_tokens > 0 and head_path:
             total, _ = chunked_model_loss(
                 model, head_path, chunk_tokens, labels, input_ids=input_ids, position_ids=position_ids
@@ -115,13 +129,14 @@ class SequenceShard:
         return self.loss(logits, labels)
 
 
-def sequence_shard(mesh, mode: str) -> Optional[SequenceShard]:
-    """This rank's `SequenceShard`, or None when the sp axis has size 1."""
+def sequence_shard(mesh, mode: str, documents: bool = False) -> Optional[SequenceShard]:
+    """This rank's `SequenceShard` (documents: the rows are packed examples), or None when the sp axis has size 1."""
     if mesh.size("sp") == 1:
         return None
     if mode not in ATTENTION_NAMES:
         raise ValueError(f"parallel.sp_mode must be one of {sorted(ATTENTION_NAMES)}, not {mode!r}")
-    return SequenceShard(mode=mode, size=mesh.size("sp"), rank=mesh.local("sp"), group=mesh["sp"].get_group())
+    group = mesh["sp"].get_group()
+    return SequenceShard(mode=mode, size=mesh.size("sp"), rank=mesh.local("sp"), group=group, documents=documents)
 
 
 # ---- data -------------------------------------------------------------------------------------
@@ -139,14 +154,21 @@ class SequenceSharded:
         self.shard = shard
 
     def _cut(self, batch):
-        inputs, labels = batch
-        return self.shard.take(inputs), self.shard.take(labels)
+        """Inputs, labels and (packed examples) position ids: this rank's tokens of each."""
+        return tuple(self.shard.take(t) for t in batch)
 
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1):
         return self._cut(self.inner.rank_batch(step, dp_rank, dp_size))
 
     def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1):
         return self._cut(self.inner.eval_batch(i, dp_rank, dp_size))
+
+    def __getattr__(self, name: str):
+        # The rest is the wrapped batches' own: label_share above all (fine-tuning examples normalise
+        # by the global batch's labelled tokens whatever the sp degree), steps_per_epoch, padding_share.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -187,19 +209,43 @@ def _sp_attention(
     if dropout and shard.mode == "ring":  # apply_sp refuses such models; never drop it silently
         raise NotImplementedError("ring attention does not implement attention dropout")
     causal = bool(getattr(module, "is_causal", True))
+    starts = _document_starts(shard, kwargs.get("position_ids"), query) if shard.documents else None
     # Grouped-query K/V go to the ops unrepeated: the ring moves and keeps only the K/V heads there
     # are, Ulysses repeats them just enough for sp to divide them.
     if shard.mode == "ring":
-        out = ops.ring_attention(query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling)
+        out = ops.ring_attention(
+            query, key, value, shard.group, causal=causal, zigzag=True, scale=scaling, doc_starts=starts
+        )
     else:
+        # Each rank sees whole rows after the all-to-all: the document mask of the whole row.
+        mask = split.document_mask(split.gather_sequence(starts, shard.group)) if starts is not None else None
 
         def full_sequence(q, k, v):
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=causal and mask is None,
+                scale=scaling,
+                enable_gqa=k.shape[1] != q.shape[1],
             )
 
         out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _document_starts(shard: SequenceShard, position_ids: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
+    """[B, local seq]: the global index where each local query's example starts (its global index
+    minus its position within the example): keys from there up to the query are visible."""
+    if position_ids is None:
+        raise RuntimeError(
+            "packed examples under sequence parallelism need the model to pass position_ids to attention"
+        )
+    local = query.shape[2]
+    index = shard.positions(local * shard.size).to(query.device)
+    return (index.unsqueeze(0) - position_ids.to(query.device)).expand(query.shape[0], local)
 
 
 def _check_supported(config, mode: str, seq_len: int) -> None:

@@ -1,12 +1,14 @@
 """LoRA adapters (`peft=lora`): rank-r A and B next to each target projection, the base frozen.
 
-Applied to the meta model after tensor parallelism and before recompute and FSDP (parallelize's
-order), so the adapters are built against the post-TP projections and every later wrapper treats
-them as ordinary (small) parameters. Each target projection (nn.Linear, or tp_layers' column- and
-row-parallel modules) is replaced by a `LoraProjection` that keeps the base's `weight` / `bias`
-under their own names (FQNs, checkpoints and HF export unchanged) and adds PEFT's `lora_A` /
-`lora_B` children, so `<path>.lora_A.weight` is PEFT's adapter key minus its `base_model.model.`
-prefix.
+Applied to the meta model after tensor, context and expert parallelism and before recompute,
+compile and FSDP (parallelize's order), so the adapters are built against the post-TP projections,
+every expert parameter EP re-made is frozen, and every later wrapper treats the adapters as ordinary
+(small) parameters. Each target projection (nn.Linear, HF's Conv1D of GPT-2 with W stored [in, out],
+or tp_layers' column- and row-parallel versions of either) is replaced by a `LoraProjection` that
+keeps the base's `weight` / `bias` under their own names (FQNs, checkpoints and HF export unchanged)
+and adds PEFT's `lora_A` / `lora_B` children, so `<path>.lora_A.weight` is PEFT's adapter key minus
+its `base_model.model.` prefix. Megatron-SP's column projections are adapted in place instead
+(`partrain.parallel.lora_sp`: their block computes them).
 
 Why not peft's LoraLayer: it wraps `nn.Linear` / transformers' TP styles and moves the base weight
 to `<path>.base_layer.weight`, while partrain's TP projections are its own local-tensor modules and
@@ -20,25 +22,47 @@ B replicated. The base shard and the adapter's shard are summed locally, then th
 the projection runs on the sum, so the reduction order is the base's own. The adapter's replicated
 weight sees only this rank's part of the gradient (A behind a column split, B behind a row split):
 its gradient is summed over TP in backward (`copy_to_tp` on the weight), a tiny r x d all-reduce.
+B's split is read from the base weight's placement, so GPT-2's fused c_attn (`_StridedShard`: each
+rank holds its heads of q, k and v) splits B's rows the same way. Under Megatron-SP a row projection
+reduce-scatters base + adapter partial sums to sequence shards, as the base alone would.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from partrain.blueprint.config.schema import PeftConfig
 from partrain.blueprint.validate_peft import lora_targets
 from partrain.models.adapters import Adapter
 from partrain.models.lora_init import LORA_A, LORA_B, is_lora_weight
 from partrain.parallel.local_tensors import local
-from partrain.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp, shard_param
+from partrain.parallel.lora_sp import adapt_sequence_column
+from partrain.parallel.megatron_sp import SequenceColumn
+from partrain.parallel.tp_layers import _row_output, copy_to_tp, shard_param
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
+
+
+def _is_conv1d(base: nn.Module) -> bool:
+    """HF's Conv1D (GPT-2) and partrain's TP versions of it: y = x @ W + b with W stored [in, out]."""
+    return hasattr(base, "nf") and not isinstance(base, nn.Linear)
+
+
+def _tp_kind(weight: torch.Tensor, out_dim: int) -> Tuple[str, Optional[Placement]]:
+    """(COLUMN or ROW, the placement that splits B's rows like the base's output features): read from
+    the base weight's own placement, so GPT-2's strided c_attn split (q, k, v heads) carries over to B."""
+    place = weight.placements[0]
+    if getattr(place, "dim", None) == out_dim:  # Shard or _StridedShard (not a Shard subclass)
+        # B is [out, r]: the output features are its rows.
+        strided = isinstance(place, _StridedShard)
+        return COLUMN, _StridedShard(0, split_factor=place.split_factor) if strided else Shard(0)
+    return ROW, None
 
 
 class LoraProjection(nn.Module):
@@ -46,19 +70,22 @@ class LoraProjection(nn.Module):
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float) -> None:
         super().__init__()
-        if isinstance(base, ColumnParallelLinear):
-            self.kind, self.group, self.copies_input = COLUMN, base.group, base.copies_input
-        elif isinstance(base, RowParallelLinear):
-            if base.to_sequence:  # validation refuses Megatron-SP with LoRA; a direct caller gets this
-                raise NotImplementedError("LoRA on a sequence-parallel row projection")
-            self.kind, self.group = ROW, base.group
-        elif isinstance(base, nn.Linear):
-            self.kind = PLAIN
-        else:
-            raise NotImplementedError(f"LoRA on {type(base).__name__}")
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.conv = _is_conv1d(base)
+        out_dim = 1 if self.conv else 0  # Conv1D W [in, out], Linear W [out, in]
+        shape = base.weight.shape
+        self.in_features, self.out_features = shape[1 - out_dim], shape[out_dim]
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
+        self.kind, b_place = PLAIN, None
+        if isinstance(base.weight, DTensor) and not base.weight.placements[0].is_replicate():
+            self.kind, b_place = _tp_kind(base.weight, out_dim)
+            self.group, self.mesh = base.group, base.weight.device_mesh
+            self.to_sequence = getattr(base, "to_sequence", False)  # Megatron-SP: reduce-scatter the sum
+            # Column projections read x whole on every rank: f (copy_to_tp) enters the block once, in
+            # the projection itself (GPT-2, copies_input) or before it (copy_block_input).
+            self.copies_input = getattr(base, "copies_input", True)
+        elif not isinstance(base, nn.Linear) and not self.conv:
+            raise NotImplementedError(f"LoRA on {type(base).__name__}")
         device = base.weight.device
         setattr(self, LORA_A, nn.Linear(self.in_features, r, bias=False, device=device))
         setattr(self, LORA_B, nn.Linear(r, self.out_features, bias=False, device=device))
@@ -66,9 +93,16 @@ class LoraProjection(nn.Module):
         self.scaling = alpha / r
         if self.kind != PLAIN:
             mesh = base.weight.device_mesh
-            a_place, b_place = (Replicate(), Shard(0)) if self.kind == COLUMN else (Shard(1), Replicate())
+            a_place, b_place = (Replicate(), b_place) if self.kind == COLUMN else (Shard(1), Replicate())
             shard_param(self.lora_A, "weight", mesh, a_place)
             shard_param(self.lora_B, "weight", mesh, b_place)
+
+    def _base(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        w = local(self.weight)
+        if not self.conv:
+            return F.linear(x, w, bias)
+        out = x @ w
+        return out if bias is None else out + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == COLUMN and self.copies_input:
@@ -79,11 +113,9 @@ class LoraProjection(nn.Module):
         elif self.kind == ROW:
             b = copy_to_tp(b, self.group)  # replicated B: each rank's gradient covers its partial sum only
         delta = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-        bias = None if self.bias is None else local(self.bias)
         if self.kind != ROW:
-            return F.linear(x, local(self.weight), bias) + delta
-        out = reduce_from_tp(F.linear(x, local(self.weight)) + delta, self.group)
-        return out if bias is None else out + bias
+            return self._base(x, None if self.bias is None else local(self.bias)) + delta
+        return _row_output(self._base(x, None) + delta, self.bias, self.mesh, self.group, self.to_sequence)
 
 
 def _layers(module: nn.Module, adapter: Adapter) -> Iterable[nn.Module]:
@@ -101,10 +133,15 @@ def apply_lora(module: nn.Module, adapter: Adapter, peft: PeftConfig, arch: str)
     for layer in _layers(module, adapter):
         for path, child in list(layer.named_modules()):
             owner_path, _, leaf = path.rpartition(".")
-            if leaf in targets:
-                owner = layer.get_submodule(owner_path) if owner_path else layer
+            if leaf not in targets:
+                continue
+            owner = layer.get_submodule(owner_path) if owner_path else layer
+            if isinstance(child, SequenceColumn):  # its block's Megatron-SP hook computes it: adapt in place
+                b_place = _tp_kind(child.weight, 1 if child.conv else 0)[1]
+                adapt_sequence_column(child, owner, peft.r, peft.alpha, peft.dropout, b_place)
+            else:
                 setattr(owner, leaf, LoraProjection(child, peft.r, peft.alpha, peft.dropout))
-                adapted += 1
+            adapted += 1
     freeze_base(module)
     return adapted
 

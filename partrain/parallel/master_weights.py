@@ -241,6 +241,16 @@ def make_master_optimizer(groups: List[Dict], mesh, zero_stage: int, optim_cfg, 
     )
 
 
+def cast_frozen(modules: List[nn.Module], precision: str) -> None:
+    """Parameters that do not train (the base under peft=lora) become 16-bit too: the optimizer casts
+    only those it updates, and a frozen weight needs no fp32 master (2 bytes per parameter in all)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    for module in modules:
+        for p in module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                set_data(p, p.data.to(dtype))
+
+
 def wrap(model: nn.Module, mesh, zero_stage: int, optim_cfg, precision: str):
     """`data_parallel.wrap` for 16-bit parameters: no DDP (the fp32 buffers are reduced in one
     all-reduce per group after the backward, `finish_gradients`)."""
@@ -250,6 +260,7 @@ def wrap(model: nn.Module, mesh, zero_stage: int, optim_cfg, precision: str):
     from partrain.parallel.optimizer import param_groups
 
     groups = param_groups(model, optim_cfg.weight_decay)
+    cast_frozen([model], precision)
     optimizer = make_master_optimizer(groups, mesh, zero_stage, optim_cfg, precision)
     return DataParallelModel(
         model, model, optimizer, lambda last: contextlib.nullcontext(), finish_gradients=optimizer.finish_gradients

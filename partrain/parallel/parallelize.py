@@ -2,7 +2,7 @@
 
     meta model -> pipeline split (this rank's chunks) -> float8 linears (train.float8; torchtitan's
     place: before every wrapper) -> tensor parallel (and Megatron-SP)
-    -> LoRA adapters (peft=lora; base frozen) -> context parallel (sp attention) -> expert parallel
+    -> context parallel (sp attention) -> expert parallel -> LoRA adapters (peft=lora; base frozen)
     -> recompute -> compile (each block)
     -> FSDP (zero_stage 2/3; experts on their own edp mesh)
 
@@ -19,6 +19,7 @@ from typing import List, Optional
 from torch import nn
 
 from partrain.blueprint.validate import ValidatedRun
+from partrain.data.example_packing import packs_documents
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
 from partrain.parallel import data_parallel, expert_parallel
@@ -33,12 +34,14 @@ from partrain.runtime.mesh import ParallelMesh
 
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
-    apply_float8(module, v.run.train, data_parallel.uses_fsdp(p.zero_stage))  # tp == 1 (validate_float8)
+    apply_float8(module, v.run.train, data_parallel.uses_fsdp(p.zero_stage), mesh.size("tp"))
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
-    apply_lora(module, adapter, v.run.peft, v.facts.arch)  # adapters against the post-TP projections
-    apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode), v.run.train.seq_len)
+    # Packed examples: the sp attention keeps each query inside its example (document masks).
+    apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode, packs_documents(v.run.data)), v.run.train.seq_len)
     if moe is not None:
         expert_parallel.apply_ep(module, adapter, mesh["ep"], moe)
+    # Adapters against the post-TP projections; after EP, whose re-made expert parameters it freezes too.
+    apply_lora(module, adapter, v.run.peft, v.facts.arch)
     apply_recompute(module, adapter, p.recompute, p.recompute_every)
     if compile_enabled(v.run):
         apply_compile(module, adapter, v.run.train.compile_backend)

@@ -16,6 +16,9 @@ Ulysses (`ulysses_attention`): an all-to-all turns sequence shards into head sha
 the whole sequence for heads/sp heads), any attention runs on that, an all-to-all turns the output
 back. The backward of each all-to-all is the inverse all-to-all.
 
+Packed documents (`doc_starts`, masks in `sequence_split`): ring attention computes every block with
+an explicit document mask (the portable "math" kernel: the fused kernel takes no mask).
+
 Per-block math: torch's fused CPU flash-attention kernel (it returns the log-sum-exp) on CPU, and
 plain matmul/softmax in fp32 (fp64 stays fp64) elsewhere, so the same code runs on CUDA/NCCL; the
 merge of partial results and the dK/dV accumulators are fp32 whatever the input dtype. Nothing here
@@ -31,37 +34,14 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from partrain.parallel.compile import eager
+from partrain.parallel.sequence_split import (  # noqa: F401 - zigzag/contiguous_positions: part of this API
+    MASKED,
+    block_masks,
+    contiguous_positions,
+    zigzag_positions,
+)
 
 Tensor = torch.Tensor
-
-
-# ---------------------------------------------------------------------------------------------
-# Which global positions a rank holds
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_split(seq_len: int, parts: int, what: str) -> None:
-    if seq_len <= 0 or parts <= 0 or seq_len % parts:
-        raise ValueError(f"{what}: sequence length {seq_len} must be a positive multiple of {parts}")
-
-
-def zigzag_positions(seq_len: int, sp: int, sp_rank: int) -> Tensor:
-    """LongTensor [seq_len // sp]: the global token positions this rank holds, chunk r then chunk 2*sp-1-r."""
-    _check_split(seq_len, 2 * sp, f"zig-zag split over sp={sp} (2*sp chunks)")
-    if not 0 <= sp_rank < sp:
-        raise ValueError(f"sp_rank {sp_rank} is outside 0..{sp - 1}")
-    c = seq_len // (2 * sp)
-    first, second = sp_rank, 2 * sp - 1 - sp_rank
-    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
-
-
-def contiguous_positions(seq_len: int, sp: int, sp_rank: int) -> Tensor:
-    """LongTensor [seq_len // sp]: the global token positions of contiguous slice `sp_rank`."""
-    _check_split(seq_len, sp, f"contiguous split over sp={sp}")
-    if not 0 <= sp_rank < sp:
-        raise ValueError(f"sp_rank {sp_rank} is outside 0..{sp - 1}")
-    n = seq_len // sp
-    return torch.arange(sp_rank * n, (sp_rank + 1) * n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +105,12 @@ def _causal_tril(n: int, device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, diag: bool) -> Tensor:
+def _scores(q: Tensor, k: Tensor, scale: float, diag) -> Tensor:
+    """Scaled scores [b, kv, g, nq, nk]; diag: True (within-chunk causal), False, or a document mask
+    [b, nq, nk] (True = visible)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if isinstance(diag, Tensor):
+        return s.masked_fill(~diag[:, None, None], MASKED)
     if diag:
         s = s.masked_fill(~_causal_tril(s.shape[-1], s.device), float("-inf"))
     return s
@@ -221,7 +205,7 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, sp, rank, causal, zigzag, scale, kernel):
+    def forward(ctx, q, k, v, group, sp, rank, causal, zigzag, scale, kernel, doc_starts=None):
         block_fwd = _KERNELS[kernel][0]
         cdt = _compute_dtype(q)
         b, h, n, _ = q.shape
@@ -242,8 +226,12 @@ class _RingAttention(torch.autograd.Function):
                     nxt_v, reqs_v = ring.start(cur_v.contiguous(), 1)
                     reqs = reqs_k + reqs_v
             kc, vc = (kv[0], kv[1]) if kv is not None else (cur_k, cur_v)
+            doc_mask = block_masks(doc_starts, rank, src, sp, n, zigzag)
             for qs, ks, diag in _block_plan(rank, src, sp, n, zigzag, causal):
-                blk_out, blk_lse = block_fwd(q[:, :, qs], kc[:, :, ks], vc[:, :, ks], scale, diag)
+                mask = doc_mask(qs, ks)
+                blk_out, blk_lse = block_fwd(
+                    q[:, :, qs], kc[:, :, ks], vc[:, :, ks], scale, diag if mask is None else mask
+                )
                 blk_out, blk_lse = blk_out.to(cdt), blk_lse.to(cdt)
                 old = lse[:, :, qs]
                 new = torch.logaddexp(old, blk_lse)
@@ -260,6 +248,7 @@ class _RingAttention(torch.autograd.Function):
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)  # output kept in the inputs' dtype, as flash attention does
         ctx.cfg = (group, sp, rank, causal, zigzag, scale, kernel)
+        ctx.doc_starts = doc_starts  # integers, no gradient: kept beside the saved tensors
         return result
 
     @staticmethod
@@ -291,9 +280,18 @@ class _RingAttention(torch.autograd.Function):
             kc, vc = (kv[0], kv[1]) if kv is not None else (cur_k, cur_v)
             dk_blk = torch.zeros(kc.shape, dtype=cdt, device=q.device)
             dv_blk = torch.zeros(vc.shape, dtype=cdt, device=q.device)
+            doc_mask = block_masks(ctx.doc_starts, rank, src, sp, n, zigzag)
             for qs, ks, diag in _block_plan(rank, src, sp, n, zigzag, causal):
+                mask = doc_mask(qs, ks)
                 gq, gk, gv = block_bwd(
-                    dout[:, :, qs], q[:, :, qs], kc[:, :, ks], vc[:, :, ks], out[:, :, qs], lse[:, :, qs], scale, diag
+                    dout[:, :, qs],
+                    q[:, :, qs],
+                    kc[:, :, ks],
+                    vc[:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    scale,
+                    diag if mask is None else mask,
                 )
                 dq[:, :, qs] += gq
                 dk_blk[:, :, ks] += gk
@@ -321,7 +319,7 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = dkv_in[0], dkv_in[1]
         else:
             dk, dv = dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -364,6 +362,7 @@ def ring_attention(
     zigzag: bool,
     scale: Optional[float] = None,
     block_kernel: str = "auto",
+    doc_starts: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of the local queries over the whole sequence, K/V passed around the sp group.
 
@@ -372,7 +371,8 @@ def ring_attention(
     Unrepeated K/V are better: the ring then moves and saves kv_heads, not heads. With zigzag=True
     the local tokens are `zigzag_positions` order, else contiguous slice sp_rank. Returns [batch,
     heads, local_seq, head_dim] in q's dtype. Group of size 1 (or None without torch.distributed):
-    plain attention.
+    plain attention. doc_starts [batch, local_seq] (packed documents, needs causal): the global index
+    where each local query's document starts; keys before it are hidden too (math kernel).
     """
     _check_qkv(q, k, v)
     n = q.shape[2]
@@ -384,10 +384,14 @@ def ring_attention(
     sp, rank = _group_size_rank(group)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    kernel = _pick_kernel(block_kernel, q)
+    if doc_starts is not None and not causal:
+        raise ValueError("document masks (doc_starts) are for causal attention")
+    kernel = _pick_kernel("math" if doc_starts is not None else block_kernel, q)
     q, k, v = _autocast_inputs(q, k, v)
     with torch.autocast(q.device.type, enabled=False):  # the block math picks its own precision
-        return _RingAttention_eager(q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel)
+        return _RingAttention_eager(
+            q, k, v, group, sp, rank, bool(causal), bool(zigzag), float(scale), kernel, doc_starts
+        )
 
 
 # ---------------------------------------------------------------------------------------------

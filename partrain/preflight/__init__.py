@@ -33,6 +33,7 @@ not there yet (the launch downloads both).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -65,11 +66,12 @@ class Unchecked:
         return {"check": self.check, "why": self.why}
 
 
-def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecked]:
+def check_before_launch(v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] = None) -> List[Unchecked]:
     """Raise one ConfigError listing every problem found on disk. The launch (dry_run False) writes
     only the data cache entry (tokenizing is how the data's length is known, and the launch needs it
     anyway) and the Hub cache (a Hub model's weights); a dry run writes nothing at all and returns
-    what it could not check offline (empty when everything was checked)."""
+    what it could not check offline (empty when everything was checked). facts: filled with what the
+    report shows of the data ("fine_tuning": partrain.preflight.fine_tuning.data_facts, for example rows)."""
     run = v.run
     # Path lengths were checked by validate (blueprint.config.path_limits): every path here can be looked up.
     problems: List[Problem] = []
@@ -86,6 +88,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecke
     if ckpt_root is None and run_dir is not None:
         ckpt_root = run_dir / "checkpoints"
     problems += resume_problems(v, ckpt_root)
+    problems += init_from_problems(v)
     if dry_run and _weights_not_cached(run.model.pretrained):
         unchecked.append(_not_cached("weights", "model.pretrained", run.model.pretrained, WEIGHTS_NOT_CACHED))
     else:
@@ -96,7 +99,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False) -> List[Unchecke
         unchecked.append(_not_cached("data", "data.source", run.data.source, DATA_NOT_CACHED))
         problems += tokenizer_problems(v)
     else:
-        problems += data_problems(v, dry_run)
+        problems += data_problems(v, dry_run, facts)
     problems += tracker_problems(run.train.loggers)
     problems += float8_problems(run)
     if problems:
@@ -140,6 +143,15 @@ def tracker_problems(loggers, installed=None) -> List[Problem]:
         )
         for name, extra in missing_trackers(loggers, installed)
     ]
+
+
+def init_from_problems(v: ValidatedRun) -> List[Problem]:
+    """checkpoint.init_from: a complete checkpoint of this model (partrain.checkpoint.init_from)."""
+    if not v.run.checkpoint.init_from:
+        return []
+    from partrain.checkpoint.init_from import init_from_problems as problems_on_disk
+
+    return problems_on_disk(v)
 
 
 def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
@@ -186,7 +198,7 @@ def _missing_or_cut(path: Path, record: dict) -> List[Problem]:
     return [corrupt(file, why).problems[0] for file, why in found if why]
 
 
-def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
+def data_problems(v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] = None) -> List[Problem]:
     """Tokenize (or reuse the cache), then check the vocabulary and that one global batch fits.
     dry_run: count the tokens in memory only as far as that verdict needs (partrain.data.probe_tokens),
     writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
@@ -198,14 +210,30 @@ def data_problems(v: ValidatedRun, dry_run: bool = False) -> List[Problem]:
     with_eval = t.eval_batches > 0
     try:
         if v.run.data.streaming:
-            return _vocab_problems(v, _streamed_vocab_size(v))
+            from partrain.preflight.fine_tuning import stream_vocab
+
+            streamed = stream_vocab(v, facts)  # fine-tuning rows: the first batches rendered; None for text
+            return _vocab_problems(v, streamed if streamed is not None else _streamed_vocab_size(v))
         if uses_examples(v.run.data):  # fine-tuning rows: every row rendered, in memory for a dry run
             # Imported here: the example batches build torch tensors, and text runs stay torch-free.
-            from partrain.data.example_batches import example_batch_problems
+            from partrain.blueprint.validate_data_format import packed_layout_problem
+            from partrain.data.example_packing import example_batch_problems
+            from partrain.data.long_examples import long_example_problems, row_note
 
             examples = probe_examples(v.run.data) if dry_run else prepare_examples(v.run.data)
-            problems = _vocab_problems(v, examples.vocab_size)
-            return problems + example_batch_problems(examples, t.seq_len, v.global_batch_size, with_eval)
+            if facts is not None:  # the dry run's report: format, template, masked share of the first batches
+                from partrain.preflight.fine_tuning import data_facts
+
+                facts["fine_tuning"] = data_facts(v, examples)
+            problems = _vocab_problems(v, examples.vocab_size) + long_example_problems(v.run.data, examples, t.seq_len)
+            if note := row_note(v.run.data, examples, t.seq_len):  # skipped rows, cut examples: said, not silent
+                print(f"note: {note}", file=sys.stderr, flush=True)
+            if layout := packed_layout_problem(v.run, v.layout.tp):  # data.format=auto: known only now
+                problems.append(Problem(*layout))
+            long_examples = v.run.data.long_examples
+            return problems + example_batch_problems(
+                examples, t.seq_len, v.global_batch_size, with_eval, long_examples, v.run.data.packing
+            )
         if dry_run:
             # The same rule decides when enough has been read and what the launch would refuse.
             packed = probe_tokens(

@@ -63,6 +63,7 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
         )
         engine = DirectEngine(dp_model, run.train.micro_batch_size, autocast, device, loss_ctx, forward_loss=loss_fn)
         engine.moe = held.moe
+        engine.label_group = shard.group if shard else None  # masked labels: counted over the sp slices
         return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
 
@@ -89,6 +90,7 @@ def _pipeline_engine(
     groups = [g for stage in stages for g in param_groups(stage, run.optim.weight_decay)]
     master = autocast != run.train.precision
     if master:  # torch's schedule accumulates the stages' gradients itself: no hooks (master_weights)
+        master_weights.cast_frozen(stages, run.train.precision)
         optimizer = master_weights.make_master_optimizer(
             groups, mesh, p.zero_stage, run.optim, run.train.precision, hooks=False
         )
@@ -124,6 +126,7 @@ def _pipeline_engine(
         sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
     if master:
         sync = optimizer.finish_gradients
+    runner.label_group = shard.group if shard else None  # masked labels: counted over the sp slices
     engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), autocast, device, loss_ctx, sync)
     engine.moe = held.moe
     return engine

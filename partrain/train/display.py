@@ -16,7 +16,7 @@ from rich.console import Console
 
 from partrain.blueprint.planner.relayout import layout_change_text
 from partrain.train.metrics import parse_event
-from partrain.train.progress_text import event_line, profiling_rows, summary_lines
+from partrain.train.progress_text import data_rows_text, event_line, packing_text, profiling_rows, summary_lines
 
 MODES = ("rich", "plain", "json")
 OUTCOME_EVENTS = ("start", "summary", "stopped", "refused")
@@ -170,6 +170,10 @@ def summary_table(summary: dict):
         )
     for change in summary.get("layout_changes") or []:
         table.add_row(f"layout change at step {change['step']}", layout_change_text(change))
+    if summary.get("data_rows"):
+        table.add_row("data rows", data_rows_text(summary["data_rows"]))
+    if summary.get("packing"):
+        table.add_row("examples", packing_text(summary["packing"]))
     for label, text in profiling_rows(summary):
         table.add_row(label, text)
     table.add_row("run folder", summary["run_dir"])

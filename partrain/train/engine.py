@@ -43,12 +43,19 @@ class Engine(Protocol):
         ...
 
     def forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_scale: float = 1.0,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         """Gradients of the step's mean loss times `loss_scale`; the unscaled mean loss where this
         rank sees it (None on pipeline ranks without the last stage). `label_share`: labelled tokens
         per row over the global batch when labels are masked (fine-tuning examples): the mean is then
-        over the global batch's labelled tokens, not a mean of microbatch means (`label_weight`)."""
+        over the global batch's labelled tokens, not a mean of microbatch means (`label_weight`).
+        `position_ids` [B, S]: packed examples' positions (restarting per example, which also keeps
+        attention inside each example); None = 0..S-1."""
         ...
 
     def clip(self, max_norm: float) -> float:
@@ -60,10 +67,23 @@ class Engine(Protocol):
         ...
 
     def eval_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         """Mean loss of a forward-only pass over the batch (over its labelled tokens: `label_share`)."""
         ...
+
+
+def _split(t: Optional[torch.Tensor], size: int, count: int) -> list:
+    """`t` split into microbatches of `size` rows, or `count` Nones."""
+    return list(t.split(size)) if t is not None else [None] * count
+
+
+def _position_kwargs(position_ids: Optional[torch.Tensor], device: torch.device) -> dict:
+    return {} if position_ids is None else {"position_ids": to_device(position_ids, device)}
 
 
 class DirectEngine:
@@ -71,6 +91,9 @@ class DirectEngine:
 
     moe = None
     """MoE models: expert_parallel.MoERuntime (router-loss gradient weight, expert-load metrics)."""
+    label_group = None
+    """Sequence parallelism: the sp group, over which a microbatch's labelled tokens are counted
+    (each sp rank holds a slice of the labels; `label_weight`)."""
 
     def __init__(
         self,
@@ -95,19 +118,27 @@ class DirectEngine:
         return [self.dp.inner]
 
     def forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_scale: float = 1.0,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         """Gradients of the step's mean loss times `loss_scale` (fp16); returns the unscaled mean loss."""
         micro = list(zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)))
+        positions = _split(position_ids, self.micro_batch_size, len(micro))
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # read once: one device sync a step
         if self.moe is not None:
             self.moe.grad_scale = loss_scale / len(micro)  # the router losses weigh like the LM loss
-        weights = [label_weight(y, label_share) for _, y in micro]  # counted on the host: no device sync
+        # Counted on the host (no device sync), over the sp group when labels are sequence-sharded.
+        weights = [label_weight(y, label_share, self.label_group) for _, y in micro]
         for i, (x, y) in enumerate(micro):
             x, y = to_device(x, self.device), to_device(y, self.device)
+            extra = _position_kwargs(positions[i], self.device)
             with self.dp.microbatch(i == len(micro) - 1), self.loss_context():
                 with autocast_context(self.precision, self.device.type), record_function("partrain/forward"):
-                    loss = self.forward_loss(self.dp.module, x, y)
+                    loss = self.forward_loss(self.dp.module, x, y, **extra)
                 if weights[i] != 1.0:
                     loss = loss * weights[i]
                 with record_function("partrain/backward"):
@@ -127,15 +158,22 @@ class DirectEngine:
 
     @torch.no_grad()
     def eval_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         module = self.dp.module
         module.eval()
         total, count = torch.zeros((), dtype=torch.float32), 0
-        for x, y in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)):
-            weight = label_weight(y, label_share)
+        xs, ys = inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size)
+        for x, y, p in zip(xs, ys, _split(position_ids, self.micro_batch_size, len(xs))):
+            weight = label_weight(y, label_share, self.label_group)
+            extra = _position_kwargs(p, self.device)
             with autocast_context(self.precision, self.device.type), self.loss_context():
-                loss = local_scalar(self.forward_loss(module, to_device(x, self.device), to_device(y, self.device)))
+                loss = self.forward_loss(module, to_device(x, self.device), to_device(y, self.device), **extra)
+                loss = local_scalar(loss)
                 total += (loss.float() if weight == 1.0 else loss.float() * weight).cpu()
             count += 1
         module.train()
@@ -174,7 +212,12 @@ class PipelineEngine:
         return list(self.stage_modules)
 
     def forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float = 1.0, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_scale: float = 1.0,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
         self.runner.loss_scale = loss_scale
@@ -182,7 +225,8 @@ class PipelineEngine:
         if self.moe is not None:
             self.moe.grad_scale = loss_scale  # torch divides every gradient by the microbatches afterwards
         with self.loss_context(), autocast_context(self.precision, self.device.type):
-            loss = self.runner.step(inputs if first else None, labels if last else None)
+            # Position ids go to every stage: each runs attention, so each needs the document bounds.
+            loss = self.runner.step(inputs if first else None, labels if last else None, position_ids)
         with record_function("partrain/dp/sync_gradients"):
             self.sync_gradients()
         return loss
@@ -196,14 +240,18 @@ class PipelineEngine:
         return self.runner.broadcast_loss(value)
 
     def eval_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, label_share: Optional[float] = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        label_share: Optional[float] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
         first, last = self.runner.has_first, self.runner.has_last
         self.runner.label_share = label_share
         for m in self.stage_modules:
             m.eval()
         with self.loss_context(), autocast_context(self.precision, self.device.type):
-            value = self.runner.eval_step(inputs if first else None, labels if last else None)
+            value = self.runner.eval_step(inputs if first else None, labels if last else None, position_ids)
         for m in self.stage_modules:
             m.train()
         return value

@@ -165,13 +165,14 @@ class Trainer:
         lr = self.schedule.lr()
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        inputs, labels = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
+        # Packed fine-tuning windows also carry position ids (restarting per example: document masks).
+        inputs, labels, *positions = self.batches.rank_batch(step, self.dp_rank, self.dp_size)
         scale = self.loss_scale.scale if self.loss_scale else 1.0
         # Fine-tuning batches mask labels: the loss is then over the global batch's labelled tokens.
         label_share = getattr(self.batches, "label_share", None)
         share = label_share(step) if label_share is not None else None
         with self._compile_errors():
-            local_loss = self.engine.forward_backward(inputs, labels, scale, share)
+            local_loss = self.engine.forward_backward(inputs, labels, scale, share, *positions)
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
         if self.loss_scale:
             unscale_gradients(self.engine.model_parts, scale)
@@ -216,11 +217,11 @@ class Trainer:
             return None
         values = []
         for i in range(self.cfg.train.eval_batches):
-            inputs, labels = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
+            inputs, labels, *positions = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
             label_share = getattr(self.eval_batches, "label_share", None)  # masked labels, as in train_step
             share = label_share(i) if label_share is not None else None
             with self._compile_errors():
-                values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels, share)))
+                values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels, share, *positions)))
         return _mean_over(sum(values) / len(values), self.loss_group, self.loss_size)
 
     # -- the run -------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ class Trainer:
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop: every rank takes the same decision at the same step
-        (one all-reduce of a single int per step; see README "Stopping a run" for its cost)."""
+        (one all-reduce of a single int per step; see docs/reliability.md#stopping-a-run for its cost)."""
         if self.stop is None:
             return False
         flag = torch.tensor([self.stop.signum], dtype=torch.int64)

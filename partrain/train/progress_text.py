@@ -91,6 +91,26 @@ def profiling_rows(s: dict) -> list:
     return rows
 
 
+def data_rows_text(rows: dict) -> str:
+    """The summary's "data_rows": skipped malformed rows per rule, truncated or skipped long examples."""
+    parts = []
+    if rows.get("skipped_rows"):
+        counts = rows["skipped_rows"]
+        per_rule = ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items()))
+        parts.append(f"{sum(counts.values())} malformed rows skipped ({per_rule})")
+    if rows.get("long_examples"):
+        long = rows["long_examples"]
+        parts.append(f"{long['count']} long examples {'truncated' if long['mode'] == 'truncate' else 'skipped'}")
+    return "; ".join(parts)
+
+
+def packing_text(p: dict) -> str:
+    """The summary's "packing": how the examples filled the rows (data.packing) and the padding share."""
+    how = "packed into" if p["packed"] else "padded, one per row:"
+    cut = f", {p['truncated']} truncated" if p.get("truncated") else ""
+    return f"{p['examples']} {how} {p['rows']} rows, {100 * p['padding_share']:.1f}% padding{cut}"
+
+
 def summary_lines(s: dict) -> list:
     """The run summary as `key: value` lines (the terminal shows a table of the same)."""
     lines = [f"summary: steps {s['steps']}, final train loss {s['final_loss']:.4f}"]
@@ -106,6 +126,10 @@ def summary_lines(s: dict) -> list:
         )
     for change in s.get("layout_changes") or []:
         lines.append(f"summary: layout change at step {change['step']}: {layout_change_text(change)}")
+    if s.get("data_rows"):
+        lines.append(f"summary: data rows: {data_rows_text(s['data_rows'])}")
+    if s.get("packing"):
+        lines.append(f"summary: examples: {packing_text(s['packing'])}")
     lines.extend(f"summary: {label}: {text}" for label, text in profiling_rows(s))
     lines.append(f"summary: run folder {s['run_dir']}")
     return lines

@@ -3,7 +3,7 @@
 Every Hydra group (model, cluster, parallel, data, optim, train, checkpoint) is backed by one
 dataclass here. A composed config is merged into `RunConfig`, so unknown keys and wrong types are
 errors. Each field carries an attribute docstring (the string literal under it); `partrain show
---explain` and the README are generated from them, and a test checks that none is missing.
+--explain` and docs/config-reference.md are generated from them, and a test checks that none is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 PEFT_METHODS = ("none", "lora")
 DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "tokenized")
 TRAIN_ON = ("completion", "all")
+LONG_EXAMPLES = ("error", "truncate", "skip")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -50,6 +51,7 @@ CHOICES = {
     "peft.method": PEFT_METHODS,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
+    "data.long_examples": LONG_EXAMPLES,
 }
 """Keys whose value is one of a fixed list: validation refuses others, and a value of the wrong type
 (`parallel.zero_stage=two`) is answered with the list."""
@@ -78,20 +80,6 @@ AT_LEAST = {
     "peft.r": 1,
 }
 """Integer keys with a lower bound (validation's range rule and the type errors' hint)."""
-
-
-def valid_values(key: str, type_name: str) -> str:
-    """What a key accepts, in words: its choices, its range, or its type."""
-    if key in CHOICES:
-        values = [str(v) for v in CHOICES[key]]
-        if all(isinstance(v, int) for v in CHOICES[key]) and len(values) > 2:
-            return f"an integer {values[0]}..{values[-1]}"
-        return "one of " + ", ".join(values)
-    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-    text = words.get(type_name, f"a value of type {type_name}")
-    if key in AT_LEAST:
-        text += f" >= {AT_LEAST[key]}"
-    return text
 
 
 @dataclass
@@ -241,8 +229,9 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """builtin (this Python's standard-library sources, read at run time), a local text/jsonl/parquet
-    file or folder, a `datasets` save_to_disk folder, or a Hub dataset id (org/name, @revision
+    """builtin (this Python's standard-library sources, read at run time), builtin-chat (2,000 generated
+    chats for offline fine-tuning, partrain.data.builtin_chat; `partrain data make-chat` writes them), a
+    local text/jsonl/parquet file or folder, a `datasets` save_to_disk folder, or a Hub dataset id (org/name, @revision
     optional; fetched into the Hub cache, read from it with HF_HUB_OFFLINE=1)."""
     text_field: str = "text"
     """Field holding the text in jsonl/parquet records and `datasets` rows."""
@@ -253,7 +242,9 @@ class DataConfig:
     worker reads the source (a `datasets` source as an IterableDataset) and tokenizes it as it trains,
     through a seeded shuffle buffer; batches stay the same for every layout, a resume replays the stream
     to its step, and the first train.eval_batches global batches of windows are held out for evaluation
-    (data.eval_fraction is not used). See partrain.data.streaming."""
+    (data.eval_fraction is not used). See partrain.data.streaming. Fine-tuning rows are rendered on the fly,
+    one padded example per row (needs data.packing=false and data.long_examples=truncate or skip;
+    partrain.data.example_stream)."""
     tokenizer: str = "auto"
     """auto (the model's own: model.pretrained's tokenizer when that folder ships one, else byte; the
     resolved config records which), byte (256-symbol byte-level, no download), a local folder with an HF
@@ -261,7 +252,15 @@ class DataConfig:
     max_bytes: int = 8_000_000
     """Read at most this many bytes of raw text (0 = all)."""
     eval_fraction: float = 0.02
-    """Share of the token stream held out for evaluation."""
+    """Share of the token stream held out for evaluation (the tail; not used with eval_split or eval_source)."""
+    eval_split: str = ""
+    """A split of the `datasets` source (a save_to_disk DatasetDict or a Hub dataset) to evaluate on, e.g.
+    validation or test, instead of the held-out tail: every row of data.split then trains. With
+    data.eval_source, the split of that source. "" = no split named. A split that does not exist is exit 2
+    naming the ones that do. See partrain.data.eval_source."""
+    eval_source: str = ""
+    """A second file, folder or `datasets` folder, read as data.source is (same format, fields, tokenizer,
+    max_bytes), whose rows or documents are the eval set instead of the held-out tail ("" = none)."""
     cache_dir: str = ""
     """Where tokenized, packed token files are cached (default ~/.cache/partrain/data)."""
     format: str = "auto"
@@ -278,9 +277,22 @@ class DataConfig:
     """prompt_completion rows without a chat template: the text before the completion, {prompt} replaced
     by the row's prompt ("" = the prompt as it is)."""
     packing: bool = True
-    """text: documents packed into seq_len windows (the only way text is read). chat, prompt_completion
-    and tokenized need data.packing=false in this version: one example per row, padded to train.seq_len,
-    longer ones truncated (and counted); packing examples is not built yet."""
+    """text: documents packed into seq_len windows (the only way text is read, no document masks).
+    chat, prompt_completion and tokenized: true (the default for every format) packs whole examples
+    into seq_len windows by first fit, position ids restarting at 0 per example and attention kept
+    inside each example (partrain.data.example_packing); false pads one example per row. Either way an
+    example longer than a row is handled as data.long_examples says; the run summary reports the
+    padding share."""
+    skip_bad_rows: bool = False
+    """Fine-tuning rows: false = a malformed row (no role or content, an unknown role, non-string content, an
+    empty conversation, no assistant turn, a system turn after the start, a missing prompt, input_ids that are
+    not integers, ...) stops the launch with exit 2 naming its file, line and rule; true = such rows are
+    skipped and counted per rule (the counts are in the dry run's note and the run summary). Every row bad is
+    still exit 2. Over-long examples are not malformed: data.long_examples decides those."""
+    long_examples: str = "error"
+    """Fine-tuning rows: an example longer than a row holds (train.seq_len + 1 tokens: the inputs and the
+    targets shifted by one) is error (exit 2 naming file, line, length and the limit), truncate (cut to the
+    row, counted; what is cut takes no loss) or skip (left out, counted). Independent of data.skip_bad_rows."""
 
 
 @dataclass
@@ -336,8 +348,9 @@ class TrainConfig:
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
     float8: bool = False
     """Run the decoder's linear layers' matmuls in float8 through torchao (pip install 'partrain[float8]'):
-    needs train.precision=bf16, parallel.tp=1 and a dense model; the head stays in bf16, linears whose
-    dimensions are not multiples of 16 are skipped (counted in the log). Weights stay bf16/fp32."""
+    needs train.precision=bf16 and a dense model (composes with tp, Megatron-SP, FSDP, pp); the head
+    stays in bf16, linears whose dimensions are not multiples of 16 (16 x tp under tp) are skipped
+    (counted in the log). Weights stay bf16/fp32."""
     float8_recipe: str = "tensorwise"
     """train.float8 only: torchao's scaling recipe, tensorwise (one scale per tensor; FSDP all-gathers its
     weights in float8) or rowwise (one scale per row: closer to bf16)."""
@@ -416,6 +429,11 @@ class CheckpointConfig:
     must set it to one folder every node mounts (exit 2 otherwise, under torchrun, srun and `launch slurm`)."""
     resume: str = "none"
     """none, auto (the newest complete checkpoint in dir) or a checkpoint path."""
+    init_from: str = ""
+    """A partrain checkpoint folder (step-NNNNNNNN, any layout) whose model weights start this new run:
+    step 0, fresh optimizer, schedule and data order, fresh LoRA adapters under peft=lora (e.g. LoRA on a
+    model partrain pre-trained). Only base weights are read (a LoRA checkpoint's adapters are not). Must be
+    the same model (exit 2 otherwise); with resume=auto the run's own newest checkpoint wins once it has one."""
     keep_last: int = 3
     """Keep this many most recent checkpoints (0 = all)."""
     async_save: bool = False
@@ -442,8 +460,10 @@ class PeftConfig:
     """Dropout on the adapter's input (0 = none; the base projection never sees it)."""
     target_modules: List[str] = field(default_factory=list)
     """Projection names (the last part of their module path) that get adapters; empty = every attention
-    and MLP projection of the family (Llama family: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj)."""
+    and MLP projection of the family (Llama, Qwen2, Mistral: q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj; GPT-2: c_attn, c_proj (attention's and the MLP's), c_fc). MoE families: attention
+    and the dense MLP projections (Qwen2-MoE's shared expert, Qwen3-MoE's mlp_only_layers); the routed
+    experts (stacked 3-D tensors) and the router get no adapters and stay frozen."""
 
 
 @dataclass

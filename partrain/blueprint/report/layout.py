@@ -1,10 +1,11 @@
 """The layout report of a dry run / plan: one JSON-able dict, and its rendering with rich.
 
-JSON keys (documented contract, see README):
+JSON keys (documented contract, see docs/planner.md#the-dry-run-plan-json):
   valid, recipe, world_size, nodes, devices_per_node, degrees, order, zero_stage, dp_shard,
   model (facts), batch (global_batch_size, micro_batch_size, microbatches, seq_len, tokens_per_step),
   ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, rank_kinds (see `rank_kinds`),
   pretrained ({folder, config_overrides, tokenizer} with model.pretrained, else null),
+  fine_tuning ({data, adapters}: see report.fine_tuning; null for a text run without peft),
   verdict, notes, status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate),
   unchecked [{check, why}] (what the launch's preflight checks and this report did not: `plan`
   without --check reads no files; a dry run names a Hub dataset or Hub weights not in the local
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from partrain.blueprint.report.fine_tuning import fine_tuning_lines, fine_tuning_section
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError
@@ -49,6 +51,8 @@ def layout_report(v: ValidatedRun) -> dict:
         },
         "rank_kinds": rank_kinds(v),
         "pretrained": _pretrained(run),
+        # peft's adapters here; a dry run adds what its preflight measured of the data (cli.layout_view)
+        "fine_tuning": fine_tuning_section(v, None),
         "notes": notes,
         "verdict": _verdict(v, notes),
         # "ready" until the estimate says otherwise (report.estimate.conclude): one verdict in the end.
@@ -248,6 +252,8 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
         f"{deg['dp']}; "
         f"seq_len {b['seq_len']}; {b['tokens_per_step']} tokens/step",
     )
+    for label, text in fine_tuning_lines(report.get("fine_tuning")):
+        summary.add_row(label, text)
     console.print(summary)
 
     width = console.width

@@ -127,6 +127,10 @@ class PipelineRunner:
         self.label_share: Optional[float] = None
         """Labelled tokens per row over the global batch when labels are masked (set per step by the engine)."""
         """Multiplier of the loss before backward (fp16 dynamic loss scaling); step() returns the unscaled loss."""
+        self.label_group = None
+        """Sequence parallelism: the sp group the labelled tokens are counted over (`label_weight`)."""
+        self._positions: Optional[Tuple[torch.Tensor, ...]] = None
+        """This step's microbatch position ids (packed examples), given to each stage before its forward."""
         self._activation_dtype = activation_dtype
         hidden = unwrap_ddp(stage_modules[0]).config.hidden_size
         between = activation_seq_len or seq_len  # a sequence shard between stages under Megatron-SP
@@ -173,14 +177,34 @@ class PipelineRunner:
             x, y = unwrap_ddp(module).example_io(microbatch_size, seq_len, dtype)
             kwargs = {"input_args": (x,), "output_args": (y,)}
         stage = PipelineStage(module, chunk, self.n_chunks, self.device, group=self.group, **kwargs)
+        self._feed_positions(stage, unwrap_ddp(module))
         if self._measure:
             self._instrument(stage)
         return stage
 
+    def _feed_positions(self, stage, module: nn.Module) -> None:
+        """Before torch runs microbatch i through this stage, give the stage microbatch i's position
+        ids: every stage runs attention, so every stage needs the document bounds, and torch names
+        the microbatch (fwd_chunk_id) whatever the schedule's order."""
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            positions = self._positions
+            module.microbatch_position_ids = positions[fwd_chunk_id] if positions is not None else None
+            return original(fwd_chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
+
+    def _set_positions(self, position_ids: Optional[torch.Tensor]) -> None:
+        self._positions = (
+            None if position_ids is None else to_device(position_ids, self.device).chunk(self.n_microbatches)
+        )
+
     # -- instrumentation --------------------------------------------------------------------------
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self._user_loss_fn(output, target)
-        weight = label_weight(target, self.label_share)  # masked labels: the global batch's token mean
+        # Masked labels: the global batch's token mean (counted over the sp group under context parallelism).
+        weight = label_weight(target, self.label_share, self.label_group)
         if weight != 1.0:
             loss = loss * weight
         return loss if self.loss_scale == 1.0 else loss * self.loss_scale
@@ -215,13 +239,20 @@ class PipelineRunner:
             setattr(stage, method, timed)
 
     # -- one step -----------------------------------------------------------------------------------
-    def step(self, inputs: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[float]:
+    def step(
+        self,
+        inputs: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> Optional[float]:
         """Forward + backward of one optimizer step's microbatches; gradients accumulate in the stages.
 
         inputs [B, S] are needed on the rank owning chunk 0 and labels [B, S] on the rank owning the
-        last chunk (others may pass None); B must be a multiple of n_microbatches. Returns the mean
-        microbatch loss on the last chunk's rank, None elsewhere. Call optimizer.zero_grad() before.
+        last chunk (others may pass None); B must be a multiple of n_microbatches. position_ids [B, S]
+        (packed examples) on every rank, or None. Returns the mean microbatch loss on the last chunk's
+        rank, None elsewhere. Call optimizer.zero_grad() before.
         """
+        self._set_positions(position_ids)
         args: Tuple[torch.Tensor, ...] = ()
         if self.has_first:
             if inputs is None:
@@ -253,7 +284,12 @@ class PipelineRunner:
         return float(torch.stack([l.detach().float() for l in losses]).mean()) / self.loss_scale
 
     @torch.no_grad()
-    def eval_step(self, inputs: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[float]:
+    def eval_step(
+        self,
+        inputs: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> Optional[float]:
         """Forward only, one microbatch and one chunk at a time (no schedule, no overlap): the mean
         microbatch loss on the last chunk's rank, None elsewhere. Gradients are untouched.
 
@@ -273,6 +309,7 @@ class PipelineRunner:
             self._check_batch(labels)
             ys = to_device(labels, self.device).chunk(self.n_microbatches)
         b, s, hidden = self._io_shape
+        self._set_positions(position_ids)
         total = torch.zeros((), dtype=torch.float64)
         for mb in range(self.n_microbatches):
             h: Optional[torch.Tensor] = None
@@ -285,9 +322,12 @@ class PipelineRunner:
                     h = torch.empty(b, s, hidden, dtype=self._activation_dtype, device=self.device)
                     with record_function("partrain/pp/recv"):
                         dist.recv(h, group=self.group, group_src=owner[c - 1])
+                module = unwrap_ddp(mine[c])
+                module.microbatch_position_ids = self._positions[mb] if self._positions is not None else None
                 h = mine[c](h)
                 if c == self.n_chunks - 1:
-                    total += float(self._user_loss_fn(h, ys[mb])) * label_weight(ys[mb], self.label_share)
+                    weight = label_weight(ys[mb], self.label_share, self.label_group)
+                    total += float(self._user_loss_fn(h, ys[mb])) * weight
                 elif owner[c + 1] != self.pp_rank:
                     with record_function("partrain/pp/send"):
                         dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])

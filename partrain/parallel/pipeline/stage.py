@@ -33,6 +33,10 @@ class PipelineStageModule(nn.Module):
         """Full sequence length when activations are sequence-sharded (SP); None = from the input."""
         self.position_ids: Optional[torch.Tensor] = None
         """[1, local seq] global positions of this rank's tokens under context parallelism (apply_sp)."""
+        self.microbatch_position_ids: Optional[torch.Tensor] = None
+        """[b, local seq] position ids of the microbatch being run (packed examples: restarting at 0 per
+        example, which HF's mask builder turns into a block-diagonal mask); set by the runner before
+        each forward, None = the positions above."""
         self.head_in_loss = False
         """Last chunk: return the final-norm output and leave the head to the loss (chunked loss,
         `train.loss_chunk_tokens`), so the stage never materialises the whole logits."""
@@ -101,7 +105,9 @@ class PipelineStageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         adapter, base = self.adapter, self.get_submodule(self.adapter.base_prefix)
         seq = self.seq_len or x.shape[1]
-        if self.position_ids is None:
+        if self.microbatch_position_ids is not None:
+            position_ids = self.microbatch_position_ids.to(x.device)
+        elif self.position_ids is None:
             position_ids = torch.arange(seq, device=x.device).unsqueeze(0)
         else:
             position_ids = self.position_ids.to(x.device)

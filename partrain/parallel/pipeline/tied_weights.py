@@ -33,6 +33,8 @@ def tied_weight_sync(
     last = next((m.tied_weight() for m in mods if m.is_last and m.tied_weight() is not None), None)
     if first is None and last is None:
         return False
+    if not (first if first is not None else last).requires_grad:  # frozen (peft=lora): nothing to sum
+        return True
     for p in (first, last):
         # A tensor-parallel embedding's gradient can come back Partial/Replicate: bring it to the
         # parameter's own sharding so both copies exchange equal-sized local shards.

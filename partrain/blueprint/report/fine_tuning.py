@@ -1,0 +1,100 @@
+"""The fine-tuning lines of the layout report (issue 37 item 7): what the dry run found in the data, and
+what LoRA trains.
+
+JSON key "fine_tuning" (null for a text run without peft):
+  data: {format, detected (data.format was auto), template, train_on, packing, examples_train,
+         examples_eval, eval_set, skipped_rows ({rule: count} that data.skip_bad_rows left out, {} when
+         none), long_examples ({mode, count} truncated or skipped by data.long_examples, else null),
+         first_batches: {steps, tokens, trained, masked_share}} or null (text data; or `plan` without
+         --check, which reads no data); a streamed run's skipped_rows and long_examples are null (its
+         rows are met by the workers, not counted ahead);
+  adapters: {method, r, alpha, target_modules, params, base_params, share, memory_bytes} or null.
+The data part is measured by the launch's own preflight (partrain.preflight.fine_tuning); the adapter
+part is counted here from the model's parameter shapes, as the planner counts them (torch-free).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Optional
+
+from partrain.blueprint.planner.params import tensor_specs, with_lora
+from partrain.blueprint.validate import ValidatedRun
+from partrain.blueprint.validate_peft import lora_targets
+
+ADAPTER_BYTES_PER_PARAM = 16
+"""fp32 weight + fp32 gradient + AdamW's two fp32 moments: what each adapter parameter costs (the base
+weights take no gradient and no optimizer state)."""
+
+
+def adapter_facts(v: ValidatedRun) -> Optional[dict]:
+    """LoRA's adapters over the whole model (before any sharding): their parameters, their share of the
+    model and their memory (weights, gradients, optimizer state); None without peft."""
+    peft = v.run.peft
+    if peft.method != "lora":
+        return None
+    targets = lora_targets(v.run.model.arch, peft.target_modules)
+    tensors = with_lora(tensor_specs(v.facts), peft.r, targets)
+    adapters = sum(prod(t.shape) for t in tensors if t.trainable)
+    base = sum(prod(t.shape) for t in tensors if not t.trainable)
+    return {
+        "method": peft.method,
+        "r": peft.r,
+        "alpha": peft.alpha,
+        "target_modules": list(targets),
+        "params": adapters,
+        "base_params": base,
+        "share": adapters / max(1, adapters + base),
+        "memory_bytes": adapters * ADAPTER_BYTES_PER_PARAM,
+    }
+
+
+def fine_tuning_section(v: ValidatedRun, data: Optional[dict]) -> Optional[dict]:
+    """The report's "fine_tuning" value: the preflight's data facts and the adapters; None when neither."""
+    adapters = adapter_facts(v)
+    if data is None and adapters is None:
+        return None
+    return {"data": data, "adapters": adapters}
+
+
+def fine_tuning_lines(section: Optional[dict]) -> list:
+    """(label, text) rows of the terminal summary table."""
+    if not section:
+        return []
+    rows = []
+    d = section.get("data")
+    if d:
+        fmt = f"{d['format']}" + (" (detected from the first row)" if d["detected"] else "")
+        template = f", template {d['template']}" if d.get("template") else ""
+        rows.append(
+            (
+                "fine-tuning data",
+                f"{fmt}{template}; loss on {d['train_on']}; "
+                + ("packed windows" if d["packing"] else "one padded example per row")
+                + (
+                    f"; {d['examples_train']} training examples, {d['examples_eval']} eval ({d['eval_set']})"
+                    if d["examples_train"] is not None
+                    else f"; streamed, eval on {d['eval_set']}"
+                ),
+            )
+        )
+        fb = d.get("first_batches")
+        if fb:
+            rows.append(
+                (
+                    "masked tokens",
+                    f"{fb['masked_share']:.1%} of the {fb['tokens']:,} tokens of the first {fb['steps']} global "
+                    f"batch(es) take no loss (prompts, template, padding); {fb['trained']:,} are trained",
+                )
+            )
+    a = section.get("adapters")
+    if a:
+        rows.append(
+            (
+                "adapters",
+                f"LoRA r={a['r']} alpha={a['alpha']:g} on {', '.join(a['target_modules'])}: {a['params']:,} "
+                f"trainable parameters ({a['share']:.2%} of the model; base frozen), "
+                f"{a['memory_bytes'] / 2**20:.2f} MiB with gradients and AdamW state",
+            )
+        )
+    return rows
