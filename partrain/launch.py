@@ -282,7 +282,7 @@ def _run_as_worker(v: ValidatedRun, env: DistEnv, environ: Mapping[str, str], au
 
 
 def _conclude(run_dir: Path, code: int, seen: dict, signals: List[int], display: Display) -> int:
-    """Say how the run ended; returns the exit code (README "Stopping a run" lists them). With --json
+    """Say how the run ended; returns the exit code (docs/reliability.md#stopping-a-run lists them). With --json
     the same outcome is also the one JSON object on stdout."""
     summary = seen.get("summary")
     ended, message = _outcome(run_dir, code, seen, signals, display)

@@ -66,13 +66,24 @@ def _open_data(v: ValidatedRun, run_dir: Path):
     from partrain.data.prepare import is_examples_entry, open_example_batches
 
     t = v.run.train
-    if v.run.data.streaming:  # tokenized on the fly by every rank, no cache entry
+    if v.run.data.streaming:  # tokenized (or rendered, for fine-tuning rows) on the fly by every rank, no cache
+        from partrain.data.example_stream import open_example_stream, streams_examples
         from partrain.data.streaming import open_stream
 
+        if streams_examples(v.run.data):
+            return open_example_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
         return open_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
     meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
-    if is_examples_entry(meta_path):  # fine-tuning rows: one padded example per row
-        return open_example_batches(meta_path, t.seq_len, v.global_batch_size, t.seed, t.eval_batches > 0)
+    if is_examples_entry(meta_path):  # fine-tuning rows: packed windows or padded rows
+        return open_example_batches(
+            meta_path,
+            t.seq_len,
+            v.global_batch_size,
+            t.seed,
+            t.eval_batches > 0,
+            v.run.data.long_examples,
+            v.run.data.packing,
+        )
     packed = open_packed(meta_path)
     batches = TokenBatches.from_packed(packed, t.seq_len, v.global_batch_size, t.seed)
     evals = EvalBatches.from_packed(packed, t.seq_len, v.global_batch_size) if t.eval_batches > 0 else None
@@ -95,10 +106,7 @@ def train_process(
     from partrain.train import relayout
     from partrain.train.assemble import build_engine
     from partrain.train.loop import Trainer
-    from partrain.train.loss_scale import DynamicLossScale
-    from partrain.train.lr_schedule import LRSchedule
-    from partrain.train.metrics import MetricsWriter
-    from partrain.train.plan_check import Plan, PlanCheckMetrics, memory_baseline
+    from partrain.train.plan_check import memory_baseline
     from partrain.train.profiling import ProfilingContext, RunProfiling
     from partrain.train.trackers import TrackerMemory
 
@@ -120,15 +128,14 @@ def train_process(
     engine = build_engine(v, mesh, device)
 
     batches, evals = _open_sharded_data(v, run_dir, mesh)
-    loss_scale = DynamicLossScale.for_run(run.train)
-    schedule = LRSchedule(run.optim, run.train.steps)
-    checkpoints = Checkpoints(v, run_dir, engine, batches, restarted, loss_scale, events, schedule)
+    checkpoints, loss_scale, schedule = _checkpointed(v, run_dir, engine, batches, restarted, events)
     start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
-    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=run, tracker_memory=trackers)
+    if start_step == 0 and run.checkpoint.init_from:  # a new run: base weights from another run's checkpoint
+        from partrain.checkpoint.init_from import load_init_weights
+
+        load_init_weights(Path(run.checkpoint.init_from), engine.model_parts, engine.optimizer)
     pp_rank = mesh.local("pp")
-    plan = Plan.of(v, run_dir) if env.is_main else None  # once, before the loop: measured beside planned
-    if env.is_main:
-        metrics = PlanCheckMetrics(metrics, plan, run.train.steps, v, device, baseline, pp_rank, trackers)
+    metrics, plan = _metrics(v, env, run_dir, device, baseline, pp_rank, trackers)
     profiling = RunProfiling(ProfilingContext.of(run, run_dir, env.rank, device, start_step))
     trainer = Trainer(
         v,
@@ -151,9 +158,7 @@ def train_process(
         state = _run_trainer(trainer, v, device, run_dir, env.rank, pp_rank, stop)
     finally:
         profiling.close()
-    saved = checkpoints.save_at_stop(state.step) if state.stopped else None
-    hf_dir = checkpoints.export_at_end(state.step) if not state.stopped else None
-    checkpoints.finish()
+    saved, hf_dir = checkpoints.at_end(state.step, state.stopped)
     metrics.close()
 
     gathered = _gather_rank_records(env, state, pp_rank, device, baseline, engine, trackers, profiling)
@@ -162,10 +167,35 @@ def train_process(
         return relayout.PEER_LEFT_EXIT
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
-    changes = history.changes
     return _report_summary(
-        v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, changes
+        v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, history.changes
     )
+
+
+def _checkpointed(v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, events):
+    """(checkpoint manager, loss scale, LR schedule): the parts every checkpoint saves beside the
+    engine's model and optimizer (partrain.checkpoint.manager), made here so the trainer steps the
+    same objects."""
+    from partrain.checkpoint.manager import DATA, CheckpointManager, ScheduleState
+    from partrain.train.loss_scale import DynamicLossScale
+    from partrain.train.lr_schedule import LRSchedule
+
+    loss_scale = DynamicLossScale.for_run(v.run.train)
+    schedule = LRSchedule(v.run.optim, v.run.train.steps)
+    parts = {DATA: batches, "loss_scale": loss_scale, "lr_schedule": ScheduleState(schedule)}
+    return CheckpointManager.for_run(v, run_dir, engine, parts, restarted, events), loss_scale, schedule
+
+
+def _metrics(v: ValidatedRun, env: DistEnv, run_dir: Path, device, baseline: int, pp_rank: int, trackers):
+    """(metrics writer, plan): rank 0's writer also puts each step's measures beside the plan's."""
+    from partrain.train.metrics import MetricsWriter
+    from partrain.train.plan_check import Plan, PlanCheckMetrics
+
+    metrics = MetricsWriter(run_dir, enabled=env.is_main, run=v.run, tracker_memory=trackers)
+    if not env.is_main:
+        return metrics, None
+    plan = Plan.of(v, run_dir)  # once, before the loop: measured beside planned
+    return PlanCheckMetrics(metrics, plan, v.run.train.steps, v, device, baseline, pp_rank, trackers), plan
 
 
 def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
@@ -228,6 +258,27 @@ def _engine_record(engine) -> dict:
     return out
 
 
+def _data_row_facts(v: ValidatedRun, run_dir: Path) -> dict:
+    """Fine-tuning rows: the summary's "data_rows" (skipped malformed rows, truncated or skipped long examples)."""
+    from partrain.data.long_examples import run_row_facts
+
+    if v.run.data.streaming:
+        return {}
+    meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
+    return run_row_facts(meta_path, v.run.data, v.run.train.seq_len)
+
+
+def _packing_facts(v: ValidatedRun, run_dir: Path) -> dict:
+    """Fine-tuning rows: the summary's "packing" (windows or padded rows, padding share, truncated examples)."""
+    from partrain.data.example_packing import run_packing_facts
+
+    if v.run.data.streaming:
+        return {}
+    meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
+    t = v.run.train
+    return run_packing_facts(meta_path, v.run.data, t.seq_len, v.global_batch_size, t.seed)
+
+
 def _report_summary(
     v: ValidatedRun,
     env: DistEnv,
@@ -266,6 +317,8 @@ def _report_summary(
         if hf_dir is not None:
             summary["hf_export"] = str(hf_dir)
         summary.update(profiling_summary(v.run, gathered))
+        summary.update(_data_row_facts(v, run_dir))
+        summary.update(_packing_facts(v, run_dir))
         if plan is not None:
             steps = [r.step_time_s for r in state.history]
             summary["planned_vs_measured"] = planned_vs_measured(plan, gathered, steps, v, device_type)
@@ -304,123 +357,6 @@ def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Opt
         else:
             print(text, flush=True)
     return 0 if via_launcher else exit_code(state.stopped)
-
-
-class Checkpoints:
-    """When to save and what to resume from; the DCP mechanics live in partrain.checkpoint."""
-
-    def __init__(
-        self,
-        v: ValidatedRun,
-        run_dir: Path,
-        engine,
-        batches,
-        restarted: bool,
-        loss_scale=None,
-        events=None,
-        schedule=None,
-    ) -> None:
-        from partrain import checkpoint as ckpt
-
-        self.events = events or Events()
-        """Rank 0 says each save and resume in the log (the other ranks' Events drop it)."""
-        self.schedule = schedule
-        """The run's LRSchedule (partrain.train.lr_schedule): saved with the data position, resumed exactly."""
-        self.ckpt = ckpt
-        self.loss_scale = loss_scale
-        """fp16's DynamicLossScale (saved and restored with the data position), or None."""
-        self.cfg = v.run.checkpoint
-        self.root = Path(self.cfg.dir).expanduser() if self.cfg.dir else run_dir / "checkpoints"
-        self.run_dir = run_dir
-        self.engine = engine
-        self.batches = batches
-        self.meta = ckpt.run_meta(v)
-        self.ranks_per_node = v.run.cluster.devices_per_node
-        """Consecutive global ranks per node (brief section 4): names a node whose checkpoints differ."""
-        # After torchrun's elastic agent restarts the job, always continue from the newest checkpoint.
-        self.resume_spec = "auto" if restarted and self.cfg.resume == "none" else self.cfg.resume
-        self.last: tuple = (0, None)
-        """(step, folder) of the newest checkpoint this run saved or resumed from."""
-        self.resumed_extra: dict = {}
-        """The trainer's JSON of the checkpoint resumed from ({} for a fresh start)."""
-        self.history = None
-        """The run's LayoutHistory (partrain.train.relayout), saved with every checkpoint; None = not saved."""
-
-    def resume(self) -> int:
-        """Load the checkpoint to resume from, if any; returns the step to continue after."""
-        parts, optimizer = self.engine.model_parts, self.engine.optimizer
-        if self.resume_spec == "none":
-            return 0
-        if self.resume_spec == "auto":
-            path, extra = self.ckpt.load_with_fallback(self.root, parts, optimizer, self.meta, self.ranks_per_node)
-        else:
-            path = self.ckpt.find_resume(self.root, self.resume_spec)
-            extra = self.ckpt.load_checkpoint(path, parts, optimizer, self.meta)["extra"] if path else {}
-        if path is None:
-            return 0
-        self.batches.load_state_dict(
-            {k: v for k, v in extra["data"].items() if k != "step"} | {"step": extra["data"]["step"]}
-        )
-        if self.loss_scale is not None and "loss_scale" in extra:
-            self.loss_scale.load_state_dict(extra["loss_scale"])
-        if self.schedule is not None:
-            self.schedule.load(extra.get("lr_schedule"), int(extra["data"]["step"]))
-        log.info("resumed from %s at step %d", path, extra["data"]["step"])
-        self.events("resumed", step=int(extra["data"]["step"]), path=str(path))
-        self.resumed_extra = extra
-        self.last = (int(extra["data"]["step"]), Path(path))
-        return int(extra["data"]["step"])
-
-    def maybe_save(self, step: int) -> None:
-        every = self.cfg.every_steps
-        if every and step % every == 0:
-            self._save(step)
-
-    def save_at_stop(self, step: int) -> Optional[Path]:
-        """A run stopped early: save its last step when checkpointing is on (collective); the folder
-        holding that step (None when checkpointing is off or nothing was ever saved)."""
-        if not self.cfg.every_steps or step == self.last[0]:
-            return self.last[1] if self.cfg.every_steps else None
-        return self._save(step)
-
-    def _save(self, step: int) -> Path:
-        extra = {"data": {**self.batches.state_dict(), "step": step}}
-        if self.history is not None:
-            extra.update(self.history.extra())
-        if self.loss_scale is not None:
-            extra["loss_scale"] = self.loss_scale.state_dict()
-        if self.schedule is not None:
-            extra["lr_schedule"] = self.schedule.state_dict()
-        path = self.ckpt.save_checkpoint(
-            self.root,
-            step,
-            self.engine.model_parts,
-            self.engine.optimizer,
-            extra,
-            self.meta,
-            self.cfg.keep_last,
-            self.cfg.async_save,
-        )
-        # A sync save returns once every rank sees the committed folder; an async one is still writing.
-        log.info("%s checkpoint %s", "saving (in the background)" if self.cfg.async_save else "saved", path)
-        self.events("checkpoint", step=step, path=str(path))
-        self.last = (step, Path(path))
-        return Path(path)
-
-    def export_at_end(self, step: int) -> Optional[Path]:
-        """checkpoint.export_hf: save the last step if it is not saved yet, then every rank writes its
-        shard of <run_dir>/hf from that checkpoint (collective). The folder, or None when off."""
-        if not self.cfg.export_hf or step == 0:
-            return None
-        path = self.last[1] if step == self.last[0] and self.last[1] is not None else self._save(step)
-        self.ckpt.wait_pending_save()  # an async save must be on disk before it is read back
-        out = self.run_dir / "hf"
-        self.ckpt.export_hf_collective(path, out, self.cfg.export_dtype)
-        log.info("exported the step-%d weights as an HF folder: %s", step, out)
-        return out
-
-    def finish(self) -> None:
-        self.ckpt.wait_pending_save()
 
 
 def _check_nodes_agree(v: ValidatedRun, run_dir: Path, env: DistEnv, via_launcher: bool) -> None:

@@ -122,17 +122,26 @@ def cli(tmp_path, monkeypatch):
 SINGLE_PROCESS_FILES = frozenset(
     f"test_{name}.py"
     for name in (
+        "bad_rows",
         "bench_compute",
         "chat_examples",
+        "checkpoint_manager",
         "chunked_loss",
         "cli",
         "cli_polish",
+        "code_size",
         "config",
         "data",
+        "docs",
+        "eval_split",
+        "example_stream",
         "ep_planner",
+        "families",
         "faults_config",
+        "finetune_dry_run",
         "gpu_memory",
         "grad_clip",
+        "hf_writer",
         "host_work",
         "layout",
         "layout_report",
@@ -177,3 +186,13 @@ def pytest_xdist_make_scheduler(config, log):
             return xdist_work_unit(nodeid)
 
     return ProcessGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier, `pytest -m "not slow"`: every test of a file that starts training processes
+    (one not in SINGLE_PROCESS_FILES) counts as slow, so the fast tier is the single-process files
+    (planner, validator, dry runs, CLI, data, config), a few minutes where the whole suite takes ~14."""
+    slow = pytest.mark.slow
+    for item in items:
+        if xdist_work_unit(item.nodeid) == "training-processes":
+            item.add_marker(slow)

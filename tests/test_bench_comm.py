@@ -14,7 +14,6 @@ from typing import Optional
 
 import pytest
 
-from partrain.bench.busy_node import BUSY_ITERS
 from partrain.blueprint.comm_profile import (
     OPS,
     ProfileError,
@@ -22,7 +21,6 @@ from partrain.blueprint.comm_profile import (
     load_profile,
     make_profile,
     parse_sizes,
-    planner_busy,
     result,
     write_profile,
 )
@@ -39,11 +37,9 @@ def synthetic(
     unsupported=(),
     latency_s: float = 0.0,
     cpu_s: Optional[float] = None,
-    busy: Optional[dict] = None,
 ) -> Path:
     """A profile whose busbw at the largest size is gbps[op] (GB/s) on each link class, written
-    through profile.py as `bench comm` writes it; `cpu_s`: every call's CPU seconds (none: not measured);
-    `busy`: the profile's "busy" block (bench/busy_node.py), if any."""
+    through profile.py as `bench comm` writes it; `cpu_s`: every call's CPU seconds (none: not measured)."""
     entries = {}
     for link in links:
         ops = {}
@@ -58,8 +54,6 @@ def synthetic(
             ops[op] = {"supported": True, "torch_op": op, "bus_factor": factor, "results": rows}
         entries[link] = {"group_size": 2, "groups": [[0, 1]], "ops": ops}
     profile = make_profile(cluster, entries, {"dtype": "float32", "sizes": [4096, 1 << 24], "iters": 1, "warmup": 0})
-    if busy is not None:
-        profile["busy"] = busy
     return write_profile(path, profile)
 
 
@@ -105,13 +99,7 @@ def test_bench_comm_measures_every_op_and_plan_uses_the_profile(run_partrain):
             assert r["busbw"] == pytest.approx(r["algbw"] * {"all_reduce": 1.0, "send_recv": 1.0}.get(op, 0.5))
             assert math.isfinite(r["cpu_s"]) and r["cpu_s"] > 0  # the ranks' CPU per call, gloo's threads too
         assert profile["summary"]["intra"][op] == rec["results"][-1]["busbw"]  # largest size
-    # the same pair on a busy node: compute between calls, each call's process CPU (busy_node.py)
-    busy = profile["busy"]
-    assert busy["group_size"] == 2 and busy["bytes"] == 4096 and busy["iters"] == BUSY_ITERS
-    assert set(busy["cpu_s"]) == set(OPS) and all(math.isfinite(c) and c > 0 for c in busy["cpu_s"].values())
-    assert 0 < busy["work_s"] and math.isfinite(busy["compute_inflation"]) and busy["compute_inflation"] > 0
-    calls, inflation = planner_busy(path)
-    assert dict(calls) == busy["cpu_s"] and inflation == busy["compute_inflation"]
+    assert "busy" not in profile  # the busy-node measurement is gone: the planner's CPU host model is frozen
 
     plan = run_partrain("plan", "recipe=gpt-3d", f"cluster.comm_profile={path}", "--json")
     assert plan.code == 0, plan.stderr

@@ -146,7 +146,7 @@ def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
             f"cluster.compute_profile={path}",
         )
         per_microbatch[devices] = est["time_breakdown_s"]["compute"] / (batch // (devices * 2))
-        # more ranks than cores: the report says the step is their CPU work over the cores (host_work.py)
+        # more ranks than cores: the report says the step is their CPU work over the cores (cpu_host.py)
         shared = [n for n in est["notes"] if "CPU cores: the step is at least their CPU work" in n]
         assert len(shared) == (devices > profile["cpu_cores"])
     fitted = ComputeModel(None, 1.0, "cpu", None, "", threads=profile["threads"], cores=profile["cpu_cores"])
@@ -155,7 +155,7 @@ def test_cpu_ranks_sharing_cores_compute_slower(cli, bench):
 
 
 def test_cpu_profile_measures_the_per_call_host_work(bench):
-    """On CPU the bench times what planner/host_work.py charges ranks that share cores: the optimizer
+    """On CPU the bench times what planner/cpu_host.py charges ranks that share cores: the optimizer
     step and the gradient clip per parameter tensor, plain and DTensor, and what the TP wrappers add to
     a layer and to the embedding, head and loss. No order between plain and DTensor is asserted: since
     the optimizer steps DTensors' local shards the two differ by less than the machine's noise (a
@@ -168,23 +168,27 @@ def test_cpu_profile_measures_the_per_call_host_work(bench):
 
 
 def test_cpu_profile_measures_the_node_s_real_rank_steps(bench):
-    """On CPU the bench runs the node's real rank steps at once on the fake process group and keeps, per
-    rank, their CPU and the planner's count of the same work; the factor is their ratio of sums."""
-    from partrain.bench.rank_steps import node_ranks
+    """On CPU the bench runs the node's real rank steps at once on the fake process group and keeps
+    measurements only: the layout (as the planner's fields), and per rank its pipeline rank and CPU per step.
+    The planner derives its factor from them at plan time (test_host_work.py)."""
+    from partrain.bench.cpu.rank_steps import node_ranks
+    from partrain.blueprint.compute_profile import RANK_STEPS_LAYOUT_KEYS
 
     _, profile = bench
     block = profile["host"]["rank_steps"]
     v = validate(compose(TINY))
     assert block["ranks"] == node_ranks(v) and len(block["ranks"]) == min(v.layout.world_size, 2)
-    assert all(0 < s < 10 for s in block["measured_cpu_s"]) and all(c > 0 for c in block["counted_cpu_s"])
-    assert block["factor"] == pytest.approx(sum(block["measured_cpu_s"]) / sum(block["counted_cpu_s"]))
+    assert all(0 < s < 10 for s in block["measured_cpu_s"]) and block["pp_ranks"] == [0] * len(block["ranks"])
+    assert "factor" not in block and "counted_cpu_s" not in block  # nothing the planner's formula computed
+    spec = spec_from_validated(v)
+    assert block["spec"] == {k: getattr(spec, k, v.run.cluster.devices_per_node) for k in RANK_STEPS_LAYOUT_KEYS}
     assert "micro 2 x seq 64" in block["layout"]
 
 
 def test_pipeline_rank_steps_run_on_the_fake_process_group():
     """A pipeline's stages on the fake process group: every rank's 1F1B step runs (its sends and receives
     return at once) and takes CPU; layouts the fake group cannot stand in for say why."""
-    from partrain.bench.rank_steps import measure_node, why_not
+    from partrain.bench.cpu.rank_steps import measure_node, why_not
 
     pipeline = ["model=gpt2-tiny", "cluster.devices_per_node=2", "parallel.pp=2", "parallel.dp=1"]
     small = ["train.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=4"]
@@ -201,7 +205,7 @@ def test_cpu_profile_measures_what_a_worker_holds_beyond_tensors(cli, bench, tmp
     """On a CPU the planner counts each rank's "process" term: the runtime's resident memory and the
     library code its steps page in, as the profile measured them (nominal without a profile), and the
     heap glibc keeps; on a GPU cluster the term is 0. A profile with a broken "process" block exits 2."""
-    from partrain.blueprint.planner.host_process import (
+    from partrain.blueprint.planner.cpu_host import (
         HEAP_FIXED_BYTES,
         HEAP_PER_TRANSIENT_BYTE,
         NOMINAL_CODE_BYTES,

@@ -1,5 +1,5 @@
 """A CPU node whose ranks outnumber its cores: the planner's step is at least the ranks' CPU work over
-the cores (planner/host_work.py), from the compute profile's "host" block and the comm profile's CPU
+the cores (planner/cpu_host.py), from the compute profile's "host" block and the comm profile's CPU
 per call. Pure planner: synthetic comm profiles, a recorded CPU compute profile."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from test_bench_comm import synthetic
 
-from partrain.bench.busy_node import busy_groups
-from partrain.blueprint.comm_profile import OPS, planner_busy, planner_cpu_costs, ring_steps
+from partrain.blueprint.comm_profile import OPS, planner_cpu_costs, ring_steps
+from partrain.blueprint.compute_profile import RANK_STEPS_LAYOUT_KEYS
 from partrain.blueprint.config.compose import compose
-from partrain.blueprint.planner.host_work import _param_tensors
+from partrain.blueprint.planner.cpu_host import _param_tensors
+from partrain.blueprint.planner.estimate import own_cpu_by_pp_rank
 from partrain.blueprint.planner.rank_state import pipeline_ranks
 from partrain.blueprint.planner.spec import spec_from_validated
 from partrain.blueprint.validate import validate
@@ -61,73 +62,45 @@ def test_the_step_is_the_ranks_cpu_over_the_cores(cli, tmp_path):
     assert est[2e-3]["step_time_s"] - est[1e-3]["step_time_s"] == pytest.approx(140 * 1e-3, rel=1e-6)
 
 
-def _busy(cpu_s: float, inflation: float = 1.0) -> dict:
-    return {
-        "group_size": 2,
-        "bytes": 4096,
-        "work_s": 0.004,
-        "iters": 20,
-        "compute_inflation": inflation,
-        "cpu_s": {op: cpu_s for op in OPS},
-    }
-
-
-def test_busy_block_of_the_comm_profile(tmp_path):
-    assert busy_groups(1, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert busy_groups(2, 3) == [[0, 1, 2], [3, 4, 5]]  # an odd node's last three form one group
-    calls, inflation = planner_busy(synthetic(tmp_path / "busy.json", LINKS, cpu_s=1e-3, busy=_busy(2e-3, 1.3)))
-    assert dict(calls) == {op: 2e-3 for op in OPS} and inflation == 1.3
-    assert planner_busy(synthetic(tmp_path / "old.json", LINKS, cpu_s=1e-3)) == ((), 1.0)  # measured before it
-    bad = dict(_busy(2e-3, float("nan")), cpu_s={"all_reduce": -1.0, "send_recv": 1e-3, "bogus": 1.0})
-    assert planner_busy(synthetic(tmp_path / "bad.json", LINKS, cpu_s=1e-3, busy=bad)) == ((("send_recv", 1e-3),), 1.0)
-    gpu = synthetic(tmp_path / "gpu.json", LINKS, cluster=GPU_CLUSTER, cpu_s=1e-3, busy=_busy(2e-3, 1.3))
-    assert planner_busy(gpu) == ((), 1.0)  # a GPU's host CPU is not its device
-
-
-def test_busy_node_calls_cost_their_measured_cpu_per_call(cli, tmp_path):
-    """With a busy block every call inside the node costs its measured CPU b, whatever its group's size:
-    gpt-3d's first stage makes 2 x (9 TP all-reduces + 1 pipeline send) + 1 DP all-reduce + the stop
-    agreement over all 8 (one call now, not 14 ring steps) + the loss broadcast + 2 pipeline all-reduces +
-    the gradient norm's TP all-reduce = 26 calls, the last stage 6 more (loss parallel): 29 a rank on
-    average, x 8 ranks / 2 cores = 116 b. The inflation multiplies the rest of a rank's CPU."""
-    base = ["recipe=gpt-3d", f"cluster.compute_profile={CPU_PROFILE}"]
-
-    def step(b: float, inflation: float) -> float:
-        comm = synthetic(tmp_path / f"c{b}-{inflation}.json", LINKS, cpu_s=1e-3, busy=_busy(b, inflation))
-        e = _estimate(cli, *base, f"cluster.comm_profile={comm}")
-        assert e["time_breakdown_s"]["cpu_shared"] > 0
-        return e["step_time_s"]
-
-    one, two = step(1e-3, 1.0), step(2e-3, 1.0)
-    assert two - one == pytest.approx(116e-3, rel=1e-6)
-    own = one - 116e-3  # the ranks' own CPU over the cores
-    assert step(1e-3, 1.5) - one == pytest.approx(0.5 * own, rel=1e-6)
-
-
-def test_measured_rank_steps_replace_the_busy_inflation(cli, tmp_path):
-    """A compute profile's host.rank_steps factor (the profiled layout's real rank steps over their count)
-    multiplies every rank's own CPU in place of the comm profile's busy-node inflation; the collective
-    calls keep their measured CPU."""
-    comm = synthetic(tmp_path / "comm.json", LINKS, cpu_s=1e-3, busy=_busy(1e-3, 1.5))
+def _with_rank_steps(path: Path, block: dict) -> Path:
     profile = json.loads(CPU_PROFILE.read_text())
-    profile["host"]["rank_steps"] = {
-        "layout": "dp2 tp2 pp2",
-        "ranks": [0],
-        "measured_cpu_s": [2.0],
-        "counted_cpu_s": [1.0],
-        "factor": 2.0,
+    profile["host"]["rank_steps"] = block
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def test_measured_rank_steps_scale_every_rank_s_own_cpu(cli, tmp_path):
+    """A compute profile's host.rank_steps holds measurements only: the profiled layout and each rank's CPU
+    per step. At plan time the planner counts that layout's own CPU from the profile's pieces and multiplies
+    every rank's own CPU by measured / counted (here 2); the collective calls keep their measured CPU (140c,
+    the test above). A block from before the layout was recorded (a stored factor) is ignored."""
+    comm = synthetic(tmp_path / "comm.json", LINKS, cpu_s=1e-3)
+    v = validate(compose(["recipe=gpt-3d", f"cluster.compute_profile={CPU_PROFILE}"]))
+    spec = spec_from_validated(v)
+    counted = own_cpu_by_pp_rank(spec)
+    ranks = list(range(spec.world))
+    pp_ranks = [v.layout.coords(r)["pp"] for r in ranks]
+    fields = {k: getattr(spec, k, spec.cluster.devices_per_node) for k in RANK_STEPS_LAYOUT_KEYS}
+    measured = _with_rank_steps(
+        tmp_path / "measured.json",
+        {
+            "layout": "dp2 tp2 pp2",
+            "spec": fields,
+            "ranks": ranks,
+            "pp_ranks": pp_ranks,
+            "measured_cpu_s": [2 * counted[p] for p in pp_ranks],
+        },
+    )
+    old = _with_rank_steps(tmp_path / "old.json", {"ranks": [0], "measured_cpu_s": [2.0], "factor": 2.0})
+    est = {
+        p: _estimate(cli, "recipe=gpt-3d", f"cluster.compute_profile={p}", f"cluster.comm_profile={comm}")
+        for p in (CPU_PROFILE, measured, old)
     }
-    measured = tmp_path / "measured.json"
-    measured.write_text(json.dumps(profile))
-    plain = synthetic(tmp_path / "plain.json", LINKS, cpu_s=1e-3, busy=_busy(1e-3, 1.0))
-    steps = {
-        (p, c): _estimate(cli, "recipe=gpt-3d", f"cluster.compute_profile={p}", f"cluster.comm_profile={c}")[
-            "step_time_s"
-        ]
-        for p, c in ((CPU_PROFILE, plain), (measured, comm))
-    }
-    own = steps[(CPU_PROFILE, plain)] - 116e-3  # the ranks' own CPU over the cores, as counted
-    assert steps[(measured, comm)] - 116e-3 == pytest.approx(2.0 * own, rel=1e-6)
+    own = est[CPU_PROFILE]["step_time_s"] - 140e-3  # the ranks' own CPU over the cores, as counted
+    assert est[measured]["step_time_s"] - 140e-3 == pytest.approx(2.0 * own, rel=1e-6)
+    assert est[old]["step_time_s"] == est[CPU_PROFILE]["step_time_s"]
+    (note,) = [n for n in est[measured]["notes"] if "processes per node share 2 CPU cores" in n]
+    assert "each rank's own work x2.00, the real rank steps of dp2 tp2 pp2 measured" in note
 
 
 def test_host_costs_scale_the_bound(cli, tmp_path):
@@ -195,3 +168,45 @@ def test_a_broken_host_block_exits_2(cli, tmp_path, host):
     path.write_text(json.dumps(profile))
     ran = cli("plan", "recipe=gpt-3d", f"cluster.compute_profile={path}")
     assert ran.code == 2 and "host" in ran.stderr and "Traceback" not in ran.stderr
+
+
+def test_accelerators_never_consult_the_cpu_host_model(monkeypatch):
+    """The CPU host model is estimate.py's alone and is skipped off CPU: a GPU layout's estimate runs with
+    every entry point of cpu_host made to fail, and counts no process memory and no shared-core time."""
+    import importlib
+
+    from partrain.blueprint.planner.estimate import estimate
+
+    # the package's `estimate` (the function) hides the module of the same name from `import ... as`
+    estimate_module = importlib.import_module("partrain.blueprint.planner.estimate")
+
+    def consulted(*_, **__):
+        raise AssertionError("the CPU host model was consulted for an accelerator")
+
+    for name in ("process_bytes", "process_note", "rank_step_factor", "shared_core_step", "shared_cores_note"):
+        monkeypatch.setattr(estimate_module, name, consulted)
+    est = estimate(validate(compose(["recipe=llama3-8b-h100"])))
+    assert est["memory_bytes"]["process"] == 0 and est["time_breakdown_s"]["cpu_shared"] == 0
+
+
+def test_every_note_the_planner_makes_has_words(tmp_path):
+    """The planner's notes are data (planner/notes.py); report/notes.py has a sentence for every code."""
+    from partrain.blueprint.planner.estimate import estimate
+    from partrain.blueprint.report.notes import RENDERERS, note_texts
+
+    comm = synthetic(tmp_path / "comm.json", LINKS, cpu_s=1e-3)
+    cases = [
+        ["recipe=gpt-3d", f"cluster.compute_profile={CPU_PROFILE}", f"cluster.comm_profile={comm}"],
+        ["recipe=mixtral-ep", "parallel.moe_capacity_factor=1.25", "train.precision=bf16"],
+        ["recipe=llama-long-sp", "cluster.device_memory_gib=0.5"],
+        ["recipe=llama3-8b-h100", "train.param_dtype=16bit", "parallel.zero_stage=1"],
+        ["recipe=gpt-dp", "train.precision=bf16", "parallel.zero_stage=3"],
+    ]
+    codes = set()
+    for overrides in cases:
+        for mixed in ("autocast", "zero"):
+            est = estimate(validate(compose(overrides)), mixed=mixed)
+            codes.update(n["code"] for n in est["note_data"])
+            texts = note_texts(est)
+            assert len(texts) == len(est["note_data"]) and all(t and ": {" not in t for t in texts)
+    assert codes == set(RENDERERS)

@@ -19,6 +19,7 @@ from partrain.blueprint.planner import estimate
 from partrain.blueprint.planner.search import SearchSpace, search
 from partrain.blueprint.report.estimate import conclude
 from partrain.blueprint.report.layout import layout_report
+from partrain.blueprint.report.notes import note_texts
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import validate
 
@@ -103,7 +104,7 @@ def test_a_cpu_node_shares_its_memory_between_its_processes(cli):
     assert alone["fits"] and alone["capacity_bytes"] == pytest.approx(0.6 * 0.95 * 2**30)
     assert not shared["fits"] and shared["capacity_bytes"] == pytest.approx(0.3 * 0.95 * 2**30)
     assert shared["memory_bytes"]["process"] > 300 * 2**20  # the worker's runtime, code and heap
-    assert "shared by its 2 processes" in shared["notes"][0]
+    assert "shared by its 2 processes" in note_texts(shared)[0]
     assert cli("plan", *one, "--check").code == 0
     ran = cli("plan", *two, "--check")
     assert ran.code == 3 and "does not fit" in ran.stdout, ran.stdout

@@ -64,6 +64,7 @@ from partrain.blueprint.planner.spec import (
     model_extras,
     spec_from_validated,
 )
+from partrain.blueprint.report.notes import note_texts
 from partrain.blueprint.validate import validate
 from partrain.errors import ConfigError
 
@@ -631,7 +632,8 @@ def test_estimate_json_contract(recipe):
         assert isinstance(est[key], float) and est[key] >= 0
     assert isinstance(est["fits"], bool)
     assert 0 <= est["pipeline_bubble_fraction"] < 1 and 0 < est["mfu"] < 1
-    assert "GiB" in est["notes"][0] and "GiB" in est["assumptions"]["units"]
+    assert "GiB" in note_texts(est)[0] and "GiB" in est["assumptions"]["units"]
+    assert [n["code"] for n in est["note_data"]][:1] == ["memory"]  # the planner's notes are data (report/notes.py)
 
 
 def test_planner_does_not_import_torch():

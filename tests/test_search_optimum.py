@@ -117,6 +117,10 @@ def test_the_search_starts_from_an_invalid_layout(cli, overrides):
     out = json.loads(ran.stdout)
     assert out["valid"] is False and len(out["candidates"]) == 3
     assert out["candidates"][0]["search"]["seconds"] < 3.0  # 1.0-1.3 s measured; benchmarks/search_speed.py: < 2 s
+    for c in out["candidates"]:  # the notes as data and in words, as in a plan's own estimate
+        est = c["estimate"]
+        assert est["note_data"] and len(est["notes"]) == len(est["note_data"])
+        assert all(isinstance(n, str) and n for n in est["notes"])
 
 
 def test_a_global_batch_no_layout_admits_exits_2_naming_ones_that_do(cli):

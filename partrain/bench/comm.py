@@ -16,7 +16,6 @@ What is measured (see profile.py for the file and the bandwidth conventions):
   mean per call and the reported time the slowest rank's (all-reduce MAX), as in nccl-tests.
 Before timing, each op runs once on small known values and its result is checked: a backend
 that lacks an op is recorded as unsupported (never emulated), a wrong result stops the bench.
-On CPU devices it then measures the ops on a busy node (busy_node.py: the profile's "busy" block).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import time
 import traceback
 from typing import Callable, Dict, List, Tuple
 
-from partrain.bench.busy_node import measure_busy
 from partrain.bench.comm_parent import FAILURE, PROGRESS, BenchSettings
 from partrain.blueprint.comm_profile import (
     OPS,
@@ -232,10 +230,6 @@ def measure(s: BenchSettings, env: DistEnv, progress: Callable[[str], None] = la
     profile = make_profile(
         cluster, links, settings, torch_version=torch.__version__, hostname=socket.gethostname(), date=date
     )
-    if s.device == "cpu" and "intra" in links:  # a node's ranks share its cores: what calls cost them there
-        progress("collectives on a busy node (pairs computing between calls)")
-        supported = [op for op, rec in links["intra"]["ops"].items() if rec["supported"]]
-        profile["busy"] = measure_busy(bench, s.nodes, s.devices_per_node, s.sizes, supported, s.iters)
     return profile
 
 

@@ -10,12 +10,12 @@ device type (CPU, or the first CUDA device):
   partrain's ZeRO 0/1 runtime trains), forward + backward at micro batch x seq tokens, unsliced (tp
   1: a layer alone needs no process group), with its saved-tensor bytes (runtime/activations.py);
 - an elementwise bandwidth: a large fp32 copy (bytes read + written per second);
-- on CPU, the per-call work the cores do besides kernels (host_costs.py): the optimizer and the
+- on CPU, the per-call work the cores do besides kernels (cpu/host_costs.py): the optimizer and the
   gradient clip per parameter tensor (plain and DTensor), and what tensor parallelism's wrappers add
   to a layer;
-- on CPU, the real steps of the first node's ranks, all at once on the fake process group (rank_steps.py):
+- on CPU, the real steps of the first node's ranks, all at once on the fake process group (cpu/rank_steps.py):
   what the pieces above miss on a node whose ranks share its cores;
-- on CPU, what a training process holds beyond its tensors (planner/host_process.py): this process's
+- on CPU, what a training process holds beyond its tensors (planner/cpu_host.py): this process's
   resident memory once the runtime and the model's module are imported, before anything is measured,
   and the file-backed resident memory (library code) the measurements then page in.
 
@@ -32,9 +32,9 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from partrain.bench.host_costs import measure_host
+from partrain.bench.cpu.host_costs import measure_host
+from partrain.bench.cpu.rank_steps import rank_steps_block
 from partrain.bench.one_layer import DTYPES, layer_step, one_layer
-from partrain.bench.rank_steps import rank_steps_block
 from partrain.blueprint.compute_profile import FORMAT, VERSION, check_profile
 from partrain.blueprint.planner.compute_model import layer_gemms
 from partrain.blueprint.planner.compute_time import shape_of_spec
@@ -195,7 +195,7 @@ def measure(run, spec: PlanSpec, iters: int = 5, progress: Callable[[str], None]
         from partrain.blueprint.validate import validate
 
         progress("the node's real rank steps, all at once (fake process group)")
-        block = rank_steps_block(validate(run), spec, check_profile(dict(profile)), torch.get_num_threads(), progress)
+        block = rank_steps_block(validate(run), spec, torch.get_num_threads(), progress)
         if block is not None:
             profile["host"]["rank_steps"] = block
     return check_profile(profile)

@@ -1,5 +1,5 @@
 """One decoder layer of the run's HF model, alone, and its forward + backward as the runtime runs it:
-what `partrain bench compute` times (compute.py, host_costs.py)."""
+what `partrain bench compute` times (compute.py, cpu/host_costs.py)."""
 
 from __future__ import annotations
 

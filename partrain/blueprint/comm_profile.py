@@ -22,9 +22,7 @@ Format (version 1; bandwidths in GB/s = 10**9 bytes/s, as the cluster config sta
         "world": {...}                        # every rank (only when nodes > 1; informative)
       },
       "summary": {"intra": {"all_reduce": busbw, ...}, "inter": {...}},   # GB/s
-      "summary_bytes": {"intra": {"all_reduce": bytes, ...}, ...},
-      "busy": {"group_size": 2, "bytes", "work_s", "iters", "compute_inflation",   # CPU devices only
-               "cpu_s": {"all_reduce": seconds, ...}}
+      "summary_bytes": {"intra": {"all_reduce": bytes, ...}, ...}
     }
 
 Conventions are nccl-tests' (PERFORMANCE.md there): time is the slowest rank's mean over the timed
@@ -37,12 +35,8 @@ Bus bandwidth is what the planner's model needs: comm.py divides exactly these r
 
 "cpu_s" (optional) is the ranks' mean CPU seconds per call, the whole process's (the backend's threads
 too): on a CPU cluster whose ranks share cores, the planner charges every collective call that CPU
-(planner/host_work.py).
-
-"busy" (optional, CPU devices) is the same node measured as training loads it (bench/busy_node.py):
-pairs of ranks computing between calls, "cpu_s" the ranks' mean process CPU per call at the smallest
-message, "compute_inflation" the compute's CPU there over the same compute alone. Where it exists the
-planner charges those per-call figures for calls inside a node (planner_busy).
+(planner/cpu_host.py). Profiles written before this version may hold a "busy" block (a busy-node
+measurement the planner no longer reads): it is ignored.
 
 The summary keeps, per link class and op, the busbw at the largest message measured: the planner
 ignores latency (large messages), so the small sizes are there for people, not for the planner.
@@ -265,21 +259,6 @@ def planner_cpu_costs(path: Path | str) -> Tuple[Tuple[str, float], ...]:
                 small = min(rows, key=lambda r: r["bytes"])
                 out.append((f"{link}/{op}", small["cpu_s"] / ring_steps(op, n)))
     return tuple(sorted(out))
-
-
-def planner_busy(path: Path | str) -> Tuple[Tuple[Tuple[str, float], ...], float]:
-    """((("all_reduce", CPU seconds per call), ...), compute inflation) from a profile's "busy" block
-    (bench/busy_node.py); ((), 1.0) for profiles measured elsewhere than on CPU devices or before it
-    existed. Figures that are not positive and finite are left out (inflation below 1 is kept: it is
-    measured, and the planner takes it as it is)."""
-    profile = load_profile(path)
-    busy = profile.get("busy")
-    if profile["cluster"].get("device") != "cpu" or not isinstance(busy, dict):
-        return (), 1.0
-    calls = busy.get("cpu_s") if isinstance(busy.get("cpu_s"), dict) else {}
-    costs = tuple(sorted((op, float(v)) for op, v in calls.items() if op in OPS and _positive(v)))
-    inflation = busy.get("compute_inflation")
-    return costs, float(inflation) if _positive(inflation) else 1.0
 
 
 def mismatch(profile: dict, backend: str, device: str) -> Optional[str]:

@@ -21,7 +21,7 @@ Format (version 1; seconds, bytes, FLOP/s)::
       "process": {"runtime_rss_bytes", "code_rss_bytes"},  # CPU only, optional (below)
       "host": {"optimizer_s_per_tensor": {"plain", "dtensor"},  # CPU only, optional (below)
                "clip_s_per_tensor": {"plain", "dtensor"}, "tp_layer_s", "tp_ends_s",
-               "rank_steps": {"layout", "ranks", "measured_cpu_s", "counted_cpu_s", "factor"}}  # optional
+               "rank_steps": {"layout", "spec", "ranks", "pp_ranks", "measured_cpu_s"}}  # optional
     }
 
 `gemm` rows are what the planner interpolates matmul rates from; `layers` rows (one decoder layer's
@@ -29,15 +29,16 @@ forward + backward time, with its shape) are what it fits the rest of its comput
 kernel rate, effective bandwidth, per-op host overhead). `process` (CPU profiles) is what a training
 process holds beyond its tensors: the resident memory of the runtime once imported (interpreter, torch,
 transformers with the model's module, partrain) and the library code its first steps page in
-(planner/host_process.py); a profile without it gets the planner's nominal figures. `host` (CPU
+(planner/cpu_host.py); a profile without it gets the planner's nominal figures. `host` (CPU
 profiles) is per-call CPU work besides kernels: seconds per parameter tensor of the optimizer's step
 and of the gradient clip, for plain tensors and DTensors, and the seconds partrain's tensor-parallel
 wrappers add to one layer's forward + backward (`tp_layer_s`) and to the rest of a microbatch, embedding,
 head and loss (`tp_ends_s`; both absent when not measured); the planner
-charges it to ranks that share cores (planner/host_work.py), and counts none without it. `host.rank_steps`
+charges it to ranks that share cores (planner/cpu_host.py), and counts none without it. `host.rank_steps`
 is the profiled layout's real rank steps, all of a node's ranks at once on the fake process group
-(bench/rank_steps.py): per rank the CPU measured and the CPU the planner counts for the same work; the
-planner multiplies every layout's count by their ratio, `factor`.
+(bench/cpu/rank_steps.py): the layout ("spec": its RANK_STEPS_LAYOUT_KEYS), and per rank its pipeline
+rank and the CPU seconds a step took. Measurements only: the planner compares them with what it counts
+for that layout at plan time (a block from before "spec" existed is ignored).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from partrain.blueprint.families import family
 from partrain.blueprint.json_file import load_checked_json
 
 FORMAT = "partrain-compute-profile"
@@ -57,6 +59,11 @@ DTYPES = ("fp32", "bf16", "fp16")
 H200_HBM_BYTES_PER_S = 4.8e12
 """NVIDIA H200's datasheet HBM3e bandwidth (4.8 TB/s), for converting calibration data that has no
 bandwidth measurement (`profile_from_calib`)."""
+RANK_STEPS_LAYOUT_KEYS = (
+    *("tp", "pp", "dp", "sp", "ep", "zero_stage", "recompute", "schedule", "v", "tp_sp", "mbs", "global_batch"),
+    "devices_per_node",
+)
+"""The fields of "host.rank_steps.spec": the profiled layout as the planner's PlanSpec (and ClusterSpec) names them."""
 LAYER_KEYS = ("arch", "hidden", "heads", "kv_heads", "ffn", "seq", "micro", "recompute", "layer_fwd_bwd_s")
 GEMM_KEYS = ("m", "k", "n", "seconds")
 
@@ -119,8 +126,21 @@ def _check_host(host) -> None:
             "or with a tp_layer_s or tp_ends_s that is not a finite number >= 0"
         )
     steps = host.get("rank_steps")
-    if steps is not None and not (isinstance(steps, dict) and _positive(steps.get("factor"))):
-        raise ComputeProfileError('has a "host.rank_steps" block without a positive finite "factor"')
+    if steps is not None and not _rank_steps_ok(steps):
+        raise ComputeProfileError(
+            'has a "host.rank_steps" block without positive finite "measured_cpu_s" (one per rank in "pp_ranks")'
+        )
+
+
+def _rank_steps_ok(steps) -> bool:
+    if not isinstance(steps, dict) or not isinstance(steps.get("measured_cpu_s"), list):
+        return False
+    measured = steps["measured_cpu_s"]
+    if not measured or not all(_positive(x) for x in measured):
+        return False
+    # A block from before the layout's fields were recorded has no pp_ranks: the planner ignores it.
+    pp_ranks = steps.get("pp_ranks", [0] * len(measured))
+    return isinstance(pp_ranks, list) and len(pp_ranks) == len(measured)
 
 
 def load_profile(path: Path | str) -> dict:
@@ -168,7 +188,7 @@ def profile_from_calib(
     for r in rows:
         if r.get("kind") != "layer":
             continue
-        gpt2 = r["arch"] == "gpt2"
+        gpt2 = family(r["arch"]).block == "gpt2"
         keep = ("arch", "hidden", "heads", "kv_heads", "ffn", "seq", "micro", "recompute", "layer_fwd_bwd_s")
         layers.append(
             {

@@ -5,7 +5,8 @@ Importing a transformers config class imports torch (about 2.5 s), too slow for 
 answer in well under 3 s. So the fields and defaults of every supported config class are kept in a
 snapshot, `hf_facts.json`, generated from transformers itself (`python -m partrain.models.facts_snapshot`)
 and checked against the installed transformers by a test. The snapshot is only a cache of the
-class: the rules that derive facts from it (GQA default, GPT-2's 4h MLP, ...) live here.
+class: the rules that derive facts from it (GQA default, GPT-2's 4h MLP, ...) live in each
+family's file, partrain/blueprint/families/<family>.py.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
 from partrain.blueprint.config.paths import is_there
+from partrain.blueprint.families import FAMILIES, family, unknown_arch
 from partrain.errors import ConfigError, Problem
 
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
-SUPPORTED_ARCHS = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
-UNDECLARED_FIELDS: Dict[str, Dict[str, Any]] = {"qwen3_moe": {"head_dim": None}}
-"""Keys the HF modeling code reads (getattr with a default) that the config class does not declare:
-Qwen3-MoE's attention takes head_dim from the config when set (Qwen3-30B-A3B: 128, not hidden / heads)."""
+SUPPORTED_ARCHS = tuple(FAMILIES)
+"""gpt2, llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe: one entry per blueprint/families/ family."""
+UNDECLARED_FIELDS: Dict[str, Dict[str, Any]] = {a: dict(f.undeclared_fields) for a, f in FAMILIES.items()}
+"""Keys the HF modeling code reads (getattr with a default) that the config class does not declare
+(each family's `undeclared_fields`)."""
 
 
 @dataclass(frozen=True)
@@ -66,17 +69,6 @@ def load_snapshot() -> Dict[str, dict]:
     return json.loads(SNAPSHOT_PATH.read_text())
 
 
-def _problem_unknown_arch(arch: str) -> Problem:
-    close = difflib.get_close_matches(arch, SUPPORTED_ARCHS, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    return Problem(
-        "model.arch",
-        arch,
-        f"not a supported HF architecture family ({', '.join(SUPPORTED_ARCHS)})",
-        f"{hint}set model.arch to one of them",
-    )
-
-
 def read_pretrained_config(folder: str) -> dict:
     path = Path(folder).expanduser() / "config.json"
     if not is_there(path, "file"):
@@ -108,7 +100,7 @@ def merged_kwargs(
     stored = read_pretrained_config(pretrained) if pretrained else {}  # a missing config.json first: it
     # is also why an arch taken from it (partrain.blueprint.config.pretrained) would be empty
     if arch not in SUPPORTED_ARCHS or arch not in snapshot:
-        raise ConfigError(_problem_unknown_arch(arch))
+        raise ConfigError(unknown_arch(arch))
     entry = snapshot[arch]
     fields, aliases = {**UNDECLARED_FIELDS.get(arch, {}), **entry["defaults"]}, entry["attribute_map"]
     values = dict(fields)
@@ -142,123 +134,9 @@ def merged_kwargs(
     return values
 
 
-def _int(values: Dict[str, Any], name: str, arch: str) -> int:
-    value = values.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            Problem(f"model.config.{name}", value, f"{arch} needs a positive integer here", f"set model.config.{name}")
-        )
-    return value
-
-
-MAX_LAYERS = 100_000
-"""Most decoder layers a model may have: the planner and the dry run keep figures per layer, and no
-real model comes near it (GPT-3 175B has 96, Llama 3 405B 126)."""
-
-
-def _layers(values: Dict[str, Any], name: str, arch: str) -> int:
-    n = _int(values, name, arch)
-    if n > MAX_LAYERS:
-        raise ConfigError(
-            Problem(
-                f"model.config.{name}",
-                n,
-                f"more than {MAX_LAYERS:,} layers (the planner keeps figures per layer)",
-                f"set model.config.{name} to the model's real depth",
-            )
-        )
-    return n
-
-
-def _opt_int(values: Dict[str, Any], name: str, arch: str) -> Optional[int]:
-    """A field HF derives when it is unset (None); when set, a positive integer."""
-    return None if values.get(name) is None else _int(values, name, arch)
-
-
-def _divides(part: int, whole: int, key: str, rule: str) -> None:
-    if whole % part:
-        raise ConfigError(
-            Problem(key, part, f"{rule}; {whole} % {part} = {whole % part}", f"choose a divisor of {whole}")
-        )
-
-
 def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> ModelFacts:
-    if arch == "gpt2":
-        hidden, heads = _int(values, "n_embd", arch), _int(values, "n_head", arch)
-        _divides(heads, hidden, "model.config.n_head", f"must divide the hidden size n_embd={hidden}")
-        return ModelFacts(
-            arch=arch,
-            config_class=class_name,
-            n_layers=_layers(values, "n_layer", arch),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=heads,
-            head_dim=hidden // heads,
-            ffn=_opt_int(values, "n_inner", arch) or 4 * hidden,
-            vocab=_int(values, "vocab_size", arch),
-            max_positions=_int(values, "n_positions", arch),
-            tied_embeddings=bool(values.get("tie_word_embeddings", True)),
-            norm="layernorm",
-            gated_mlp=False,
-            qkv_bias=True,
-            learned_positions=True,
-        )
-    hidden, heads = _int(values, "hidden_size", arch), _int(values, "num_attention_heads", arch)
-    kv_heads = _opt_int(values, "num_key_value_heads", arch) or heads
-    _divides(
-        kv_heads,
-        heads,
-        "model.config.num_key_value_heads",
-        f"must divide the attention heads num_attention_heads={heads} (each KV head serves a group of query heads)",
-    )
-    n_layers = _layers(values, "num_hidden_layers", arch)
-    common = dict(
-        arch=arch,
-        config_class=class_name,
-        n_layers=n_layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=_opt_int(values, "head_dim", arch) or hidden // heads,
-        vocab=_int(values, "vocab_size", arch),
-        max_positions=_int(values, "max_position_embeddings", arch),
-        tied_embeddings=bool(values.get("tie_word_embeddings", False)),
-        norm="rmsnorm",
-        gated_mlp=True,
-        qkv_bias=bool(values.get("attention_bias") or values.get("qkv_bias") or arch in ("qwen2", "qwen2_moe")),
-    )
-    if arch == "mixtral":
-        return ModelFacts(
-            **common,
-            ffn=_int(values, "intermediate_size", arch),
-            n_experts=_int(values, "num_local_experts", arch),
-            experts_per_token=_int(values, "num_experts_per_tok", arch),
-            moe_layers=n_layers,
-        )
-    if arch in ("qwen2_moe", "qwen3_moe"):
-        # Qwen3-MoE: Qwen2-MoE's routed experts and sparse-layer rule, without the shared expert.
-        step = _opt_int(values, "decoder_sparse_step", arch) or 1
-        dense_only = values.get("mlp_only_layers") or []
-        if not isinstance(dense_only, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in dense_only
-        ):
-            raise ConfigError(
-                Problem(
-                    "model.config.mlp_only_layers", dense_only, "must be a list of layer indices", "e.g. [0, 1], or []"
-                )
-            )
-        moe_layers = n_layers // step - sum(1 for i in set(dense_only) if 0 <= i < n_layers and (i + 1) % step == 0)
-        return ModelFacts(
-            **common,
-            ffn=_int(values, "moe_intermediate_size", arch),
-            n_experts=_int(values, "num_experts", arch),
-            experts_per_token=_int(values, "num_experts_per_tok", arch),
-            shared_expert_ffn=(_opt_int(values, "shared_expert_intermediate_size", arch) or 0)
-            if arch == "qwen2_moe"
-            else 0,
-            moe_layers=moe_layers,
-        )
-    return ModelFacts(**common, ffn=_int(values, "intermediate_size", arch))
+    """ModelFacts from merged HF kwargs, read by the arch's family (partrain/blueprint/families/)."""
+    return ModelFacts(arch=arch, config_class=class_name, **family(arch).facts(values, arch))
 
 
 def model_facts(

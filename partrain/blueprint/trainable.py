@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import List
 
+from partrain.blueprint.families import family
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 
@@ -77,7 +78,7 @@ def _sp_limits(v: ValidatedRun) -> dict:
     cfg = merged_kwargs(m.arch, m.config or {}, m.pretrained, load_snapshot())
     window = cfg.get("sliding_window") or 0
     windowed = (
-        m.arch in ("mistral", "mixtral")
+        family(m.arch).window_always
         or cfg.get("use_sliding_window")
         or "sliding_attention" in (cfg.get("layer_types") or [])
     )

@@ -18,11 +18,17 @@ Every file's size and SHA-256 is recorded in partrain.json at save time (each ra
 wrote) and checked before a load or export reads it; any failure to read a checkpoint is a
 CorruptCheckpoint (resume=auto falls back past it); a failed save raises SaveFailed naming the cause.
 
-Modules: folders (names, completeness, lookup, pruning), record (partrain.json), state (FQN-keyed
-state of model parts and optimizers), zero1 (ShardedOptimizer adapter), rng (per-rank generators),
-safe_io (no unpickling of untrusted data), checksums (SHA-256 of files), failures (one-line causes),
-dist_util, save, load, export (info, one-process load), hf_export / hf_plan / hf_shards / hf_procs /
-safetensors_stream / export_model (sharded HF export), verify.
+The run's side (the worker): `CheckpointManager.for_run(v, run_dir, engine, parts, restarted)` decides
+when to save, what to resume from, and which parts (data position, LR schedule, loss scale, layout
+history) are saved and restored with the tensors (manager).
+
+Modules: manager (the run's checkpoints), folders (names, completeness, lookup, pruning), record
+(partrain.json), state (FQN-keyed state of model parts and optimizers), zero1_state (ShardedOptimizer
+adapter), rng (per-rank generators), safe_io (no unpickling of untrusted data), checksums (SHA-256 of
+files), failures (one-line causes), resume_agreement (every rank found the same checkpoints), init_from
+(checkpoint.init_from: weights only), dist_util, save, load, export (info, one-process load), hf_export /
+hf_plan / hf_shards / hf_procs / export_model (sharded HF export through DCP's HuggingFaceStorageWriter),
+export_peft (a LoRA run's adapters or merged model), verify.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ _EXPORTS = {
     "export_hf_report": "hf_export",
     "load_checkpoint": "load",
     "load_with_fallback": "load",
+    "CheckpointManager": "manager",
     "CorruptCheckpoint": "record",
     "model_record": "record",
     "run_meta": "record",
@@ -68,6 +75,7 @@ __all__ = [
     "export_hf_report",
     "load_checkpoint",
     "load_with_fallback",
+    "CheckpointManager",
     "CorruptCheckpoint",
     "model_record",
     "run_meta",

@@ -2,11 +2,17 @@
 
 `partrain checkpoint export PATH --hf OUT --nproc N --dtype bf16` plans the export from DCP's index
 alone (`hf_plan`), starts N processes that each verify their share of the checkpoint's files and,
-once all agree it is intact, each read only their own tensors and stream them to
-`model-0000k-of-0000N.safetensors` (`hf_shards`); the parent then writes
-`model.safetensors.index.json`, `config.json`, `generation_config.json` and copies the tokenizer.
-No process ever holds the whole model. `export_hf_collective` does the same from the ranks of a
-training run (`checkpoint.export_hf=true`).
+once all agree it is intact, each read only their own tensors and write them through torch DCP's
+`HuggingFaceStorageWriter` to `model-0000k-of-0000N.safetensors` (`hf_shards`); the parent then
+writes `model.safetensors.index.json`, `config.json`, `generation_config.json` and copies the
+tokenizer. No process ever holds the whole model. `export_hf_collective` does the same from the
+ranks of a training run (`checkpoint.export_hf=true`). A LoRA checkpoint's `--hf` export is its
+merged model, written by one process through the same writer.
+
+What stays ours around DCP's writer: the verify-before-write of every checkpoint file's SHA-256
+(DCP checks nothing), the staging folder OUT/.partial moved up only when complete (DCP writes in
+place), the shard plan that bounds each process's memory, and HF's file names (one
+`model.safetensors` without an index, as `save_pretrained` writes a small model).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from partrain.checkpoint.failures import first_line
 from partrain.checkpoint.hf_plan import (
     EXPORT_DTYPES,
     INDEX_FILE,
+    SINGLE_FILE,
     ShardJob,
     check_conversion_is_per_tensor,
     check_dtypes,
     deal,
     index_json,
+    nbytes,
     plan_sources,
     shard_file_names,
 )
@@ -43,7 +51,6 @@ from partrain.checkpoint.record import (
     no_checksums_warning,
     read_record,
 )
-from partrain.checkpoint.safetensors_stream import nbytes
 from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger("partrain")
@@ -209,7 +216,7 @@ def _finish(
     out_dir: Path, model, jobs: List[ShardJob], wanted, record: Dict[str, Any], tokenizer: Optional[Path]
 ) -> None:
     """What one process writes once every shard is on disk (index, configs, tokenizer files), then
-    the move of the whole export from the staging folder into out_dir."""
+    the move of the whole export from the staging folder into out_dir. jobs=[]: one file, no index."""
     from partrain.checkpoint.export_model import write_configs
 
     staging = staging_dir(out_dir)
@@ -258,11 +265,11 @@ def export_hf_report(
     _check_out_dir(out_dir)
     require_checkpoint(path)
     record = read_record(path, key=PATH_KEY)
-    from partrain.checkpoint.export_peft import export_merged, lora_settings
+    tokenizer = _tokenizer_source(record, tokenizer_folder)
+    from partrain.checkpoint.export_peft import lora_settings
 
     if lora_settings(record) is not None:  # adapters merged into their base weights (export_peft)
-        return export_merged(path, out_dir, nproc, dtype, wanted)
-    tokenizer = _tokenizer_source(record, tokenizer_folder)
+        return _export_merged(path, out_dir, record, nproc, dtype, tokenizer)
     if not has_checksums(record):
         warn_user(no_checksums_warning(path))
     model, jobs = plan_export(path, record, staging_dir(out_dir), nproc, wanted)
@@ -304,6 +311,12 @@ def export_hf_collective(path: Path, out_dir: Path, dtype: str = "fp32") -> Opti
     wanted = export_dtype(dtype, "checkpoint.export_dtype")
     record = read_record(path, key=PATH_KEY)
     tokenizer = _tokenizer_source(record, None)
+    from partrain.checkpoint.export_peft import lora_settings
+
+    if lora_settings(record) is not None:  # peft=lora: rank 0 merges the adapters into their base weights
+        report = _export_merged(path, out_dir, record, 1, dtype, tokenizer) if rank == 0 else None
+        barrier()
+        return report
     model, jobs = plan_export(path, record, staging_dir(out_dir), world, wanted, SHARD_TARGET_BYTES)
     if rank == 0:
         _prepare(path, out_dir, [])
@@ -318,3 +331,54 @@ def export_hf_collective(path: Path, out_dir: Path, dtype: str = "fp32") -> Opti
     barrier()
     _final_paths([report], out_dir)
     return report
+
+
+def _export_merged(
+    path: Path, out_dir: Path, record: Dict[str, Any], nproc: int, dtype: str, tokenizer: Optional[Path]
+) -> Dict[str, Any]:
+    """`--hf OUT` of a LoRA checkpoint: the merged model (export_peft.merged_model, which verifies
+    the checkpoint's files first) through the same writer, staging and config files as a plain
+    export, in one process (the parallel shard writer reads base tensors only and would drop the
+    adapters)."""
+    from partrain.checkpoint.export_peft import merged_model
+    from partrain.checkpoint.hf_shards import write_file
+
+    if nproc != 1:
+        raise ConfigError(
+            Problem("--nproc", nproc, "a LoRA checkpoint's merged export is written by one process", "pass --nproc 1")
+        )
+    wanted = export_dtype(dtype)
+    model, _ = merged_model(path)
+    existed = out_dir.exists()
+    try:
+        _prepare(path, out_dir, [])
+        file = staging_dir(out_dir) / SINGLE_FILE
+        tensors = write_file(file, merged_batches(model, wanted))
+        size = file.stat().st_size
+        _finish(out_dir, model, [], wanted, record, tokenizer)
+    finally:  # after a failure: no partial files, and no folder the export created
+        shutil.rmtree(staging_dir(out_dir), ignore_errors=True)
+        if not existed and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+    shard = {"index": 0, "file": str(out_dir / SINGLE_FILE), "bytes": size, "tensors": tensors}
+    return {"exported": str(out_dir), "dtype": dtype, "merged_lora": True, "shards": [shard]}
+
+
+def merged_batches(model, wanted, limit: int = 32 << 20):
+    """The state-dict adapter for a model in memory: its HF tensors as `save_pretrained` writes
+    them (tied aliases left out, transformers' reverse conversion, floating tensors cast to
+    `wanted`), in groups of about `limit` bytes for the writer."""
+    from partrain.checkpoint.hf_plan import reverse_conversion, tied_aliases
+    from partrain.checkpoint.hf_shards import own_storage
+
+    alias = tied_aliases(model)
+    state = {k: v.detach() for k, v in model.state_dict().items() if k not in alias}
+    batch, size = {}, 0
+    for name, value in reverse_conversion(model, state).items():
+        batch[name] = own_storage(value.to(wanted) if value.is_floating_point() else value)
+        size += batch[name].numel() * batch[name].element_size()
+        if size >= limit:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch

@@ -23,13 +23,21 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from partrain.checkpoint.safetensors_stream import SAFETENSORS_DTYPES, nbytes
-
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """`--dtype` choices of `partrain checkpoint export` (floating tensors are cast; integer buffers are not)."""
 
+WRITABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+"""What DCP's safetensors consolidation can size (it reads element sizes from torch.finfo)."""
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -181,5 +189,5 @@ def index_json(jobs: Sequence[ShardJob]) -> Dict[str, Any]:
 def check_dtypes(sources: Sequence[Source]) -> None:
     for s in sources:
         for o in s.outputs:
-            if o.dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{o.name}: dtype {o.dtype} cannot be stored in safetensors")
+            if o.dtype not in WRITABLE_DTYPES:
+                raise ValueError(f"{o.name}: dtype {o.dtype} cannot be exported (floating tensors only)")

@@ -23,7 +23,7 @@ OVERRIDES = typer.Argument(
 RECIPES = typer.Option(
     None, "--recipes", help=f"Extra recipe folder (repeatable); searched before ${RECIPES_ENV} and the shipped recipes."
 )
-JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see README).")
+JSON = typer.Option(False, "--json", help="Print the report as JSON (documented keys; see docs/planner.md).")
 
 
 REPORT_WIDTH = 100

@@ -13,8 +13,9 @@ mesh; every parameter it slices becomes a DTensor, so FSDP2 (2-D), distributed c
   are replicated over the TP group (their MoE plan entries are skipped; expert parallelism shards
   them instead). Qwen3-MoE's per-head q_norm / k_norm ("replicated_with_grad_allreduce") stay
   whole on every rank and their gradients are summed over TP.
-- GPT-2 (HF has no plan): attention is one fused Conv1D `c_attn` (weight stored [in, out]) holding
-  Q, K and V side by side. A plain column split would hand rank 0 all of Q and half of K; instead
+- GPT-2 (HF has no plan; partrain's own, as data: models/families/gpt2.py): attention is one
+  fused Conv1D `c_attn` (weight stored [in, out]) holding Q, K and V side by side. A plain column
+  split would hand rank 0 all of Q and half of K; instead
   its columns use `_StridedShard(1, split_factor=3)`, so each rank holds the columns of its own
   heads of Q, K and V ([q_r | k_r | v_r]) while the DTensor's global view stays HF's layout.
   `c_proj` is row-parallel; MLP `c_fc` column-, `c_proj` row-parallel.
@@ -50,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from partrain.errors import ConfigError, Problem
-from partrain.models.adapters import Adapter
+from partrain.models.adapters import Adapter, Conv1DLayerPlan
 from partrain.parallel import megatron_sp, tp_layers
 
 LAYER_WILDCARD = ".*."
@@ -67,32 +68,28 @@ def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
     setattr(owner, attr, new)
 
 
-def _gpt2_layer(layer: nn.Module, mesh: DeviceMesh) -> None:
+def _own_plan_layer(layer: nn.Module, plan: Conv1DLayerPlan, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Slice one decoder layer by the family's own plan (GPT-2: models/families/gpt2.py). Under
+    Megatron-SP: norms on sequence shards, gathered-once column projections saving the shard, row
+    projections reduce-scattering back to shards."""
     tp = mesh.size()
-    attn = layer.attn
-    _replace(layer, "attn.c_attn", tp_layers.ColumnParallelConv1D(attn.c_attn, mesh, fused_parts=3))
-    _replace(layer, "attn.c_proj", tp_layers.RowParallelConv1D(attn.c_proj, mesh))
-    # The fused output is split into q, k, v by width: each rank now holds embed_dim / tp of each.
-    attn.split_size = attn.split_size // tp
-    attn.num_heads = attn.num_heads // tp
-    _replace(layer, "mlp.c_fc", tp_layers.ColumnParallelConv1D(layer.mlp.c_fc, mesh, fused_parts=1))
-    _replace(layer, "mlp.c_proj", tp_layers.RowParallelConv1D(layer.mlp.c_proj, mesh))
-
-
-def _gpt2_layer_sp(layer: nn.Module, mesh: DeviceMesh) -> None:
-    """GPT-2 block under Megatron-SP: norms on sequence shards, gathered-once column projections
-    saving the shard, row projections reduce-scattering back to shards."""
-    tp = mesh.size()
-    attn = layer.attn
-    megatron_sp.install_block(attn, ["c_attn"], mesh, conv=True, fused={"c_attn": 3})
-    _replace(layer, "attn.c_proj", tp_layers.RowParallelConv1D(attn.c_proj, mesh, to_sequence=True))
-    attn.split_size = attn.split_size // tp
-    attn.num_heads = attn.num_heads // tp
-    megatron_sp.install_block(layer.mlp, ["c_fc"], mesh, conv=True, fused={})
-    _replace(layer, "mlp.c_proj", tp_layers.RowParallelConv1D(layer.mlp.c_proj, mesh, to_sequence=True))
-    tp_layers.sequence_norm(layer.ln_1, mesh)
-    tp_layers.sequence_norm(layer.ln_2, mesh)
-    megatron_sp.sequence_dropouts(layer, ["attn.resid_dropout", "mlp.dropout"], mesh)
+    for spec in plan.blocks:
+        block = layer.get_submodule(spec.path)
+        if sequence_parallel:
+            names = [name for name, _ in spec.column]
+            megatron_sp.install_block(block, names, mesh, conv=True, fused={n: k for n, k in spec.column if k > 1})
+        else:
+            for name, parts in spec.column:
+                _replace(block, name, tp_layers.ColumnParallelConv1D(getattr(block, name), mesh, fused_parts=parts))
+        for name in spec.row:
+            row = tp_layers.RowParallelConv1D(getattr(block, name), mesh, to_sequence=sequence_parallel)
+            _replace(block, name, row)
+        for attr in spec.per_rank:  # head counts and split widths: each rank now holds 1 / tp of them
+            setattr(block, attr, getattr(block, attr) // tp)
+    if sequence_parallel:
+        for norm in plan.sequence_norms:
+            tp_layers.sequence_norm(layer.get_submodule(norm), mesh)
+        megatron_sp.sequence_dropouts(layer, list(plan.sequence_dropouts), mesh)
 
 
 # -- HF plans -> torch parallel styles ----------------------------------------------------------------
@@ -252,9 +249,9 @@ def parallelize_layers(
     one rank too, which `partrain bench compute` uses to time what the wrappers add to a layer."""
     layers = adapter.layers(model)
     entries = layers.values() if isinstance(layers, nn.ModuleDict) else layers
-    if adapter.conv1d_weights:
+    if adapter.layer_tp_plan is not None:  # the family's own plan (HF ships none)
         for layer in entries:
-            (_gpt2_layer_sp if sequence_parallel else _gpt2_layer)(layer, mesh)
+            _own_plan_layer(layer, adapter.layer_tp_plan, mesh, sequence_parallel)
         return
     hf_plan = adapter.hf_plan(model, "tp")
     if not hf_plan:
@@ -342,7 +339,7 @@ def apply_tp(
     family, SP only) uses torch's styles, which save the gathered inputs (benchmark comparison)."""
     if mesh.size() == 1:
         return
-    parallelize_layers(model, adapter, mesh, sequence_parallel, sharded_saves or bool(adapter.conv1d_weights))
+    parallelize_layers(model, adapter, mesh, sequence_parallel, sharded_saves or adapter.layer_tp_plan is not None)
     parallelize_ends(model, adapter, mesh, sequence_parallel, use_loss_parallel)
 
 

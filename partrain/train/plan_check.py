@@ -7,7 +7,7 @@ Measured memory, one definition per device:
   planner counts tensors, not the caching allocator's slack); `max_memory_reserved` is kept beside it;
 - cpu: the process's peak RSS (VmHWM), the whole process: on a CPU the planner counts what a worker
   holds beyond its tensors too (its "process" term: interpreter, torch, transformers, partrain, the
-  library code the steps page in; planner/host_process.py). The RSS just before the model was built,
+  library code the steps page in; planner/cpu_host.py). The RSS just before the model was built,
   with the modules the run imports later (the model's transformers module, the trackers') imported
   first, is kept beside it as the baseline. What rank 0's trackers (train.loggers) add to the process
   is no part of the plan: it is measured apart (trackers.TrackerMemory: their imports, start-up and
@@ -154,7 +154,7 @@ _TERMS = ("params", "grads", "optimizer", "activations", "transient", "process",
 CPU_MEMORY_HINT = (
     "; a CPU RSS counts the planner's 'process' term (interpreter, libraries, their code, glibc's heap), "
     "nominal unless cluster.compute_profile names a `partrain bench compute` profile of this machine, and "
-    "its heap share is an empirical rule (planner/host_process.py)"
+    "its heap share is an empirical rule (planner/cpu_host.py)"
 )
 """Why a CPU run can still measure above its plan: the runtime and code figures of another machine or
 library version, and a heap that keeps more than the rule (fitted to partrain's CPU recipes)."""

@@ -56,8 +56,9 @@ def restarted(v, world_size: int, restart_count: int) -> bool:
 
 
 def resume(checkpoints, v, dropped: dict, run_dir: Optional[Path]):
-    """(step to continue after, LayoutHistory): resume through `checkpoints` (worker.Checkpoints), note
-    a layout change against the checkpoint's layout, and (run_dir given: rank 0) write the history."""
+    """(step to continue after, LayoutHistory): resume through `checkpoints` (the run's
+    partrain.checkpoint.manager.CheckpointManager), note a layout change against the checkpoint's
+    layout, and (run_dir given: rank 0) write the history."""
     history = checkpoints.history = LayoutHistory(v, dropped)
     step = checkpoints.resume()
     changed = history.resumed(checkpoints.resumed_extra, checkpoints.last[1], step)

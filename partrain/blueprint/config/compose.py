@@ -18,11 +18,25 @@ from partrain.blueprint.config.names import nearest_name
 from partrain.blueprint.config.paths import conf_dir
 from partrain.blueprint.config.pretrained import take_pretrained_as_is
 from partrain.blueprint.config.recipes import find_recipe
-from partrain.blueprint.config.schema import RunConfig, valid_values
+from partrain.blueprint.config.schema import AT_LEAST, CHOICES, RunConfig
 from partrain.errors import ConfigError, Problem
 
 GROUPS = ("model", "cluster", "parallel", "data", "optim", "train", "checkpoint", "peft")
 RECIPE_GROUP = "recipe"
+
+
+def valid_values(key: str, type_name: str) -> str:
+    """What a key accepts, in words: its choices, its range, or its type."""
+    if key in CHOICES:
+        values = [str(v) for v in CHOICES[key]]
+        if all(isinstance(v, int) for v in CHOICES[key]) and len(values) > 2:
+            return f"an integer {values[0]}..{values[-1]}"
+        return "one of " + ", ".join(values)
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+    text = words.get(type_name, f"a value of type {type_name}")
+    if key in AT_LEAST:
+        text += f" >= {AT_LEAST[key]}"
+    return text
 
 
 def _parse_overrides(overrides: Sequence[str]):
@@ -97,7 +111,7 @@ def _load_recipe(name: str, recipe_dirs: Sequence[str | Path]) -> Tuple[dict, Pa
         )
     if not isinstance(body, dict):
         raise ConfigError(
-            Problem("recipe", name, f"{recipe.path} must hold a mapping", "see the README section on recipes")
+            Problem("recipe", name, f"{recipe.path} must hold a mapping", "see docs/configuration.md#recipes")
         )
     body.pop("description", None)
     return body, recipe.path

@@ -9,10 +9,13 @@ Modules: spec (PlanSpec: the numbers), params (every HF parameter tensor and how
 memory (ZeRO / Korthikanti formulas; counted model states and activations), flops (Narayanan
 formulas; counted FLOPs), comm (collective volumes, links), bubble (stage split, in-flight
 microbatches, bubbles), rank_state (model-state elements of each pipeline rank), step_inputs
-(what every rank's estimate shares), rank_traffic (bytes per group family), estimate (memory,
-compute, step time, the report block), search, simulated (the data of `plan --simulate`).
-Terminal tables: `partrain.blueprint.report.estimate`; torch-based measurement for tests and
-benchmarks: `partrain.simulate`.
+(what every rank's estimate shares), rank_traffic (bytes per group family), compute_model (compute
+timed from a measured profile), cpu_host (the CPU host model: a CPU process's own memory and the
+shared-core bound; frozen, CPU clusters only), estimate (memory, compute, step time, the report
+block), notes (the estimate's notes as codes and figures), search (with search_space: the layouts
+enumerated, candidates: their order and reasons), simulated (the data of `plan --simulate`).
+The planner returns numbers; words and tables are `partrain.blueprint.report` (report.notes words
+the notes); torch-based measurement for tests and benchmarks: `partrain.simulate`.
 """
 
 from partrain.blueprint.planner.estimate import estimate, estimate_spec

@@ -30,9 +30,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from partrain.blueprint.compute_profile import GemmRates, gemm_rates, load_profile, profile_key
+from partrain.blueprint.families import family
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class LayerWork:
 def layer_gemms(s: LayerShape) -> List[Tuple[float, float, float]]:
     """(m, k, n) of each forward matmul of the layer on the rank."""
     T, h, t, f = s.tokens, s.hidden, s.tp, s.ffn
-    if s.arch == "gpt2":
+    if family(s.arch).block == "gpt2":
         return [(T, h, 3 * h / t), (T, h / t, h), (T, h, f / t), (T, f / t, h)]
     out = [(T, h, s.q / t), (T, h, s.kv / t), (T, h, s.kv / t), (T, s.q / t, h)]
     n_exp, top_k, shared, ep = s.experts
@@ -105,7 +106,7 @@ def layer_work(s: LayerShape) -> LayerWork:
     f = (s.ffn / t) if not n_exp else s.ffn * top_k + shared
     act_ops = 8 if s.activation == "gelu_new" else (2 if s.gated else 1)
     act_bytes = 18 * c * T * f if s.activation == "gelu_new" else 5 * c * T * f
-    if s.arch == "gpt2":
+    if family(s.arch).block == "gpt2":
         elem = 2 * 8 * T * h + 2 * (2 * r + c) * T * h + 8 * c * T * h / t  # layernorms, residuals, head split/merge
         ops = 2 + 2 + 4 + 2 + act_ops
         casts = 2
@@ -164,27 +165,6 @@ class Parts:
 
 
 @dataclass(frozen=True)
-class HostCosts:
-    """A CPU profile's per-call work besides kernels (its "host" block; planner/host_work.py)."""
-
-    optimizer_plain_s: float
-    """The optimizer's step, per plain parameter tensor."""
-    optimizer_dtensor_s: float
-    """The optimizer's step, per DTensor parameter (tensor-parallel or FSDP)."""
-    clip_plain_s: float
-    clip_dtensor_s: float
-    tp_layer_s: float
-    """What partrain's tensor-parallel wrappers add to one layer's forward + backward."""
-    tp_ends_s: float = 0.0
-    """What they add to a microbatch's embedding, head and loss (forward + backward)."""
-    rank_step_factor: float = 0.0
-    """The CPU of the profiled layout's real rank steps, every rank of a node at once, over what the
-    pieces above and the kernels count for them (bench/rank_steps.py); 0: not measured."""
-    rank_step_layout: str = ""
-    """The layout whose rank steps gave `rank_step_factor` (for the report)."""
-
-
-@dataclass(frozen=True)
 class ComputeModel:
     """A profile's matmul rates, bandwidth and fitted constants."""
 
@@ -198,11 +178,6 @@ class ComputeModel:
     """CPU profiles: the threads the measuring process used (0: unknown, or a GPU)."""
     cores: int = 0
     """CPU profiles: the cores the measuring machine let the process use (0: unknown, or a GPU)."""
-    process_bytes: Tuple[float, float] = (0.0, 0.0)
-    """CPU profiles: (runtime, library code) resident bytes of a training process beyond its tensors
-    (host_process.py); (0, 0) when the profile did not measure them, or a GPU."""
-    host: Optional[HostCosts] = None
-    """CPU profiles: per-call CPU work besides kernels (None: not measured, or a GPU)."""
 
     def cpu_sharing(self, processes_per_node: int) -> float:
         """How much slower a CPU rank computes than the profile measured alone: the profile ran with
@@ -214,7 +189,7 @@ class ComputeModel:
     def core_share(self, processes_per_node: int) -> float:
         """Cores' worth of CPU a CPU rank gets while it computes: partrain gives each of P processes
         max(1, cores // P) threads, and when P x threads exceed the cores they share them (also what a
-        rank's computing costs the node's cores: host_work.py). 1.0 on GPUs."""
+        rank's computing costs the node's cores: cpu_host.py). 1.0 on GPUs."""
         if self.device != "cpu" or not self.cores:
             return 1.0
         p = max(1, processes_per_node)
@@ -255,7 +230,7 @@ class ComputeModel:
 def shape_of_row(row: dict, compute_bytes: int = 2) -> LayerShape:
     """The LayerShape of a profile's layer row (HF default head_dim = hidden / heads)."""
     hd = row.get("head_dim") or row["hidden"] // row["heads"]
-    gpt2 = row["arch"] == "gpt2"
+    gpt2 = family(row["arch"]).block == "gpt2"
     return LayerShape(
         arch=row["arch"],
         hidden=row["hidden"],
@@ -381,7 +356,7 @@ def _model(key: Tuple[str, int, int]) -> Tuple[ComputeModel, float]:
 
 def model_of_profile(prof: dict, source: str) -> Tuple[ComputeModel, float]:
     """The fitted compute model of a (checked) profile dict and its worst layer-row error; `partrain
-    bench compute` also uses it on the rows it has just measured (host_costs.py)."""
+    bench compute` also uses it on the rows it has just measured (bench/cpu/host_costs.py)."""
     base = ComputeModel(
         rates=gemm_rates(prof["gemm"]),
         hbm=float(prof["hbm_bytes_per_s"]),
@@ -392,26 +367,7 @@ def model_of_profile(prof: dict, source: str) -> Tuple[ComputeModel, float]:
     )
     constants, worst = fit_constants(base, prof["layers"])
     cpu = (int(prof.get("threads") or 0), int(prof.get("cpu_cores") or 0)) if base.device == "cpu" else (0, 0)
-    process = prof.get("process") if base.device == "cpu" else None
-    held = (float(process["runtime_rss_bytes"]), float(process["code_rss_bytes"])) if process else (0.0, 0.0)
-    host = _host_costs(prof.get("host")) if base.device == "cpu" else None
-    return ComputeModel(base.rates, base.hbm, base.device, constants, source, base.dtype, *cpu, held, host), worst
-
-
-def _host_costs(block) -> Optional[HostCosts]:
-    if not block:
-        return None
-    opt, clip = block["optimizer_s_per_tensor"], block["clip_s_per_tensor"]
-    return HostCosts(
-        float(opt["plain"]),
-        float(opt["dtensor"]),
-        float(clip["plain"]),
-        float(clip["dtensor"]),
-        float(block.get("tp_layer_s", 0.0)),
-        float(block.get("tp_ends_s", 0.0)),
-        float((block.get("rank_steps") or {}).get("factor", 0.0)),
-        str((block.get("rank_steps") or {}).get("layout", "")),
-    )
+    return ComputeModel(base.rates, base.hbm, base.device, constants, source, base.dtype, *cpu), worst
 
 
 def compute_model(path: str) -> ComputeModel:
@@ -442,14 +398,19 @@ def compute_assumptions(model: ComputeModel) -> Dict[str, object]:
     }
 
 
-def compute_note(path: str) -> str:
-    """One line for the report's notes: where compute time comes from."""
+def compute_figures(path: str) -> Dict[str, object]:
+    """Where compute time comes from, as figures for the estimate's "compute_profile" note
+    (`report.notes` words it): the profile, its matmul peak, fitted constants and worst layer-row error."""
     m, worst = _model(profile_key(path))
     c = m.constants
-    warn = f" (WARNING: it reproduces the profile's layer times only within {worst:.0%})" if worst > 0.2 else ""
-    return (
-        f"compute timed from the profile {path} ({m.device}, {m.dtype}): matmuls at the measured rates by shape "
-        f"(saturating fit, peak {m.rates.peak / 1e12:.3g} TFLOP/s), attention at {c.attn_fraction:.2f} x that, "
-        f"elementwise bytes at {c.bw_fraction:.0%} of {m.hbm / 1e12:.3g} TB/s, host {c.host_fwd_s * 1e6:.1f} / "
-        f"{c.host_bwd_s * 1e6:.1f} us per op forward / backward, and the optimizer update{warn}"
-    )
+    return {
+        "profile": path,
+        "device": m.device,
+        "dtype": m.dtype,
+        "gemm_peak_flops": m.rates.peak,
+        "attn_fraction": c.attn_fraction,
+        "bw_fraction": c.bw_fraction,
+        "bandwidth_bytes_per_s": m.hbm,
+        "host_s_per_op": [c.host_fwd_s, c.host_bwd_s],
+        "layer_fit_worst_error": worst,
+    }

@@ -35,8 +35,9 @@ Step-time model (documented in every report's "assumptions"):
   shape, attention, elementwise bytes and host overhead instead, plus the optimizer update
   (compute_model.py); "compute_source" in the report says which.
 - On a CPU node whose ranks outnumber the profile's cores, the step is at least the ranks' CPU work
-  over the cores (host_work.py: kernels, per-tensor optimizer and clip, TP wrappers, every collective
-  call's measured CPU); what that adds to the critical path is "cpu_shared" in the breakdown.
+  over the cores (cpu_host.py: kernels, per-tensor optimizer and clip, TP wrappers, every collective
+  call's measured CPU); what that adds to the critical path is "cpu_shared" in the breakdown. The CPU
+  host model is consulted on CPU clusters only.
 - Links: TP at intra-node bandwidth when the group is inside a node; every group at the slowest
   link it spans (see comm.py). The optimizer update itself is not timed (without a compute profile).
 - Bandwidths: the cluster's nominal link speeds, or with `cluster.comm_profile` the bus bandwidth
@@ -58,16 +59,19 @@ final norm, head - plus two layers), and the larger of the forward's peak (logit
 copy on the last stage; under full recompute, autocast's cached weight copies) and the backward's
 (the fp32 loss gradients, or one layer's full activations while it is recomputed): peaks.py.
 On a CPU device (runtime accounting) each rank also counts "process": the resident memory of the
-worker beyond its tensors, interpreter, libraries, their code and the heap glibc keeps (host_process.py).
+worker beyond its tensors, interpreter, libraries, their code and the heap glibc keeps (cpu_host.py).
 It fits when the total is at most USABLE_MEMORY_FRACTION of the device memory (the rest: CUDA
 context, allocator fragmentation, communication buffers).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
+from partrain.blueprint.compute_profile import profile_key
+from partrain.blueprint.families import family
 from partrain.blueprint.planner.bubble import (
     bubble_fraction,
     bubble_overhead,
@@ -79,18 +83,24 @@ from partrain.blueprint.planner.comm import (
     family_groups,
     link_of,
 )
-from partrain.blueprint.planner.compute_model import compute_assumptions, compute_model, compute_note
+from partrain.blueprint.planner.compute_model import compute_assumptions
 from partrain.blueprint.planner.compute_time import optimizer_time, rank_microbatch_time
+from partrain.blueprint.planner.cpu_host import (
+    process_bytes,
+    process_note,
+    rank_own_cpu_seconds,
+    rank_step_factor,
+    shared_core_step,
+    shared_cores_note,
+)
 from partrain.blueprint.planner.flops import head_forward_flops, step_flops
-from partrain.blueprint.planner.host_process import process_bytes, process_note
-from partrain.blueprint.planner.host_work import rank_own_cpu_seconds, shared_core_step, shared_cores_note
 from partrain.blueprint.planner.memory import (
-    dtypes,
     end_activations,
     korthikanti_layer_bytes,
     sp_attention_transient,
 )
 from partrain.blueprint.planner.moe_report import moe_report
+from partrain.blueprint.planner.notes import estimate_notes
 from partrain.blueprint.planner.params import param_count
 from partrain.blueprint.planner.peaks import phase_transient, pipeline_copies_correction
 from partrain.blueprint.planner.rank_state import (
@@ -135,7 +145,7 @@ class RankMemory:
     unsharded_param_elements: int
     """Elements of this rank's parameters before FSDP sharding (what FSDP gathers and syncs)."""
     process: float = 0.0
-    """What the process holds beyond tensors on a CPU device (host_process.py); 0 on GPUs."""
+    """What the process holds beyond tensors on a CPU device (cpu_host.py); 0 on GPUs."""
 
     @property
     def total(self) -> float:
@@ -168,7 +178,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     chunk_mbs = max(1.0, n_if / len(r.chunks))  # microbatches in flight per chunk
     ends = end_activations(spec, r.first, r.last, s.tokens, spec.seq, spec.mbs, dt)
     rotary_extra = 0.0
-    if f.arch != "gpt2" and len(r.chunks) > 1:
+    if family(f.arch).block != "gpt2" and len(r.chunks) > 1:  # rotary cos/sin on every chunk
         rotary_extra = (len(r.chunks) - 1) * 2 * spec.seq / spec.sp * f.head_dim * dt.resid
     transient = phase_transient(spec, r, s)  # the forward's or the backward's peak (peaks.py)
     if r.layers:
@@ -178,7 +188,8 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
         transient += ((unsharded - p) if not spec.lora_r else g * (spec.shard - 1)) * dt.grad
     activations = saved + chunk_mbs * (ends + rotary_extra)
     transient += _grad_sync_buffer(spec, g * dt.grad, activations + transient)
-    process = 0.0 if spec.mixed == "zero" else process_bytes(spec.cluster.device, s.compute, activations + transient)
+    cpu_runtime = spec.cluster.device == "cpu" and spec.mixed != "zero"
+    process = process_bytes(spec, activations + transient) if cpu_runtime else 0.0
     return RankMemory(
         params=p * dt.param,
         grads=g * dt.grad,
@@ -319,11 +330,28 @@ def _estimated_ranks(spec: PlanSpec, s: StepInputs, detail: bool) -> List[RankEs
 
 def own_cpu_by_pp_rank(spec: PlanSpec) -> Dict[int, float]:
     """Per pipeline rank, the CPU seconds of a step besides collectives as the planner counts them from
-    the compute profile's pieces (host_work.rank_own_cpu_seconds); {} without a compute profile."""
+    the compute profile's pieces (cpu_host.rank_own_cpu_seconds); {} without a compute profile."""
     s = step_inputs(spec)
     if s.compute is None:
         return {}
     return {e.rank.pp_rank: rank_own_cpu_seconds(spec, s.compute, e) for e in _estimated_ranks(spec, s, True)}
+
+
+@functools.lru_cache(maxsize=64)
+def _own_cpu_counted(spec: PlanSpec, _profile: Tuple[str, int, int]) -> Dict[int, float]:
+    """own_cpu_by_pp_rank, cached per profile version (the search asks for the profiled layout's count
+    once per candidate)."""
+    return own_cpu_by_pp_rank(spec)
+
+
+def _cpu_shared(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], step: float) -> Tuple[float, float]:
+    """(what the shared-core bound adds to the step, the rank steps' factor) on a CPU cluster with a
+    compute profile; (0, 1) elsewhere: the CPU host model is not consulted."""
+    if spec.cluster.device != "cpu" or s.compute is None:
+        return 0.0, 1.0
+    key = profile_key(spec.cluster.compute_profile)
+    factor = rank_step_factor(spec, lambda profiled: _own_cpu_counted(profiled, key))
+    return max(0.0, shared_core_step(spec, s.compute, per_rank, factor) - step), factor
 
 
 def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
@@ -338,8 +366,9 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     t_dp_exposed = max(e.t_dp_exposed_per_step(spec.dp_overlap) for e in per_rank)
     t_optimizer = max(e.compute.t_optimizer for e in per_rank)
     step = (m + units) * slowest.t_microbatch + t_dp_exposed + t_optimizer
-    shared = {"cpu_shared": max(0.0, shared_core_step(spec, s.compute, per_rank, s.cpu_call) - step)}
-    step += shared["cpu_shared"]
+    cpu_shared, factor = _cpu_shared(spec, s, per_rank, step)
+    shared = {"cpu_shared": cpu_shared}
+    step += cpu_shared
     flops = step_flops(spec.facts, spec.extras, spec.global_batch, spec.seq, spec.recompute, spec.recompute_every)
     capacity = spec.cluster.device_memory_bytes * USABLE_MEMORY_FRACTION
     per_step = [e.traffic.per_step(m) for e in per_rank]
@@ -360,6 +389,7 @@ def estimate_spec(spec: PlanSpec, detail: bool = True) -> dict:
     }
     if detail:
         out.update(_detail(spec, s, per_rank, out, worst))
+        out["note_data"] = [n.as_dict() for n in _notes(spec, s, out, worst, factor)]
     return out
 
 
@@ -421,7 +451,7 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
             "step; bandwidths GB/s = 10**9 bytes/s; FLOPs per step (whole cluster)",
         },
     }
-    if f.arch == "gpt2":
+    if family(f.arch).block == "gpt2":  # the paper's formula describes GPT blocks only
         detail["korthikanti_layer_bytes"] = korthikanti_layer_bytes(
             spec.seq, spec.mbs, f.hidden, f.heads, spec.tp, spec.tp_sp, spec.recompute
         )
@@ -429,92 +459,19 @@ def _detail(spec: PlanSpec, s: StepInputs, per_rank: List[RankEstimate], out: di
     if f.is_moe:
         rec = s.passes_extra if spec.recompute == "full" else 0.0
         detail["moe"] = moe_report(spec, s.tokens, s.act_bytes, rec, max(e.rank.sparse for e in per_rank), s.dt)
-    detail["notes"] = _notes(spec, {**out, **detail}, worst.memory.total, worst.rank.pp_rank, eff)
-    if worst.memory.process:
-        detail["notes"].insert(1, process_note(worst.memory.process, s.compute))
     return detail
 
 
-def _notes(spec: PlanSpec, est: dict, worst_total: float, worst_pp_rank: int, eff: float) -> List[str]:
-    cl = spec.cluster
-    notes = [
-        f"memory in bytes and GiB (2**30); worst rank is pipeline rank {worst_pp_rank} "
-        f"({worst_total / GIB:.2f} GiB of {cl.device_memory_bytes / GIB:.2f} GiB, "
-        f"{USABLE_MEMORY_FRACTION:.0%} usable"
-        + (
-            f"; a CPU node's {cl.device_memory_bytes * cl.devices_per_node / GIB:.2f} GiB (cluster.device_memory_gib)"
-            f" shared by its {cl.devices_per_node} processes)"
-            if cl.device == "cpu"
-            else ")"
-        )
-    ]
-    if spec.precision != "fp32":
-        d = dtypes(spec.precision, "autocast")
-        if spec.mixed == "zero":
-            notes.append(
-                "paper accounting (--accounting paper): 16-bit states counted as ZeRO/Megatron do (2+2+12 "
-                "bytes/param); partrain's runtime keeps fp32 weights under torch.autocast (4+4+8, plus 16-bit "
-                "weight copies per in-flight microbatch), which the default --accounting runtime counts"
-            )
-        elif spec.style == "master":
-            over = spec.shard if spec.zero_stage == 1 else 1
-            notes.append(
-                "runtime accounting: 16-bit parameters (train.param_dtype), an fp32 gradient buffer and fp32 master "
-                f"weights + Adam state (2+4+12 bytes/param, the 12 sharded over {over}"
-                " rank(s)); no autocast copies"
-            )
-        elif spec.zero_stage >= 2:
-            notes.append(
-                f"runtime accounting: fp32 sharded weights and gradients ({d.param}+{d.grad}+{d.optim} bytes/param); "
-                "FSDP2's mixed-precision policy gathers 16-bit weights and computes with them (no autocast copies)"
-            )
-        else:
-            notes.append(
-                f"runtime accounting: fp32 weights and gradients under autocast ({d.param}+{d.grad}+{d.optim} "
-                "bytes/param) and a 16-bit copy of each weight saved per in-flight microbatch"
-            )
-    if spec.sp > 1:
-        over = "dp_shard (partrain's ZeRO-1 optimizer shards over dp only)" if spec.zero_stage == 1 else "dp_shard x sp"
-        notes.append(
-            f"context parallel ({spec.sp_mode}): weights replicated over sp; model state sharded over {over}; "
-            "activations of seq/sp tokens per rank"
-        )
-    if spec.ep > 1:
-        notes.append(
-            f"expert parallel: {spec.facts.n_experts // spec.ep} of {spec.facts.n_experts} experts per rank, their "
-            f"states sharded over their {est['moe']['expert_shard']} replica(s) in dp x sp, gradients reduced over "
-            f"edp = {est['moe']['edp']} ranks; all-to-all (dispatch + combine, forward + backward) at the ep link "
-            f"({est['links']['ep']})"
-        )
-    if spec.facts.is_moe:
-        cf = spec.moe_capacity_factor
-        notes.append(
-            "MoE routing: "
-            + (
-                "dropless"
-                if cf is None
-                else f"capacity factor {cf:g}, "
-                f"{est['moe']['capacity_per_expert']} slots per expert per rank and microbatch"
-            )
-            + "; expected volumes assume balanced routing (the dropped share is unknown before training)"
-        )
-    if cl.measured:
-        comm_note = f"communication at the bus bandwidths measured per op in {cl.bandwidth_source.split(':', 1)[1]}"
-        if cl.nodes > 1 and not any(key.startswith("inter/") for key, _ in cl.measured):
-            comm_note += (
-                f"; inter-node links at the nominal cluster.inter_node_gbps ({cl.inter_bw / GB:g} GB/s): "
-                "the profile has no inter-node measurement (measured on one node)"
-            )
-    else:
-        comm_note = "communication at the cluster's link speeds"
-    if cl.compute_profile:
-        notes.append(f"{compute_note(cl.compute_profile)}; {comm_note}")
-        shared = shared_cores_note(spec, compute_model(cl.compute_profile), est["time_breakdown_s"]["cpu_shared"])
-        notes += [shared] if shared else []
-    else:
-        notes.append(f"compute at {eff:.0%} of peak {cl.peak_flops / 1e12:g} TFLOP/s; {comm_note}")
-    if not est["fits"]:
-        notes.append(f"does not fit: needs {worst_total / GIB:.2f} GiB, usable {est['capacity_bytes'] / GIB:.2f} GiB")
+def _notes(spec: PlanSpec, s: StepInputs, est: dict, worst: RankEstimate, factor: float) -> list:
+    """The estimate's notes (notes.py), with the CPU host model's on a CPU cluster: the process term
+    second, the shared-core bound after where compute comes from."""
+    notes = estimate_notes(spec, est, worst.memory.total, worst.rank.pp_rank, matmul_efficiency(spec))
+    if worst.memory.process:
+        notes.insert(1, process_note(spec, worst.memory.process))
+    if spec.cluster.device == "cpu" and s.compute is not None:
+        shared = shared_cores_note(spec, s.compute, factor, est["time_breakdown_s"]["cpu_shared"])
+        at = next(i for i, n in enumerate(notes) if n.code == "compute_profile") + 1
+        notes[at:at] = [shared] if shared else []
     return notes
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 
+from partrain.blueprint.families import family
 from partrain.blueprint.model_facts import ModelFacts
 from partrain.blueprint.planner.params import layer_is_sparse
 from partrain.blueprint.planner.spec import ModelExtras, default_extras
@@ -66,7 +67,7 @@ def mlp_macs(f: ModelFacts, x: ModelExtras, sparse: bool) -> int:
     h = f.hidden
     if sparse:
         macs = h * f.n_experts + f.experts_per_token * 3 * h * f.ffn
-        if f.arch == "qwen2_moe" and f.shared_expert_ffn:
+        if family(f.arch).shared_expert and f.shared_expert_ffn:
             macs += 3 * h * f.shared_expert_ffn + h
         return macs
     ffn = x.dense_ffn or f.ffn

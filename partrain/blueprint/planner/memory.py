@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple
 
+from partrain.blueprint.families import family
 from partrain.blueprint.model_facts import ModelFacts
 from partrain.blueprint.planner.device_rules import cuda_autocast, gelu_saved_per_element
 from partrain.blueprint.planner.moe import kept_fraction
@@ -234,15 +235,15 @@ class LayerActivations:
 
 def _moe_saved(spec: PlanSpec, tokens: float, c: int) -> float:
     """Saved bytes of a MoE block's router and experts (replicated over TP) for `tokens` tokens."""
-    f, x = spec.facts, spec.extras
+    f, x, fam = spec.facts, spec.extras, family(spec.facts.arch)
     h, k, e, ffn = f.hidden, f.experts_per_token, f.n_experts, f.ffn
     router = e * 4 + k * 8 + (4 + k * 4 if x.norm_topk_prob else 0)  # fp32 softmax, top-k ids, renormalisation
     # Per (token, expert) pair: input, gate|up, act, product, down output in compute dtype;
     # the routing-weighted output in fp32; the weight; two int64 indices.
-    per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if f.arch in ("qwen2_moe", "qwen3_moe") else 4) + 16
+    per_assign = (2 * h + 4 * ffn) * c + h * 4 + (c if fam.routing_weights_in_compute_dtype else 4) + 16
     # A capacity factor below 1 drops pairs before the experts (balanced routing: planner/moe.py).
     saved = tokens * (router + k * kept_fraction(spec, tokens) * per_assign)
-    if f.arch == "qwen2_moe" and f.shared_expert_ffn:
+    if fam.shared_expert and f.shared_expert_ffn:
         saved += tokens * ((4 * f.shared_expert_ffn + h + 1) * c)
     return saved
 
@@ -259,7 +260,8 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     eager = x.attn_impl == "eager" and not sp_attn  # sp > 1 replaces the attention function
     mask = 1 if x.resid_dropout else 0
     seq_inputs = 0.0
-    if f.arch == "gpt2":
+    fam = family(f.arch)
+    if fam.block == "gpt2":
         resid = tokens * (2 * h * r + 4 * 4 + 2 * h * mask)  # ln inputs + mean/rstd; residual dropout masks
         gathered = tokens * 2 * h * c  # c_attn and c_fc inputs (one fused projection each)
         if spec.tp_sp:  # Megatron-SP keeps each block's input as a 16-bit (compute dtype) sequence shard
@@ -274,7 +276,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
         # Attention and MLP inputs. Under autocast every projection casts its input on its own, so
         # q, k, v (and gate, up; router and shared expert) each keep a 16-bit copy.
         if d.autocast_copies:
-            mlp_casts = (4 if f.arch == "qwen2_moe" else 1) if sparse else 2
+            mlp_casts = fam.moe_input_casts if sparse else 2
             gathered = tokens * (3 + mlp_casts) * h * c
         else:
             gathered = tokens * 2 * h * c
@@ -285,7 +287,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
             gathered = tokens * (mlp_casts if d.autocast_copies else 1) * h * c if sparse else 0.0
         k_saved = sp_attn["kv_width"] if sp_attn else (q if eager else kv)  # eager repeats the KV heads first
         sharded = tokens * (q + 2 * k_saved + q) * c  # q, k, v (after rotary), attention output
-        if f.arch == "qwen3_moe":
+        if fam.qk_norm:
             # q_norm / k_norm (per head): the fp32 input, the normalised input in compute dtype, rsqrt.
             sharded += tokens * ((q + kv) * (4 + c) + (f.heads + f.kv_heads) * 4)
         if sp_attn:
@@ -297,7 +299,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
     else:
         scores = tokens * a * 4  # fp32 logsumexp of the fused kernel
     replicated = 0.0
-    if f.arch != "gpt2":
+    if fam.block != "gpt2":
         if sparse:
             replicated = _moe_saved(spec, tokens, c)
         else:
@@ -331,7 +333,7 @@ def sp_kv_width(spec: PlanSpec) -> float:
     """Elements per local token of K (and of V) that the sp attention moves and keeps, per TP rank."""
     f = spec.facts
     heads, kv_heads = f.heads / spec.tp, f.kv_heads / spec.tp
-    if SP_REPEATS_KV or f.arch == "gpt2":
+    if SP_REPEATS_KV or family(f.arch).block == "gpt2":
         return heads * f.head_dim
     if spec.sp_mode == "ring":
         return kv_heads * f.head_dim
@@ -400,15 +402,16 @@ def end_activations(spec: PlanSpec, first: bool, last: bool, tokens: float, seq:
     h, tp = f.hidden, spec.tp
     out = 0.0
     local_seq = seq / max(1, spec.sp)  # sp ranks get the position ids of their own tokens
-    if f.arch != "gpt2":
+    gpt2 = family(f.arch).block == "gpt2"
+    if not gpt2:
         out += 2 * local_seq * f.head_dim * d.resid
     if first:
         out += tokens * 8
-        if f.arch == "gpt2":
+        if gpt2:
             out += local_seq * 8 + (tokens * h if x.embd_dropout else 0)
     if last:
         div = tp if spec.tp_sp else 1
-        if f.arch == "gpt2":
+        if gpt2:
             out += tokens * (h * d.resid + 8) / div
         else:
             out += tokens * (2 * h * d.resid + 4) / div

@@ -10,7 +10,7 @@ planner's mixed="autocast"), micro x seq tokens, recompute none or full. What ca
 - `model_saved_bytes`: the same around a 2-layer model's forward and loss: the planner's saved
   activations of the rank (layers + `memory.end_activations`);
 - `step_peak_bytes_above_states`: torch.cuda.max_memory_allocated minus what was allocated before,
-  read right after that forward and loss (before the backward, whatever the README says): the
+  read right after that forward and loss (before the backward, not after it): the
   planner's saved activations plus its forward transient (`peaks.forward_transient`).
 
 Two terms belong to calib.py's harness, not to partrain's runtime, and are added here only:
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, Mapping
 
+from partrain.blueprint.families import family
 from partrain.blueprint.model_facts import model_facts
 from partrain.blueprint.planner.estimate import estimate_spec
 from partrain.blueprint.planner.peaks import forward_transient
@@ -52,13 +53,8 @@ def calib_spec(row: Mapping) -> PlanSpec:
     """The PlanSpec of a calib row's 2-layer model on one H200 (bf16 autocast, zero 0); the row may
     name another "vocab" (calib.py: 32000)."""
     arch, seq, vocab = row["arch"], int(row["seq"]), int(row.get("vocab", CALIB_VOCAB))
-    if arch == "gpt2":
-        config = dict(n_embd=row["hidden"], n_layer=CALIB_LAYERS, n_head=row["heads"], n_inner=row["ffn"])
-        config.update(vocab_size=vocab, n_positions=seq)
-    else:
-        config = dict(hidden_size=row["hidden"], intermediate_size=row["ffn"], num_hidden_layers=CALIB_LAYERS)
-        config.update(num_attention_heads=row["heads"], num_key_value_heads=row["kv_heads"])
-        config.update(vocab_size=vocab, max_position_embeddings=seq)
+    sizes = dict(hidden=row["hidden"], ffn=row["ffn"], layers=CALIB_LAYERS, heads=row["heads"])
+    config = family(arch).hf_config(**sizes, kv_heads=row.get("kv_heads"), vocab=vocab, positions=seq)
     facts = model_facts(arch, config)
     micro = int(row["micro"])
     return PlanSpec(
@@ -86,7 +82,7 @@ def predict_calib_row(row: Mapping) -> Dict[str, float]:
     layer = s.acts[False][0]
     saved = estimate_spec(spec, detail=False)["memory_bytes"]["activations"]
     peak = saved + forward_transient(spec, rank, s)
-    rotary = 2 * s.tokens * f.head_dim * 4 if f.arch != "gpt2" and spec.recompute != "full" else 0.0
+    rotary = 2 * s.tokens * f.head_dim * 4 if family(f.arch).block != "gpt2" and spec.recompute != "full" else 0.0
     last_hidden = s.tokens * f.hidden * s.dt.resid
     return {
         "layer_saved_bytes": layer + rotary,

@@ -44,7 +44,7 @@ class RankTraffic:
     t_pp: float = 0.0
     t_dp_microbatch: float = 0.0
     calls: Dict[str, float] = field(default_factory=dict)
-    """Collective calls per microbatch by "family/op" (what host_work.py charges CPU for)."""
+    """Collective calls per microbatch by "family/op" (what cpu_host.py charges CPU for)."""
     calls_step: Dict[str, float] = field(default_factory=dict)
     """Collective calls once per step by "family/op"."""
 

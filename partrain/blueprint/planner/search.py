@@ -50,163 +50,26 @@ layout estimated in full.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
-import math
 import time
-from typing import Iterator, List, Optional, Tuple
+from typing import List
 
-from partrain.blueprint.layout import divisors
-from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION, estimate, estimate_spec
+from partrain.blueprint.planner.candidates import candidates, overrides, rank_key, sort_key
+from partrain.blueprint.planner.estimate import USABLE_MEMORY_FRACTION, estimate
+from partrain.blueprint.planner.search_space import SEARCHED_KEYS, SearchSpace, enumerate_specs
 from partrain.blueprint.planner.spec import GIB, PlanSpec, rank_memory_gib, spec_from_run
-from partrain.blueprint.trainable import zero1_with_tp_unsupported
 from partrain.errors import ConfigError, Problem
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSpace:
-    """Restrictions of the search (None = everything valid)."""
-
-    tp: Optional[Tuple[int, ...]] = None
-    pp: Optional[Tuple[int, ...]] = None
-    dp: Optional[Tuple[int, ...]] = None
-    zero_stages: Tuple[int, ...] = (0, 1, 2, 3)
-    recompute: Tuple[str, ...] = RECOMPUTE_ORDER
-    schedules: Tuple[str, ...] = ("1f1b", "interleaved-1f1b")
-    virtual_stages: Tuple[int, ...] = (2, 4, 8, 16)
-    sequence_parallel: Tuple[bool, ...] = (False, True)
-    micro_batch_sizes: Optional[Tuple[int, ...]] = None
-    expert_parallel: Optional[Tuple[int, ...]] = None
-    runnable_only: bool = False
-    """Leave out, before pruning, the choices `partrain train` cannot run yet (ZeRO-1 with TP), so
-    that a runnable layout is never pruned in favour of one that cannot train."""
-
-
-def _trainable(spec: PlanSpec) -> bool:
-    """The spec-level part of `partrain.blueprint.trainable.unsupported_features` for the choices the
-    search makes (the rest: model, sp and checkpoint settings, are the same for every candidate)."""
-    return not zero1_with_tp_unsupported(spec.zero_stage, spec.tp)
-
-
-def _with_state_choices(spec: PlanSpec, zero_stage: int, recompute: str) -> PlanSpec:
-    """`spec` with another ZeRO stage and recompute: `dataclasses.replace` without re-running the
-    constructor of every field (PlanSpec has no __post_init__), for the 12 choices of each layout."""
-    out = copy.copy(spec)
-    object.__setattr__(out, "zero_stage", zero_stage)
-    object.__setattr__(out, "recompute", recompute)
-    return out
-
-
-def _tp_options(spec: PlanSpec, world: int, allow_across: bool, space: SearchSpace) -> List[int]:
-    f, cl = spec.facts, spec.cluster
-    out = []
-    for t in divisors(world):
-        if space.tp is not None and t not in space.tp:
-            continue
-        if t > cl.devices_per_node and not allow_across:
-            continue
-        widths = [f.heads, f.kv_heads, f.ffn, f.vocab] + ([f.shared_expert_ffn] if f.shared_expert_ffn else [])
-        if spec.extras.dense_ffn:
-            widths.append(spec.extras.dense_ffn)
-        if any(w % t for w in widths):
-            continue
-        if spec.sp > 1 and spec.sp_mode == "ulysses" and (f.heads % (t * spec.sp) or f.kv_heads % (t * spec.sp)):
-            continue
-        out.append(t)
-    return out
-
-
-def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[Tuple[str, int]]:
-    if pp == 1:
-        yield "1f1b", 1
-        return
-    if "1f1b" in space.schedules and m >= pp:
-        yield "1f1b", 1
-    if "interleaved-1f1b" in space.schedules:
-        rounds = max(1, m // pp)
-        if m % rounds == 0:
-            for v in space.virtual_stages:
-                if pp * v <= layers:
-                    yield "interleaved-1f1b", v
-
-
-SEARCHED_KEYS = frozenset(
-    [f"parallel.{k}" for k in ("dp", "tp", "pp", "ep", "dp_shard", "zero_stage", "recompute", "recompute_every")]
-    + [f"parallel.{k}" for k in ("pp_schedule", "pp_virtual_stages", "pp_layers_per_stage", "tp_sequence_parallel")]
-    + ["train.micro_batch_size", "train.microbatches"]
-)
-"""Keys the search chooses itself: their starting values are never checked."""
-
-NEAR_TIE = 1e-4
-"""Step times within this relative distance rank as ties (fixed buckets: see `rank_key`)."""
-
-
-def enumerate_specs(
-    base: PlanSpec,
-    space: SearchSpace = SearchSpace(),
-    allow_tp_across_nodes: bool = False,
-    stats: Optional[dict] = None,
-    memory_limit: Optional[float] = None,
-) -> Iterator[Tuple[PlanSpec, dict]]:
-    """Yield (spec, cheap estimate) for every layout whose cheap estimate fits (and needs at most
-    `memory_limit` bytes when given); see the module docstring. stats["evaluated"] counts the
-    estimates made, stats["layouts"] the degree choices the global batch admits, stats["batch_dps"]
-    the dp degrees the model and cluster admit whatever the global batch."""
-    stats = stats if stats is not None else {}
-    stats.setdefault("evaluated", 0)
-    stats.setdefault("layouts", 0)
-    stats.setdefault("batch_dps", set())
-    f = base.facts
-    world = base.cluster.nodes * base.cluster.devices_per_node
-    G, sp = base.global_batch, base.sp
-    for tp in _tp_options(base, world, allow_tp_across_nodes, space):
-        if (world // tp) % sp:
-            continue
-        rest = world // (tp * sp)
-        for pp in divisors(rest):
-            if pp > f.n_layers or (space.pp is not None and pp not in space.pp):
-                continue
-            dp = rest // pp
-            if space.dp is not None and dp not in space.dp:
-                continue
-            stats["batch_dps"].add(dp)
-            if G % dp:
-                continue
-            stats["layouts"] += 1
-            eps = [1]
-            if f.is_moe:
-                eps = [e for e in divisors(f.n_experts) if (dp * sp) % e == 0]
-                if space.expert_parallel is not None:
-                    eps = [e for e in eps if e in space.expert_parallel] or [1]
-            sps = [s for s in space.sequence_parallel if not s or (tp > 1 and base.seq % tp == 0)] or [False]
-            zeros = [z for z in space.zero_stages if z == 0 or dp * sp > 1] or [0]
-            mbss = [b for b in divisors(G // dp) if space.micro_batch_sizes is None or b in space.micro_batch_sizes]
-            for ep in eps:
-                for tp_sp in sps:
-                    for mbs in mbss:
-                        layout = dict(tp=tp, pp=pp, dp=dp, ep=ep, dp_shard=dp, tp_sp=tp_sp, mbs=mbs)
-                        yield from _fitting_at(base, space, layout, zeros, stats, memory_limit)
-
-
-def _fitting_at(
-    base: PlanSpec, space: SearchSpace, layout: dict, zeros: List[int], stats: dict, memory_limit: Optional[float]
-) -> Iterator[Tuple[PlanSpec, dict]]:
-    """The fitting (schedule, ZeRO stage, recompute) choices for one set of degrees and micro batch:
-    every one is estimated (no pruning: see the module docstring)."""
-    m = base.global_batch // (layout["dp"] * layout["mbs"])
-    for schedule, v in _schedules(layout["pp"], m, base.facts.n_layers, space):
-        degrees = dataclasses.replace(base, **layout, recompute_every=1, schedule=schedule, v=v)
-        for zero in zeros:
-            for rec in space.recompute:
-                spec = _with_state_choices(degrees, zero, rec)
-                if space.runnable_only and not _trainable(spec):
-                    break  # every recompute of this ZeRO stage is as untrainable
-                est = estimate_spec(spec, detail=False)
-                stats["evaluated"] += 1
-                if est["fits"] and (memory_limit is None or est["memory_bytes"]["total"] <= memory_limit):
-                    yield spec, est
+__all__ = [
+    "SearchSpace",
+    "auto_memory_bytes",
+    "auto_memory_fraction",
+    "base_spec",
+    "enumerate_specs",
+    "overrides",
+    "rank_key",
+    "search",
+]
 
 
 def auto_memory_fraction(margin: float) -> float:
@@ -303,24 +166,6 @@ def base_spec(v_or_run, mixed: str = "autocast", dp_overlap: bool = True) -> Pla
     return spec_from_run(run, facts, run.train.global_batch_size, mixed=mixed, dp_overlap=dp_overlap)
 
 
-def rank_key(step_time_s: float, unsupported: int, microbatches: int, memory: float, override_text: Tuple[str, ...]):
-    """The search's order of candidates (module docstring): a total order that does not depend on
-    which other candidates are present."""
-    bucket = math.floor(math.log(step_time_s) / math.log1p(NEAR_TIE)) if step_time_s > 0 else -(10**9)
-    return (bucket, unsupported, microbatches, memory, override_text)
-
-
-def _key(c: dict):
-    est = c["estimate"]
-    return rank_key(
-        est["step_time_s"],
-        len(c["unsupported"]),
-        c["spec"].microbatches,
-        est["memory_bytes"]["total"],
-        tuple(overrides(c["spec"])),
-    )
-
-
 def _run_config(run, spec: PlanSpec):
     p = dataclasses.replace(
         run.parallel,
@@ -340,75 +185,6 @@ def _run_config(run, spec: PlanSpec):
     )
     t = dataclasses.replace(run.train, micro_batch_size=spec.mbs, global_batch_size=spec.global_batch, microbatches=0)
     return dataclasses.replace(run, parallel=p, train=t)
-
-
-def describe(spec: PlanSpec) -> dict:
-    return {
-        "dp": spec.dp,
-        "tp": spec.tp,
-        "pp": spec.pp,
-        "sp": spec.sp,
-        "ep": spec.ep,
-        "zero_stage": spec.zero_stage,
-        "recompute": spec.recompute,
-        "micro_batch_size": spec.mbs,
-        "microbatches": spec.microbatches,
-        "pp_schedule": spec.schedule if spec.pp > 1 else None,
-        "pp_virtual_stages": spec.v,
-        "tp_sequence_parallel": spec.tp_sp,
-    }
-
-
-def overrides(spec: PlanSpec) -> List[str]:
-    """Command-line overrides that select this layout (for `partrain train ...`)."""
-    out = [
-        f"parallel.dp={spec.dp}",
-        f"parallel.tp={spec.tp}",
-        f"parallel.pp={spec.pp}",
-        f"parallel.sp={spec.sp}",
-        f"parallel.ep={spec.ep}",
-        f"parallel.zero_stage={spec.zero_stage}",
-        "parallel.dp_shard=-1",
-        f"parallel.recompute={spec.recompute}",
-        f"parallel.tp_sequence_parallel={str(spec.tp_sp).lower()}",
-        f"train.micro_batch_size={spec.mbs}",
-        f"train.global_batch_size={spec.global_batch}",
-        "train.microbatches=0",
-    ]
-    if spec.pp > 1:
-        out += [f"parallel.pp_schedule={spec.schedule}", f"parallel.pp_virtual_stages={spec.v}"]
-    return out
-
-
-def why(spec: PlanSpec, est: dict, best: Optional[dict]) -> str:
-    """One line: what this layout does well, and (for a runner-up) what costs it time vs the best."""
-    mem = est["memory_bytes"]["total"] / GIB
-    cap = spec.cluster.device_memory_bytes / GIB
-    tb = est["time_breakdown_s"]
-    step = est["step_time_s"]
-    comm = sum(tb[k] for k in ("tp", "sp", "ep", "pp", "dp_exposed"))
-    parts = [
-        f"fits ({mem:.1f} of {cap:.1f} GiB)"
-        + (" without recompute" if spec.recompute == "none" else f" with {spec.recompute} recompute")
-    ]
-    if spec.zero_stage:
-        parts.append(f"ZeRO-{spec.zero_stage} over {spec.shard}")
-    if spec.pp > 1:
-        sched = "interleaved x%d" % spec.v if spec.v > 1 else "1F1B"
-        parts.append(f"bubble {est['pipeline_bubble_fraction']:.1%} ({sched}, {spec.microbatches} microbatches)")
-    else:
-        parts.append("no pipeline bubble")
-    if spec.tp > 1:
-        where = "inside a node" if est.get("links", {}).get("tp", "intra").startswith("intra") else "across nodes"
-        parts.append(f"TP{spec.tp} {where}" + (" + SP" if spec.tp_sp else ""))
-    parts.append(f"exposed comm {comm / step:.1%} of step")
-    text = "; ".join(parts)
-    if best is not None and best["step_time_s"] > 0:
-        reasons = _worse_parts(est, best)
-        text += f"; {step / best['step_time_s'] - 1:+.1%} vs #1" + (
-            f" (more {', '.join(reasons[:2])})" if reasons else ""
-        )
-    return text
 
 
 def search(
@@ -477,7 +253,7 @@ def search(
         ok = est["memory_bytes"]["total"] <= allowance
         if est["fits"] and (ok or not within_auto_margin):
             c = {"spec": spec, "estimate": est, "unsupported": missing, "auto_ok": ok}
-            key = _key(c)
+            key = sort_key(c)
             i = bisect.bisect(keys, key)
             keys.insert(i, key)
             picked.insert(i, c)
@@ -489,103 +265,4 @@ def search(
         "seconds": time.perf_counter() - started,
         "auto_memory_bytes": allowance,
     }
-    return _candidates(picked[:top_k], info)
-
-
-def _candidates(picked: List[dict], info: dict) -> List[dict]:
-    """The report's candidate list (already in `rank_key` order), with the reasons."""
-    out: List[dict] = []
-    best = picked[0]["estimate"]
-    for i, c in enumerate(picked):
-        spec, est = c["spec"], c["estimate"]
-        text = why(spec, est, None if i == 0 else best)
-        if i == 0 and len(picked) > 1:
-            text += "; " + _lead(picked[0], picked[1])
-        out.append(
-            {
-                "rank": i + 1,
-                "layout": describe(spec),
-                "overrides": overrides(spec),
-                "estimate": est,
-                "why": text,
-                "why_short": why_short(picked, i),
-                "auto_ok": c["auto_ok"],
-                "unsupported": c["unsupported"],
-                "search": info,
-            }
-        )
-    return out
-
-
-def why_short(picked: List[dict], i: int) -> str:
-    """At most about 40 characters: the candidate's main trade-off against #1 (for #1: against #2)."""
-    if len(picked) == 1:
-        return "the only layout listed"
-    me = picked[i]
-    other = picked[1] if i == 0 else picked[0]
-    a, b = me["estimate"], other["estimate"]
-    if _key(me)[0] == _key(other)[0]:
-        if len(me["unsupported"]) != len(other["unsupported"]):
-            what = "trainable now" if len(me["unsupported"]) < len(other["unsupported"]) else "not trainable yet"
-        elif me["spec"].microbatches != other["spec"].microbatches:
-            what = "fewer microbatches" if me["spec"].microbatches < other["spec"].microbatches else "more microbatches"
-        elif a["memory_bytes"]["total"] != b["memory_bytes"]["total"]:
-            what = "less memory" if a["memory_bytes"]["total"] < b["memory_bytes"]["total"] else "more memory"
-        else:
-            return f"ties #{2 if i == 0 else 1}"
-        return f"ties #{2 if i == 0 else 1}: {what}"
-    if i == 0:
-        ahead = b["step_time_s"] / a["step_time_s"] - 1
-        reasons = [SHORT_LABELS[r] for r in _worse_parts(b, a)]
-        return f"{ahead:.1%} ahead of #2" + (f": less {reasons[0]}" if reasons else "")
-    behind = a["step_time_s"] / b["step_time_s"] - 1
-    reasons = [SHORT_LABELS[r] for r in _worse_parts(a, b)]
-    return f"+{behind:.1%}" + (f": more {' and '.join(reasons[:2])}" if reasons else "")
-
-
-SHORT_LABELS = {
-    "bubble": "bubble",
-    "compute/recompute": "compute",
-    "TP traffic": "TP comm",
-    "DP traffic": "DP comm",
-    "pipeline sends": "PP sends",
-    "EP traffic": "EP comm",
-    "SP traffic": "SP comm",
-}
-"""`_worse_parts`' labels in the few characters of a short "why"."""
-
-
-def _lead(first: dict, second: dict) -> str:
-    best, other = first["estimate"], second["estimate"]
-    ahead = other["step_time_s"] / best["step_time_s"] - 1
-    if ahead < 1e-4:
-        if len(first["unsupported"]) < len(second["unsupported"]):
-            return "ties #2 on time and this version of partrain can train more of it"
-        if first["spec"].microbatches < second["spec"].microbatches:
-            return "ties #2 on time with fewer, larger microbatches (less per-microbatch overhead)"
-        return (
-            "ties #2 on time with less memory"
-            if best["memory_bytes"]["total"] < other["memory_bytes"]["total"]
-            else "ties #2"
-        )
-    reasons = _worse_parts(other, best)
-    return f"{ahead:.1%} faster than #2" + (f" (less {', '.join(reasons[:2])})" if reasons else "")
-
-
-def _worse_parts(est: dict, ref: dict) -> List[str]:
-    tb, rb = est["time_breakdown_s"], ref["time_breakdown_s"]
-    diffs = []
-    for key, label in (
-        ("bubble", "bubble"),
-        ("compute", "compute/recompute"),
-        ("tp", "TP traffic"),
-        ("dp_exposed", "DP traffic"),
-        ("pp", "pipeline sends"),
-        ("ep", "EP traffic"),
-        ("sp", "SP traffic"),
-    ):
-        diff = tb[key] - rb[key]
-        if diff > 0.002 * ref["step_time_s"]:
-            diffs.append((diff, label))
-    diffs.sort(reverse=True)
-    return [label for _, label in diffs]
+    return candidates(picked[:top_k], info)

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
-from partrain.blueprint.comm_profile import ring_steps
+from partrain.blueprint.families import family
+from partrain.blueprint.families.base import ModelExtras
 from partrain.blueprint.model_facts import ModelFacts, load_snapshot, merged_kwargs
 from partrain.blueprint.precision_mode import uses_master_weights
 
@@ -45,32 +46,6 @@ def _snapshot() -> Dict[str, dict]:
     return load_snapshot()
 
 
-@dataclass(frozen=True)
-class ModelExtras:
-    """Model details beyond ModelFacts that change memory or FLOPs."""
-
-    activation: str = "silu"
-    """MLP activation (HF name): gelu_new (GPT-2's Python tanh-GELU), gelu, silu, ..."""
-    resid_dropout: bool = False
-    """Dropout after the attention and MLP output projections (GPT-2 resid_pdrop > 0)."""
-    embd_dropout: bool = False
-    """Dropout on the input embeddings (GPT-2 embd_pdrop > 0)."""
-    attn_dropout: bool = False
-    """Dropout on the attention probabilities."""
-    attn_impl: str = "sdpa"
-    """HF attention implementation; sdpa/flash never store the s x s scores, eager does."""
-    out_bias: bool = False
-    """Attention output projection has a bias (GPT-2 always; Llama with attention_bias)."""
-    mlp_bias: bool = False
-    """MLP projections have biases (GPT-2 always; Llama with mlp_bias)."""
-    dense_ffn: int = 0
-    """Width of the dense MLP of layers without experts (Qwen2-MoE intermediate_size); 0 = facts.ffn."""
-    sparse_layers: Tuple[bool, ...] = ()
-    """For each decoder layer, whether it holds experts (empty for dense models)."""
-    norm_topk_prob: bool = True
-    """MoE router renormalises the top-k weights (Mixtral yes, Qwen2-/Qwen3-MoE by default no)."""
-
-
 def model_extras(arch: str, config: Dict[str, Any], pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
     """`ModelExtras` from the same merged HF kwargs as `partrain.blueprint.model_facts` (cached, cheap)."""
     return _model_extras(arch, json.dumps(dict(config or {}), sort_keys=True, default=str), pretrained, facts)
@@ -83,45 +58,12 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
     config.pop("experts_implementation", None)
     config.pop("use_cache", None)
     values = merged_kwargs(arch, config, pretrained, _snapshot())
-    if arch == "gpt2":
-        return ModelExtras(
-            activation=str(values.get("activation_function") or "gelu_new"),
-            resid_dropout=float(values.get("resid_pdrop") or 0) > 0,
-            embd_dropout=float(values.get("embd_pdrop") or 0) > 0,
-            attn_dropout=float(values.get("attn_pdrop") or 0) > 0,
-            attn_impl=impl,
-            out_bias=True,
-            mlp_bias=True,
-        )
-    sparse: Tuple[bool, ...] = ()
-    dense_ffn = 0
-    if arch == "mixtral":
-        sparse = (True,) * facts.n_layers
-    elif arch in ("qwen2_moe", "qwen3_moe"):
-        step = int(values.get("decoder_sparse_step") or 1)
-        dense_only = set(values.get("mlp_only_layers") or [])
-        sparse = tuple(
-            (i not in dense_only) and facts.n_experts > 0 and (i + 1) % step == 0 for i in range(facts.n_layers)
-        )
-        dense_ffn = int(values.get("intermediate_size") or 0)
-    return ModelExtras(
-        activation=str(values.get("hidden_act") or "silu"),
-        attn_dropout=float(values.get("attention_dropout") or 0) > 0,
-        attn_impl=impl,
-        out_bias=bool(values.get("attention_bias")) if arch in ("llama", "qwen3_moe") else False,
-        mlp_bias=bool(values.get("mlp_bias")) if arch == "llama" else False,
-        dense_ffn=dense_ffn,
-        sparse_layers=sparse,
-        norm_topk_prob=bool(values.get("norm_topk_prob", True)) if arch in ("qwen2_moe", "qwen3_moe") else True,
-    )
+    return family(arch).extras(values, facts, impl)
 
 
 def default_extras(facts: ModelFacts) -> ModelExtras:
     """Extras when only facts are known (HF defaults, no dropout)."""
-    if facts.arch == "gpt2":
-        return ModelExtras(activation="gelu_new", out_bias=True, mlp_bias=True)
-    sparse = (True,) * facts.n_layers if facts.is_moe else ()
-    return ModelExtras(sparse_layers=sparse, norm_topk_prob=facts.arch not in ("qwen2_moe", "qwen3_moe"))
+    return family(facts.arch).default_extras(facts)
 
 
 @dataclass(frozen=True)
@@ -145,13 +87,7 @@ class ClusterSpec:
     """Seconds per call of each op, keyed "link/op", from the comm profile (comm_profile.planner_latencies)."""
     cpu_costs: Tuple[Tuple[str, float], ...] = ()
     """CPU seconds per ring step of each op, keyed "link/op", from a comm profile measured on CPU devices
-    (comm_profile.planner_cpu_costs); empty: unknown (planner/host_work.py then counts no collective CPU)."""
-    busy_call_cpu: Tuple[Tuple[str, float], ...] = ()
-    """CPU seconds per call of each op inside a node whose ranks all compute between calls, keyed by op,
-    from a comm profile's "busy" block (comm_profile.planner_busy); empty: not measured (the lockstep
-    cpu_costs then count)."""
-    busy_compute_inflation: float = 1.0
-    """A rank's compute CPU on that busy node over the same compute alone (the same block); 1 unknown."""
+    (comm_profile.planner_cpu_costs); empty: unknown (planner/cpu_host.py then counts no collective CPU)."""
     compute_profile: str = ""
     """A compute profile written by `partrain bench compute` (compute_model.py times compute from it);
     empty = FLOPs / (peak x efficiency)."""
@@ -164,22 +100,6 @@ class ClusterSpec:
             if key == f"{link}/{op}":
                 return value
         return 0.0
-
-    def cpu_per_step(self, link: str, op: str) -> float:
-        """CPU seconds per ring step of `op` on a link class (comm profile on CPU devices; an op it did not
-        measure costs what its all-reduce does); 0 when unknown."""
-        costs = dict(self.cpu_costs)
-        return costs.get(f"{link}/{op}", costs.get(f"{link}/all_reduce", 0.0))
-
-    def call_cpu(self, link: str, op: str, ranks: int) -> float:
-        """CPU seconds one call of `op` over `ranks` ranks costs each of them. Inside a node whose busy
-        calls the profile measured: that figure, whatever the group's size (bench/busy_node.py: a
-        blocking call's CPU does not follow the ring's steps; an op not measured costs what its
-        all-reduce does); otherwise the lockstep CPU per ring step times the call's ring steps."""
-        busy = dict(self.busy_call_cpu) if link == "intra" else {}
-        if busy:
-            return busy.get(op, busy.get("all_reduce", 0.0))
-        return self.cpu_per_step(link, op) * ring_steps(op, ranks)
 
     def bw(self, link: str, op: str = "all_reduce") -> float:
         """Bytes/s of `op` on a link class ("intra" / "inter"): the measured bus bandwidth when the
@@ -311,15 +231,12 @@ def cluster_spec(cl) -> ClusterSpec:
     measured: Tuple[Tuple[str, float], ...] = ()
     latencies: Tuple[Tuple[str, float], ...] = ()
     cpu_costs: Tuple[Tuple[str, float], ...] = ()
-    busy_calls: Tuple[Tuple[str, float], ...] = ()
-    inflation = 1.0
     source = "nominal"
     if getattr(cl, "comm_profile", ""):
         # Measured bus bandwidths replace the nominal ones (validate.py has checked the file); a link
         # class the profile lacks (inter-node, measured on one node) keeps the config's speed.
         from partrain.blueprint.comm_profile import (
             planner_bandwidths,
-            planner_busy,
             planner_cpu_costs,
             planner_latencies,
         )
@@ -327,7 +244,6 @@ def cluster_spec(cl) -> ClusterSpec:
         measured = planner_bandwidths(cl.comm_profile)
         latencies = planner_latencies(cl.comm_profile)
         cpu_costs = planner_cpu_costs(cl.comm_profile)
-        busy_calls, inflation = planner_busy(cl.comm_profile)
         by_key = dict(measured)
         intra, inter = by_key.get("intra/all_reduce", intra), by_key.get("inter/all_reduce", inter)
         source = f"profile:{cl.comm_profile}"
@@ -343,8 +259,6 @@ def cluster_spec(cl) -> ClusterSpec:
         bandwidth_source=source,
         latencies=latencies,
         cpu_costs=cpu_costs,
-        busy_call_cpu=busy_calls,
-        busy_compute_inflation=inflation,
         compute_profile=getattr(cl, "compute_profile", "") or "",
         compute_source=f"profile:{cl.compute_profile}" if getattr(cl, "compute_profile", "") else "nominal",
     )

@@ -30,8 +30,9 @@ def matmul_efficiency(spec: PlanSpec) -> float:
 
 def float8_gathered_share(spec: PlanSpec) -> float:
     """The share of the parameters FSDP all-gathers in float8 (1 byte, not 2) under train.float8 with the
-    tensorwise recipe at zero 2/3: the decoder layers' linear weights over all parameters."""
-    if spec.float8 != "tensorwise" or spec.zero_stage < 2 or spec.facts.is_moe:
+    tensorwise recipe at zero 2/3: the decoder layers' linear weights over all parameters. Not under tp > 1:
+    torchao's float8 all-gather wraps a plain weight, not a TP shard (partrain.parallel.float8)."""
+    if spec.float8 != "tensorwise" or spec.zero_stage < 2 or spec.facts.is_moe or spec.tp > 1:
         return 0.0
     linear = spec.facts.n_layers * (attention_proj_macs(spec.facts) + mlp_macs(spec.facts, spec.extras, False))
     return linear / param_count(spec.facts, spec.extras)
@@ -95,21 +96,6 @@ def group_latencies(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_s
     }
 
 
-@functools.lru_cache(maxsize=4096)
-def group_cpu_costs(cl, order, tp: int, sp: int, dp: int, pp: int, ep: int, dp_shard: int) -> Dict[str, float]:
-    """CPU seconds one call costs a rank, "tp/<op>" etc. for every family and op (empty without a comm
-    profile measured on CPU devices; ClusterSpec.call_cpu)."""
-    if not cl.cpu_costs and not cl.busy_call_cpu:
-        return {}
-    groups = family_groups(order, {"tp": tp, "sp": sp, "dp": dp, "pp": pp}, ep, dp_shard)
-    return {
-        f"{name}/{op}": cl.call_cpu(link_of(cl, members), op, len(members))
-        for name, members in groups.items()
-        for op in COMM_OPS
-        if len(members) > 1
-    }
-
-
 def mixed_bandwidth(bw: Dict[str, float], family: str, volumes: Dict[str, float]) -> float:
     """Bandwidth of traffic split over ops in these volume proportions: total / sum(volume / bw)."""
     rates = {op: bw[f"{family}/{op}"] for op in volumes}
@@ -139,8 +125,6 @@ class StepInputs:
     bw: Dict[str, float]
     alpha: Dict[str, float]
     """Seconds of fixed cost per call by "family/op" (empty: none known, 0)."""
-    cpu_call: Dict[str, float]
-    """CPU seconds per call by "family/op" on a CPU cluster with a measured comm profile (empty: unknown)."""
     tp_bw: float
     dp_ops: Dict[str, float]
     acts: Dict[bool, Tuple[float, float]]
@@ -175,9 +159,6 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         rate=matmul_rate(model, spec, tokens) if model else spec.cluster.peak_flops * matmul_efficiency(spec),
         bw=bw,
         alpha=group_latencies(
-            spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
-        ),
-        cpu_call=group_cpu_costs(
             spec.cluster, spec.order, spec.tp, spec.sp, spec.dp, spec.pp, spec.ep, spec.dp_shard or spec.dp
         ),
         tp_bw=tp_bw,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List
 
 from partrain.blueprint.planner.spec import GIB
+from partrain.blueprint.report.notes import note_texts, word_notes
 
 
 def _gib(x: float) -> str:
@@ -39,8 +40,9 @@ def conclude(report: dict) -> dict:
     """Give the report one verdict from the layout and its estimate: "ready to launch" only when
     `partrain train` can run the layout, it fits, and the launch's preflight checked everything
     (report["unchecked"] empty); else "layout ready", naming each check that was not made and why.
-    Sets "status" and "ready" (the layout's: what was not checked is in the verdict and "unchecked")."""
-    est = report["estimate"]
+    Sets "status" and "ready" (the layout's: what was not checked is in the verdict and "unchecked"), and
+    words the estimate's notes (report/notes.py)."""
+    est = word_notes(report["estimate"])
     if report.get("status") == "unsupported":
         report["verdict"] += "; " + verdict_text(est)
     elif not est["fits"]:
@@ -74,7 +76,7 @@ def render_estimate(est: dict, console) -> None:
     _render_memory(est, console)
     console.print(_step_table(est))
     console.print(memory_line(est))
-    for note in est.get("notes", [])[1:]:
+    for note in note_texts(est)[1:]:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)  # wrapped: the report keeps to the console
 
 

@@ -2,7 +2,7 @@
 
 On a CPU the cores that compute also run Python, torch's dispatcher, DTensor's sharding logic and the
 optimizer's per-tensor loop; when a node's ranks outnumber its cores, every rank's share of that work
-slows every other rank (planner/host_work.py). `partrain bench compute` times the pieces that depend
+slows every other rank (planner/cpu_host.py). `partrain bench compute` times the pieces that depend
 on the layout, in its one process, as rank 0 of a world of max(2, tp) ranks on torch's fake process
 group: DTensor shards, propagates and redistributes exactly as on a real mesh of that size, and each
 collective returns at once. A collective's own CPU is what `partrain bench comm` measures for real; the

@@ -16,23 +16,21 @@ to this one over its stdin and stdout (ready, go, timed, stop), so the caller's 
 runs again in the children and a rank that dies is seen at once.
 
 The collectives' own CPU is not in it (they return at once): `partrain bench comm` measures that, and
-the planner adds it per call. The block keeps, per rank, the CPU measured and the CPU the planner counts
-for the same work from the profile's pieces (`planner.estimate.own_cpu_by_pp_rank`); their ratio of sums,
-`factor`, is what the planner multiplies every layout's count by (the profiled layout's count then
-equals its measurement).
+the planner adds it per call. The block keeps measurements only: the profiled layout (its PlanSpec
+fields, compute_profile.RANK_STEPS_LAYOUT_KEYS) and, per rank, its pipeline rank and its CPU per step.
+The planner compares them with what it counts for that layout at plan time (planner/cpu_host.py), so a
+change to its formula never leaves a stale figure in a profile.
 
-Not measured (the block is left out, and the planner falls back on the comm profile's busy-node
-inflation): GPU runs; expert parallelism (the token exchange sizes its buffers from what peers send,
-and a fake peer sends nothing); pipelines whose stages infer their shapes from their peers at the first
-step (16-bit autocast, Megatron-SP); a node whose ranks' predicted memory would not fit in half of this
-machine's available memory.
+Not measured (the block is left out, and the planner counts the pieces as they are): GPU runs; expert
+parallelism (the token exchange sizes its buffers from what peers send, and a fake peer sends nothing);
+pipelines whose stages infer their shapes from their peers at the first step (16-bit autocast,
+Megatron-SP); a node whose ranks' predicted memory would not fit in half of this machine's available
+memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -169,7 +167,7 @@ def _rank_main(v, rank: int, threads: int, say: Callable[[str], None], told: Cal
 
 
 def _child_main(argv: List[str]) -> int:
-    """`python -m partrain.bench.rank_steps RUN_PICKLE RANK THREADS`: one rank, talking on stdin/stdout."""
+    """`python -m partrain.bench.cpu.rank_steps RUN_PICKLE RANK THREADS`: one rank, talking on stdin/stdout."""
     import pickle
     import select
     import sys
@@ -223,7 +221,7 @@ def _tell(procs: Dict[int, "object"], word: str) -> None:
 
 def measure_node(v, threads: int) -> Tuple[Dict[int, float], str]:
     """({rank: CPU seconds per step} for the node's ranks, "") or ({}, why it failed). Each rank is a
-    fresh interpreter (`python -m partrain.bench.rank_steps`), whatever process calls this."""
+    fresh interpreter (`python -m partrain.bench.cpu.rank_steps`), whatever process calls this."""
     import pickle
     import subprocess
     import sys
@@ -240,7 +238,7 @@ def measure_node(v, threads: int) -> Tuple[Dict[int, float], str]:
         run_file = os.path.join(scratch, "run.pickle")
         with open(run_file, "wb") as f:
             pickle.dump(v, f)
-        cmd = [sys.executable, "-m", "partrain.bench.rank_steps", run_file]
+        cmd = [sys.executable, "-m", "partrain.bench.cpu.rank_steps", run_file]
         procs = {
             r: subprocess.Popen(
                 [*cmd, str(r), str(threads)],
@@ -270,19 +268,6 @@ def measure_node(v, threads: int) -> Tuple[Dict[int, float], str]:
                     p.wait()
 
 
-def _counted(v, spec, profile: dict) -> Dict[int, float]:
-    """The planner's count of each pipeline rank's own CPU from `profile` (written to a scratch file,
-    as the planner reads profiles from files)."""
-    from partrain.blueprint.planner.estimate import own_cpu_by_pp_rank
-
-    with tempfile.TemporaryDirectory(prefix="partrain-rank-steps-") as scratch:
-        path = os.path.join(scratch, "profile.json")
-        with open(path, "w") as f:
-            json.dump(profile, f)
-        cluster = dataclasses.replace(spec.cluster, compute_profile=path)
-        return own_cpu_by_pp_rank(dataclasses.replace(spec, cluster=cluster))
-
-
 def _layout_text(v) -> str:
     degrees = " ".join(f"{k}{n}" for k, n in v.layout.degrees.items() if n > 1) or "one rank"
     p, t = v.run.parallel, v.run.train
@@ -291,10 +276,17 @@ def _layout_text(v) -> str:
     return f"{degrees} zero {p.zero_stage}{schedule}, {batch}"
 
 
-def rank_steps_block(
-    v, spec, profile: dict, threads: int, progress: Callable[[str], None] = lambda _: None
-) -> Optional[dict]:
-    """The profile's "host.rank_steps" block for run `v` (None when it cannot be measured: `why_not`)."""
+def layout_fields(spec) -> dict:
+    """The profiled layout as the planner names it (compute_profile.RANK_STEPS_LAYOUT_KEYS)."""
+    from partrain.blueprint.compute_profile import RANK_STEPS_LAYOUT_KEYS
+
+    cluster = {"devices_per_node": spec.cluster.devices_per_node}
+    return {k: cluster[k] if k in cluster else getattr(spec, k) for k in RANK_STEPS_LAYOUT_KEYS}
+
+
+def rank_steps_block(v, spec, threads: int, progress: Callable[[str], None] = lambda _: None) -> Optional[dict]:
+    """The profile's "host.rank_steps" block for run `v` and its PlanSpec `spec` (None when it cannot be
+    measured: `why_not`)."""
     from partrain.blueprint.planner.estimate import estimate_spec
 
     reason = why_not(v, estimate_spec(spec, detail=False)["memory_bytes"]["total"])
@@ -303,18 +295,13 @@ def rank_steps_block(
     if reason:
         progress(f"rank steps not measured: {reason}")
         return None
-    counted_by_stage = _counted(v, spec, profile)
     ranks = sorted(measured)
-    counted = [counted_by_stage.get(v.layout.coords(r)["pp"], 0.0) for r in ranks]
-    if sum(counted) <= 0:
-        progress("rank steps not used: the profile's pieces count no CPU for them")
-        return None
     return {
         "layout": _layout_text(v),
+        "spec": layout_fields(spec),
         "ranks": ranks,
+        "pp_ranks": [v.layout.coords(r)["pp"] for r in ranks],
         "measured_cpu_s": [measured[r] for r in ranks],
-        "counted_cpu_s": counted,
-        "factor": sum(measured.values()) / sum(counted),
     }
 
 

@@ -1,0 +1,43 @@
+"""Per-family planner knowledge (one module per family) and its registry.
+
+A family is a pair of files: this package's <family>.py (torch-free: config facts, parameter
+tensors, the traits the planner's formulas branch on) and partrain/models/families/<family>.py
+(runtime: module paths, TP plan). Variants that share code (Qwen2, Mistral on Llama) are entries of
+the llama module, not copies. Shared planner modules ask `family(arch)` instead of testing arch.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Dict
+
+from partrain.blueprint.families.base import Family
+from partrain.blueprint.families.gpt2 import GPT2
+from partrain.blueprint.families.llama import LLAMA, MISTRAL, QWEN2
+from partrain.blueprint.families.mixtral import MIXTRAL
+from partrain.blueprint.families.qwen2_moe import QWEN2_MOE
+from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
+from partrain.errors import ConfigError, Problem
+
+FAMILIES: Dict[str, Family] = {f.arch: f for f in (GPT2, LLAMA, QWEN2, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
+"""HF model_type -> its planner family, in the order reports list the supported architectures."""
+
+
+def unknown_arch(arch: str) -> Problem:
+    names = tuple(FAMILIES)
+    close = difflib.get_close_matches(arch, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return Problem(
+        "model.arch",
+        arch,
+        f"not a supported HF architecture family ({', '.join(names)})",
+        f"{hint}set model.arch to one of them",
+    )
+
+
+def family(arch: str) -> Family:
+    """The planner family of HF model_type `arch`; ConfigError (model.arch) when partrain has none."""
+    found = FAMILIES.get(arch)
+    if found is None:
+        raise ConfigError(unknown_arch(arch))
+    return found

@@ -1,0 +1,58 @@
+"""Per-family runtime descriptions (one module per family) and their registry.
+
+A family's runtime module holds its `Adapter`: where the HF model keeps its parts, and partrain's
+own tensor-parallel layer plan where transformers ships none. Its planner twin, torch-free, is
+partrain/blueprint/families/<family>.py. Families that share modules (Qwen2, Mistral on Llama) share
+one adapter, listing every HF `model_type` it serves in `archs`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Dict
+
+from partrain.errors import ConfigError, Problem
+from partrain.models.families.base import Adapter
+from partrain.models.families.gpt2 import GPT2
+from partrain.models.families.llama import LLAMA
+from partrain.models.families.mixtral import MIXTRAL
+from partrain.models.families.qwen2_moe import QWEN2_MOE
+from partrain.models.families.qwen3_moe import QWEN3_MOE
+
+ADAPTERS: Dict[str, Adapter] = {arch: a for a in (GPT2, LLAMA, MIXTRAL, QWEN2_MOE, QWEN3_MOE) for arch in a.archs}
+"""model_type -> adapter, for every supported architecture (a new family: add its module here)."""
+
+
+def get_adapter(model_or_arch: Any) -> Adapter:
+    """The adapter for an arch name, an HF config, a model (its `.config`), or a partrain ModelConfig.
+
+    Raises ConfigError (key model.arch) for an architecture partrain does not support.
+    """
+    arch = _arch_of(model_or_arch)
+    adapter = ADAPTERS.get(arch)
+    if adapter is None:
+        supported = ", ".join(sorted(ADAPTERS))
+        close = difflib.get_close_matches(str(arch), list(ADAPTERS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            Problem(
+                "model.arch",
+                arch,
+                f"no partrain adapter for this architecture (supported: {supported})",
+                f"{hint}set model.arch to a supported one",
+            )
+        )
+    return adapter
+
+
+def _arch_of(obj: Any) -> str:
+    if isinstance(obj, str):
+        return obj
+    config = getattr(obj, "config", obj)  # a model carries its HF config
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and model_type:
+        return model_type
+    arch = getattr(obj, "arch", None)  # partrain ModelConfig
+    if isinstance(arch, str):
+        return arch
+    raise TypeError(f"cannot tell the architecture of {type(obj).__name__}")

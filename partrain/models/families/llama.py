@@ -1,0 +1,21 @@
+"""Llama at runtime, and the dense families that share its modules (Qwen2, Mistral: one adapter).
+
+Tensor parallelism follows transformers' own `base_model_tp_plan` (no plan here). The MoE families
+(mixtral.py, qwen2_moe.py, qwen3_moe.py) reuse LLAMA_PATHS. The planner's side is
+blueprint/families/llama.py.
+"""
+
+from __future__ import annotations
+
+from partrain.models.families.base import Adapter
+
+LLAMA_PATHS = dict(
+    base_prefix="model",
+    layer_prefix="model.layers",
+    embedding_paths=("model.embed_tokens",),
+    final_norm_path="model.norm",
+    rotary_path="model.rotary_emb",
+)
+"""Where a Llama-style model keeps its parts (every family here but GPT-2)."""
+
+LLAMA = Adapter(family="llama", archs=("llama", "qwen2", "mistral"), **LLAMA_PATHS)

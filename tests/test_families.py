@@ -1,0 +1,87 @@
+"""Per-family files: every supported architecture has a planner family (blueprint/families/) and a
+runtime adapter (models/families/), variants share the llama files, GPT-2's own TP plan names real
+modules, and the shared planner modules ask the family instead of testing the architecture."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from partrain.blueprint.families import FAMILIES, family
+from partrain.blueprint.model_facts import SUPPORTED_ARCHS, UNDECLARED_FIELDS, model_facts
+from partrain.blueprint.validate_peft import LORA_TARGETS
+from partrain.errors import ConfigError
+from partrain.models.adapters import ADAPTERS
+
+PARTRAIN = Path(__file__).resolve().parents[1] / "partrain"
+
+
+def test_every_arch_has_both_halves_and_they_agree():
+    assert tuple(FAMILIES) == SUPPORTED_ARCHS
+    assert set(ADAPTERS) == set(SUPPORTED_ARCHS)
+    for arch in SUPPORTED_ARCHS:
+        assert family(arch).name == ADAPTERS[arch].family, arch
+        assert family(arch).arch == arch
+
+
+def test_variants_reuse_the_llama_files():
+    llama = FAMILIES["llama"]
+    for variant in ("qwen2", "mistral"):
+        assert FAMILIES[variant].name == "llama"
+        assert FAMILIES[variant].layer_tensors is llama.layer_tensors
+        assert ADAPTERS[variant] is ADAPTERS["llama"]
+
+
+def test_unknown_arch_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        family("lama")
+    assert err.value.problems[0].key == "model.arch" and "llama" in err.value.problems[0].fix
+
+
+def test_hf_config_maps_generic_sizes_per_family():
+    sizes = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=100, positions=32)
+    gpt2 = FAMILIES["gpt2"].hf_config(**sizes)
+    assert gpt2 == dict(n_embd=64, n_inner=128, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
+    facts = model_facts("llama", FAMILIES["llama"].hf_config(**sizes))
+    assert (facts.hidden, facts.ffn, facts.n_layers, facts.heads, facts.kv_heads) == (64, 128, 2, 4, 2)
+
+
+def test_gpt2_tp_plan_names_real_modules():
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16))
+    adapter = ADAPTERS["gpt2"]
+    layer = adapter.layers(model)[0]
+    plan = adapter.layer_tp_plan
+    for block in plan.blocks:
+        module = layer.get_submodule(block.path)
+        for name in [n for n, _ in block.column] + list(block.row):
+            assert type(getattr(module, name)).__name__ == "Conv1D", (block.path, name)
+        for attr in block.per_rank:
+            assert isinstance(getattr(module, attr), int), (block.path, attr)
+    for path in plan.sequence_norms + plan.sequence_dropouts:
+        layer.get_submodule(path)
+    assert all(ADAPTERS[a].layer_tp_plan is None for a in SUPPORTED_ARCHS if a != "gpt2")  # HF's plan
+
+
+ARCHS = "|".join(SUPPORTED_ARCHS)
+ARCH_TEST = re.compile(rf"""((?<!\.block )[!=]=|\bin\s*\()\s*["']({ARCHS})["']""")
+"""A comparison with an architecture name (a family's `block` shape excepted)."""
+SHARED = sorted(p for p in (PARTRAIN / "blueprint").rglob("*.py") if "families" not in p.parts)
+
+
+@pytest.mark.parametrize("module", SHARED, ids=lambda p: str(p.relative_to(PARTRAIN)))
+def test_shared_blueprint_modules_ask_the_family(module):
+    found = ARCH_TEST.search(module.read_text())
+    assert not found, f"{module.name} tests the architecture ({found.group(0)}): ask blueprint.families.family()"
+
+
+def test_family_tables_derived_from_the_files():
+    assert LORA_TARGETS["mixtral"] == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert LORA_TARGETS["gpt2"] == ("c_attn", "c_proj", "c_fc")
+    assert UNDECLARED_FIELDS["qwen3_moe"] == {"head_dim": None}
+    assert [a for a in SUPPORTED_ARCHS if FAMILIES[a].window_always] == ["mistral", "mixtral"]
