@@ -154,6 +154,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "planner_peaks_cpu",
         "preflight_dry_run",
         "pretrained_as_is",
+        "resume_identity",
         "schedule_picture",
         "schedules",
         "search_optimum",

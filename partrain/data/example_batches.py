@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from partrain.data.chat import IGNORE_INDEX
-from partrain.data.examples import Examples, example_label_counts
+from partrain.data.examples import RENDERING_COVERS, Examples, batch_identity, example_label_counts
 from partrain.data.loader import Batch, DataPosition, rank_rows
 from partrain.errors import ConfigError, Problem
 
@@ -75,6 +75,7 @@ class ExampleBatches(DataPosition):
     """Shuffled padded training batches of examples; resumable, identical across dp layouts."""
 
     SIZE_FIELD = "n_examples"
+    IDENTITY_COVERS = RENDERING_COVERS
 
     def __init__(
         self, examples: Examples, seq_len: int, global_batch_size: int, seed: int, long_examples: str = "truncate"
@@ -87,6 +88,7 @@ class ExampleBatches(DataPosition):
         self.dropped = examples.n_train - len(self.index)
         """Training examples left out: no trained token within seq_len, or too long with long_examples=skip."""
         self.n_examples = len(self.index)
+        self.identity = batch_identity(examples, long_examples, self.truncated)
         if self.n_examples < global_batch_size:
             raise _too_few(
                 "training", self.n_examples, self.dropped, global_batch_size, "lower it, or raise train.seq_len"

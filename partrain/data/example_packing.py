@@ -32,7 +32,7 @@ import torch
 from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS
 from partrain.data.chat import IGNORE_INDEX
 from partrain.data.example_batches import EvalExampleBatches, ExampleBatches, _too_few, _usable
-from partrain.data.examples import Examples, open_examples, uses_examples
+from partrain.data.examples import RENDERING_COVERS, Examples, batch_identity, open_examples, uses_examples
 from partrain.data.loader import DataPosition, rank_rows
 from partrain.errors import ConfigError
 
@@ -134,6 +134,7 @@ class PackedExampleBatches(DataPosition):
     (the interface of ExampleBatches, batches carry position_ids)."""
 
     SIZE_FIELD = "n_windows"
+    IDENTITY_COVERS = RENDERING_COVERS
 
     def __init__(
         self, examples: Examples, seq_len: int, global_batch_size: int, seed: int, long_examples: str = "truncate"
@@ -143,6 +144,7 @@ class PackedExampleBatches(DataPosition):
         self.dropped = examples.n_train - len(index)
         """Training examples left out (no trained token within seq_len, or too long with skip)."""
         self.n_examples = len(index)
+        self.identity = batch_identity(examples, long_examples, self.truncated)
         order = np.random.default_rng([seed, PACK_SALT]).permutation(len(index))
         self.packing = pack_examples(examples, index, counts, seq_len, order)
         self._rows = _PackedRows(examples, self.packing, seq_len)
@@ -300,3 +302,23 @@ def example_batch_problems(
         except ConfigError as err:
             problems += err.problems
     return problems
+
+
+def resume_position_problems(
+    examples: Examples,
+    saved: dict,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    long_examples: str = "truncate",
+    packing: bool = False,
+) -> list:
+    """The problems the workers would meet loading a checkpoint's data position ``saved`` (its record's
+    extra["data"]) over these examples: lets the preflight refuse a resume on other data settings with
+    exit 2 before any process starts, by the very check the workers run."""
+    train_cls, _ = example_batch_classes(packing)
+    try:
+        train_cls(examples, seq_len, global_batch_size, seed, long_examples).load_state_dict(saved)
+    except ConfigError as err:
+        return list(err.problems)
+    return []

@@ -98,6 +98,9 @@ class Examples:
     """Where the entry's meta.json is (or would be, for a dry run's examples)."""
     skipped: dict = field(default_factory=dict)
     """data.skip_bad_rows: the rows left out (partrain.data.row_skips.SkippedRows.to_json; {} = none)."""
+    rendering: dict = field(default_factory=dict)
+    """Config key -> digest of the value the rows were rendered with (``rendering_identity``); {} for an
+    entry written before it was recorded, which a resume then cannot check."""
 
     @property
     def n_examples(self) -> int:
@@ -222,6 +225,39 @@ def rendering(cfg: DataConfig, fmt: str) -> dict:
     }
 
 
+RENDERING_COVERS = (
+    "data.format, data.chat_template (a file by its text), data.prompt_template, data.train_on, "
+    "data.tokenizer and data.long_examples"
+)
+"""What a cached run's recorded rendering identity covers, in the words of a resume's refusal."""
+
+
+def identity_digest(value: Any) -> str:
+    """A short digest of one setting's value: the identity records digests, so a template's text is not
+    copied into every checkpoint."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rendering_identity(cfg: DataConfig, fmt: str, tokenizer: str) -> dict:
+    """Config key -> digest of its value, for everything that labels an example's tokens (``rendering``
+    and the tokenizer's identity). Per key, so a resume's refusal names the setting that changed; not the
+    source files' paths or times, so an entry copied to another machine still resumes."""
+    keys = {"data_format": "data.format"}  # rendering's own names for keys that differ from the config's
+    values = {keys.get(name, f"data.{name}"): value for name, value in rendering(cfg, fmt).items()}
+    values["data.tokenizer"] = tokenizer
+    return {key: identity_digest(value) for key, value in values.items()}
+
+
+def batch_identity(examples: Examples, long_examples: str, n_long: int) -> dict:
+    """What a data position of these examples records and checks on resume: the entry's rendering
+    identity and data.long_examples as it acts (skip only changes the rows when some example is longer
+    than a row; error and truncate cut the same rows). {} when the entry did not record its rendering."""
+    if not examples.rendering:
+        return {}
+    mode = "skip" if long_examples == "skip" and n_long else "truncate"
+    return {**examples.rendering, "data.long_examples": identity_digest(mode)}
+
+
 def cache_key(cfg: DataConfig, fmt: str) -> str:
     """A hash of everything the rendered examples depend on."""
     corpus = with_eval_source(cfg, Corpus.from_config(cfg))  # the eval set's rows too, when it has its own
@@ -299,6 +335,7 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
         tokenizer=tokenizer.name,
         meta_path=meta_path,
         skipped=skipped.to_json(),
+        rendering=rendering_identity(cfg, fmt, tokenizer.name),
     )
 
 
@@ -347,6 +384,7 @@ def open_examples(meta_path, verify: bool = False) -> Examples:
         tokenizer=meta["tokenizer"],
         meta_path=meta_path,
         skipped=meta.get("skipped") or {},
+        rendering=meta.get("rendering") or {},
     )
 
 
@@ -388,6 +426,7 @@ def _build(cfg: DataConfig, fmt: str, tokenizer, entry: Path) -> Examples:
             "n_tokens": n_tokens,
             "train_on": cfg.train_on,
             "skipped": skipped.to_json(),
+            "rendering": rendering_identity(cfg, fmt, tokenizer.name),
             "files": {
                 name: {"size": (building / name).stat().st_size, "sha256": file_sha256(building / name)}
                 for name in FILES

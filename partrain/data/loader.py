@@ -93,13 +93,26 @@ def split_inputs_labels(rows: torch.Tensor) -> Batch:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+_LAYOUTS = {
+    "n_tokens": ("data.format", "text", "a token stream of text"),
+    "n_examples": ("data.packing", False, "fine-tuning examples one per row (data.packing=false)"),
+    "n_windows": ("data.packing", True, "fine-tuning examples packed into windows (data.packing=true)"),
+}
+"""SIZE_FIELD -> (the key that picks this kind of position, its value, the kind in words): a saved state
+names its kind by the count it carries."""
+
+
 class DataPosition:
     """A deterministic batch stream's position and what its order depends on (checked on resume).
 
     Subclasses set ``step``, ``seed``, ``seq_len``, ``global_batch_size``, the count named by
-    ``SIZE_FIELD`` (what the permutation orders), and ``rank_batch``."""
+    ``SIZE_FIELD`` (what the permutation orders), and ``rank_batch``; those whose rows are rendered
+    (fine-tuning examples) also set ``identity`` (config key -> digest, what IDENTITY_COVERS says)."""
 
     SIZE_FIELD = "n_tokens"
+    IDENTITY_COVERS = ""
+    identity: Dict[str, str] = {}
+    """Recorded under "rendering" only when set, so positions without one keep their old state."""
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """``rank_batch`` at the current step, then advance one step."""
@@ -107,13 +120,18 @@ class DataPosition:
         self.step += 1
         return batch
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> Dict[str, Any]:
         """The position, plus what the order depends on (checked on load)."""
         names = ("step", "seed", "seq_len", "global_batch_size", self.SIZE_FIELD)
-        return {name: getattr(self, name) for name in names}
+        state: Dict[str, Any] = {name: getattr(self, name) for name in names}
+        if self.identity:
+            state["rendering"] = dict(self.identity)
+        return state
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from a saved position; a ConfigError if the saved order cannot be reproduced."""
+        self._check_kind(state)
+        self._check_identity(state.get("rendering") or {})
         for name, key in (
             ("seed", "train.seed"),
             ("seq_len", "train.seq_len"),
@@ -131,6 +149,51 @@ class DataPosition:
                     )
                 )
         self.step = int(state["step"])
+
+    def _check_kind(self, state: Dict[str, Any]) -> None:
+        """Refuse a position of another kind (packed vs padded examples, text, a stream), whose count
+        would otherwise be reported as missing."""
+        if self.SIZE_FIELD in state:
+            return
+        key, value, mine = _LAYOUTS[self.SIZE_FIELD]
+        saved = next((_LAYOUTS[f] for f in _LAYOUTS if f in state), None)
+        fix = "resume with the original data settings, or start a new run"
+        if saved is not None:
+            theirs = saved[2]
+            if saved[0] == key:  # packed against padded examples: one setting tells them apart
+                fix = f"resume with the original {key}={str(saved[1]).lower()}, or start a new run"
+            else:  # text against examples: the rows' format, not the packing, changed
+                key, value = "data.format", "text" if self.SIZE_FIELD == "n_tokens" else "fine-tuning rows"
+        elif "stream_source" in state:
+            key, value, theirs = "data.streaming", False, "a streamed run (data.streaming=true)"
+        else:
+            return  # not a position this code wrote: the field checks below report it
+        raise ConfigError(
+            Problem(
+                key=key,
+                value=value,
+                rule=f"the checkpoint's data position was recorded by {theirs}, this run reads {mine}; "
+                "the run would not continue the same data order",
+                fix=fix,
+            )
+        )
+
+    def _check_identity(self, saved: Dict[str, str]) -> None:
+        """Refuse examples rendered otherwise than the saved position's (checked per key, only where both
+        sides recorded it: old checkpoints and entries without it keep resuming)."""
+        changed = sorted(k for k in set(saved) & set(self.identity) if saved[k] != self.identity[k])
+        if changed:
+            raise ConfigError(
+                Problem(
+                    # The position holds digests, not the settings: the value says what changed instead.
+                    key=changed[0] if len(changed) == 1 else "data",
+                    value="changed since the checkpoint" if len(changed) == 1 else changed,
+                    rule=f"the checkpoint's examples were rendered with another {', '.join(changed)} "
+                    f"(a resume must keep {self.IDENTITY_COVERS}); the run would continue on differently "
+                    "labelled data",
+                    fix="resume with the original data settings, or start a new run",
+                )
+            )
 
 
 class TokenBatches(DataPosition):

@@ -87,7 +87,8 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False, facts: Optional[
     ckpt_root = Path(run.checkpoint.dir).expanduser() if run.checkpoint.dir else None
     if ckpt_root is None and run_dir is not None:
         ckpt_root = run_dir / "checkpoints"
-    problems += resume_problems(v, ckpt_root)
+    resumed: dict = {}  # the checkpoint a resume would load: its data position is checked with the data
+    problems += resume_problems(v, ckpt_root, resumed)
     problems += init_from_problems(v)
     if dry_run and _weights_not_cached(run.model.pretrained):
         unchecked.append(_not_cached("weights", "model.pretrained", run.model.pretrained, WEIGHTS_NOT_CACHED))
@@ -99,7 +100,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False, facts: Optional[
         unchecked.append(_not_cached("data", "data.source", run.data.source, DATA_NOT_CACHED))
         problems += tokenizer_problems(v)
     else:
-        problems += data_problems(v, dry_run, facts)
+        problems += data_problems(v, dry_run, facts, resumed.get("record"))
     problems += tracker_problems(run.train.loggers)
     problems += float8_problems(run)
     if problems:
@@ -154,8 +155,9 @@ def init_from_problems(v: ValidatedRun) -> List[Problem]:
     return problems_on_disk(v)
 
 
-def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
-    """checkpoint.resume: a complete checkpoint (not a .partial, not a folder of them) of this model.
+def resume_problems(v: ValidatedRun, root: Optional[Path], chosen: Optional[dict] = None) -> List[Problem]:
+    """checkpoint.resume: a complete checkpoint (not a .partial, not a folder of them) of this model;
+    chosen["record"]: the record of the checkpoint the load would take (when one is found).
 
     resume=auto looks at the newest checkpoint whose partrain.json reads, as the load's fallback
     does (a damaged one is skipped there, so it is not an error here unless all are damaged)."""
@@ -181,6 +183,8 @@ def resume_problems(v: ValidatedRun, root: Optional[Path]) -> List[Problem]:
                 damaged += err.problems  # the load falls back past it, with a warning
                 continue
             check_model(record, run_meta(v), path / RECORD_FILE)
+            if chosen is not None:
+                chosen["record"] = record
             if spec != "auto":  # a named checkpoint has no fallback: a lost or cut file stops here (sizes only;
                 # the SHA-256 is checked when the ranks load it, one read of the checkpoint in all)
                 return _missing_or_cut(path, record)
@@ -198,8 +202,13 @@ def _missing_or_cut(path: Path, record: dict) -> List[Problem]:
     return [corrupt(file, why).problems[0] for file, why in found if why]
 
 
-def data_problems(v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] = None) -> List[Problem]:
+def data_problems(
+    v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] = None, resume_record: Optional[dict] = None
+) -> List[Problem]:
     """Tokenize (or reuse the cache), then check the vocabulary and that one global batch fits.
+    resume_record: the record of the checkpoint to resume; fine-tuning rows are checked against its
+    data position by the workers' own check (same template, train_on, packing...), so a resume on other
+    data settings is exit 2 here rather than a failure in every worker.
     dry_run: count the tokens in memory only as far as that verdict needs (partrain.data.probe_tokens),
     writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
     (nothing is tokenized ahead, so a corpus too short for one batch is found by the workers)."""
@@ -216,7 +225,6 @@ def data_problems(v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] 
             return _vocab_problems(v, streamed if streamed is not None else _streamed_vocab_size(v))
         if uses_examples(v.run.data):  # fine-tuning rows: every row rendered, in memory for a dry run
             # Imported here: the example batches build torch tensors, and text runs stay torch-free.
-            from partrain.blueprint.validate_data_format import packed_layout_problem
             from partrain.data.example_packing import example_batch_problems
             from partrain.data.long_examples import long_example_problems, row_note
 
@@ -228,12 +236,18 @@ def data_problems(v: ValidatedRun, dry_run: bool = False, facts: Optional[dict] 
             problems = _vocab_problems(v, examples.vocab_size) + long_example_problems(v.run.data, examples, t.seq_len)
             if note := row_note(v.run.data, examples, t.seq_len):  # skipped rows, cut examples: said, not silent
                 print(f"note: {note}", file=sys.stderr, flush=True)
-            if layout := packed_layout_problem(v.run, v.layout.tp):  # data.format=auto: known only now
-                problems.append(Problem(*layout))
-            long_examples = v.run.data.long_examples
-            return problems + example_batch_problems(
-                examples, t.seq_len, v.global_batch_size, with_eval, long_examples, v.run.data.packing
+            long_examples, packing = v.run.data.long_examples, v.run.data.packing
+            problems += example_batch_problems(
+                examples, t.seq_len, v.global_batch_size, with_eval, long_examples, packing
             )
+            saved = ((resume_record or {}).get("extra") or {}).get("data")
+            if saved and not problems:
+                from partrain.data.example_packing import resume_position_problems
+
+                problems += resume_position_problems(
+                    examples, saved, t.seq_len, v.global_batch_size, t.seed, long_examples, packing
+                )
+            return problems
         if dry_run:
             # The same rule decides when enough has been read and what the launch would refuse.
             packed = probe_tokens(
