@@ -2,10 +2,11 @@
 position ids restarting at 0 per example, attention kept inside each example.
 
 The packer's rows (boundaries, labels, position ids, truncation, determinism); the logits of a packed
-window equal each example run alone (1e-5, Llama and GPT-2 through Hugging Face's own mask builder);
-and real multi-process runs on packed examples with uneven label counts against one process: dp2, pp2
-(1F1B), tp2, sp2 ring and sp2 Ulysses (the sp attention's document masks; with recompute), one launch
-for all of them.
+window equal each example run alone (1e-5, Llama and GPT-2 through Hugging Face's own mask builder),
+also gathered from real tp2, tp2 Megatron-SP (and a Mistral sliding window), sp2 ring and sp2 Ulysses
+processes (one launch); and real multi-process runs on packed examples with uneven label counts
+against one process: dp2, pp2 (1F1B), tp2, tp2 Megatron-SP, sp2 ring and sp2 Ulysses (the sp
+attention's document masks; with recompute), one launch for all of them.
 """
 
 from __future__ import annotations
@@ -137,30 +138,115 @@ def test_packed_window_logits_equal_each_example_alone(model_type):
     assert checked > len(inputs)  # windows really hold several examples
 
 
-def test_packing_is_allowed_for_examples_and_sp_but_not_with_tp_sequence_shards(tmp_path):
-    from partrain.errors import ConfigError
+LOGIT_LAYOUTS = ("tp2", "tp2-megatron-sp", "sp2-ring", "sp2-ulysses")
+"""The layouts whose gathered logits of packed windows `test_packed_logits_under_tp_and_sp` checks."""
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _layout_logits(layout: str, model_cfg, inputs, positions, rank: int, world: int) -> torch.Tensor:
+    """The full-vocabulary, full-sequence logits of the packed rows under `layout` on this rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from partrain.models.adapters import get_adapter
+    from partrain.models.build import build_meta_model
+    from partrain.models.materialize import materialize
+    from partrain.parallel.context_parallel import SequenceShard, apply_sp
+    from partrain.parallel.tensor_parallel import apply_tp
+
+    model = build_meta_model(model_cfg)
+    if layout.startswith("tp2"):
+        # Megatron-SP: the embeddings are sequence shards, so HF builds the mask from s/t tokens (replaced).
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        apply_tp(model, get_adapter(model), mesh, sequence_parallel=layout == "tp2-megatron-sp")
+        materialize(model, model_cfg, seed=7, device="cpu").eval()
+        with torch.no_grad():
+            logits = model(input_ids=inputs, position_ids=positions).logits
+        # Loss parallel keeps the logits vocabulary-sharded: gather them to compare whole rows.
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+    shard = SequenceShard(layout.split("-")[1], world, rank, dist.group.WORLD, documents=True)
+    apply_sp(model, get_adapter(model), shard, inputs.shape[1])
+    materialize(model, model_cfg, seed=7, device="cpu").eval()
+    with torch.no_grad():
+        local = model(input_ids=shard.take(inputs), position_ids=shard.take(positions)).logits.contiguous()
+    # Each rank holds the logits of its own (zig-zag or contiguous) tokens: put them back in place.
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    full = torch.empty(inputs.shape[0], inputs.shape[1], local.shape[-1])
+    for r, part in enumerate(parts):
+        full[:, dataclasses.replace(shard, rank=r).positions(inputs.shape[1])] = part
+    return full
+
+
+LOGIT_MODELS = {
+    "llama": (LLAMA, LOGIT_LAYOUTS),
+    "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), LOGIT_LAYOUTS),
+    # A sliding window shorter than the window of packed examples (the sp attention refuses those).
+    "mistral": (dict(LLAMA, sliding_window=8), ("tp2-megatron-sp",)),
+}
+"""The models whose packed logits are checked (GPT-2: learned positions) and under which layouts."""
+
+
+def _packed_logits_differences(rank: int, world: int) -> dict:
+    """Per model and layout, the largest |packed window's logits - each example's logits alone in one
+    process|."""
+    from partrain.blueprint.config.schema import ModelConfig
+    from partrain.models.build import build_meta_model
+    from partrain.models.materialize import materialize
+
+    ex = _examples([20, 33, 7, 50, 41, 12, 64, 5, 30, 18, 9, 26], seed=1)
+    inputs, _, positions = PackedExampleBatches(ex, 64, 4, seed=0).rank_batch(0)
+    documents = [(row, start, n) for row in range(len(inputs)) for start, n in _documents(positions[row])]
+    out = {"documents": len(documents)}
+    for arch, (config, layouts) in LOGIT_MODELS.items():
+        config = dict(config, vocab_size=256, bos_token_id=0, eos_token_id=0)
+        model_cfg = ModelConfig(arch=arch, config=config)
+        alone = materialize(build_meta_model(model_cfg), model_cfg, seed=7, device="cpu").eval()
+        with torch.no_grad():
+            expected = [alone(input_ids=inputs[r : r + 1, start : start + n]).logits[0] for r, start, n in documents]
+        for layout in layouts:
+            packed = _layout_logits(layout, model_cfg, inputs, positions, rank, world)
+            differences = [
+                (packed[r, start : start + n] - e).abs().max() for (r, start, n), e in zip(documents, expected)
+            ]
+            out[f"{arch} {layout}"] = float(max(differences))
+    return out
+
+
+def test_packed_logits_under_tp_and_sp(tmp_path):
+    """Issue 37: the logits of packed windows, gathered to full vocabulary (tp2) or full sequence (sp2
+    ring, sp2 Ulysses), equal each example run alone in one process (1e-5). One launch for all three."""
+    from partrain.testing.multiproc import run_spawned
+
+    for rank, result in enumerate(run_spawned(_packed_logits_differences, 2, tmp_path)):
+        assert result["documents"] > 4, result  # windows really hold several examples
+        for arch, (_, layouts) in LOGIT_MODELS.items():
+            for layout in layouts:
+                assert result[f"{arch} {layout}"] <= 1e-5, (rank, arch, layout, result)
+
+
+def test_packing_is_allowed_for_examples_under_sp_and_tp_sequence_shards(tmp_path):
     from partrain.preflight import data_problems
 
     source = tmp_path / "x.jsonl"
     source.write_text(json.dumps(_rows(1)[0]) + "\n")
     base = ["model=llama-tiny", f"data.source={source}", "data.tokenizer=byte", "data.chat_template=chatml"]
+    megatron = ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "data.packing=true"]
     for extra in (
         ["data.packing=true"],
         ["data.packing=true", "parallel.sp=2"],
         ["data.packing=false", "parallel.sp=2"],
+        megatron,  # the attention mask of whole rows is rebuilt from position ids (megatron_sp)
     ):
         validate(compose([*base, "data.format=chat", *extra]))
-    megatron = ["parallel.tp=2", "parallel.tp_sequence_parallel=true", "data.packing=true"]
-    with pytest.raises(ConfigError) as err:
-        validate(compose([*base, "data.format=chat", *megatron]))
-    assert "parallel.tp_sequence_parallel" in {p.key for p in err.value.problems}
-    # data.format=auto: known once the first row is read, by the preflight (before any process).
+    # data.format=auto: the preflight (known once the first row is read) has nothing against it either.
     v = validate(
         compose(
             [*base, *megatron, f"data.cache_dir={tmp_path}", "train.micro_batch_size=1", "train.global_batch_size=1"]
         )
     )
-    assert "parallel.tp_sequence_parallel" in {p.key for p in data_problems(v, dry_run=True)}
+    assert "parallel.tp_sequence_parallel" not in {p.key for p in data_problems(v, dry_run=True)}
 
 
 # ---- real runs against one process --------------------------------------------------------------
@@ -206,6 +292,14 @@ LAYOUTS = {
     "dp2": ["parallel.dp=2", "train.micro_batch_size=2"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=4", "train.microbatches=2"],
     "tp2": ["parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"],
+    # Megatron-SP: HF builds the mask from sequence-sharded embeddings; megatron_sp rebuilds whole rows'.
+    "tp2-megatron-sp": [
+        "parallel.dp=1",
+        "parallel.tp=2",
+        "parallel.tp_sequence_parallel=true",
+        "parallel.recompute=full",
+        "train.micro_batch_size=4",
+    ],
     # Recompute re-runs the attention in backward: the document masks must come back the same.
     "sp2-ring": [
         "parallel.dp=1",

@@ -29,21 +29,6 @@ def packing_problem(fmt: str, packing: bool) -> Optional[tuple]:
     return None
 
 
-def packed_layout_problem(run: RunConfig, tp: int) -> Optional[tuple]:
-    """(key, value, rule, fix) when packed examples meet a layout that cannot keep attention inside
-    each example yet (Megatron-style sequence sharding builds its attention mask from a sequence
-    shard), else None. Called for explicit formats here and, for data.format=auto, by the preflight."""
-    if run.data.packing and not run.data.streaming and run.parallel.tp_sequence_parallel and tp > 1:
-        return (
-            "parallel.tp_sequence_parallel",
-            True,
-            "packed examples need a block-diagonal attention mask, which tensor-parallel sequence sharding "
-            "(norms and dropout on sequence shards) does not build yet",
-            "set parallel.tp_sequence_parallel=false, or data.packing=false (one padded example per row)",
-        )
-    return None
-
-
 def stream_example_problems(fmt: str, d) -> list:
     """(key, value, rule, fix) of each data key a stream of fine-tuning rows cannot honour: rows are
     rendered on the fly one padded example per row (partrain.data.example_stream), so nothing is packed
@@ -92,8 +77,6 @@ def data_format_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
         return
     for problem in stream_example_problems(fmt, d):
         c.add(*problem)
-    if layout := packed_layout_problem(run, degrees["tp"] if degrees else run.parallel.tp):
-        c.add(*layout)
     c.check(
         not d.prompt_template or "{prompt}" in d.prompt_template,
         "data.prompt_template",

@@ -21,8 +21,11 @@ so FSDP2 and distributed checkpoints see the usual global shapes). A forward pre
 takes the sequence shard, runs `_GatherColumns` and hands each `SequenceColumn` its output; the
 block itself receives a zero-byte stand-in of the full [b, s, h] shape (HF reads only its shape).
 Row-parallel projections end the block with a reduce-scatter to sequence shards
-(`partrain.parallel.tp_layers`' row-parallel modules with `to_sequence`). Under `train.float8` the
-gathered projections' matmuls (forward and both gradients) run through `float8_tp`.
+(`partrain.parallel.tp_layers`' row-parallel modules with `to_sequence`). HF builds the attention
+mask from the embeddings, here sequence shards: a mask it built (packed examples, from position ids)
+covers s/t tokens, so the attention block's pre-hook rebuilds it for whole rows (`_whole_row_mask`).
+Under `train.float8` the gathered projections' matmuls (forward and both gradients) run through
+`float8_tp`.
 
 Dropout in the sequence-parallel regions (GPT-2's embedding and residual dropout) is
 `SequenceDropout`: each rank draws the whole tensor's mask with the generator every rank seeds alike
@@ -251,11 +254,31 @@ def install_block(block: nn.Module, names: Sequence[str], mesh: DeviceMesh, conv
         shape = list(x.shape)
         shape[SEQ_DIM] *= t
         stand_in = x.new_zeros(()).expand(shape)  # HF reads only the shape of the block input
+        kwargs = _whole_row_mask(module, kwargs, stand_in)
         if by_kw:
             return args, {**kwargs, "hidden_states": stand_in}
         return (stand_in, *args[1:]), kwargs
 
     block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _whole_row_mask(block: nn.Module, kwargs: dict, stand_in: torch.Tensor) -> dict:
+    """`kwargs` with the attention mask of whole rows. HF builds the mask from the embeddings, which are
+    sequence shards here: a mask it built (packed examples: block-diagonal from position_ids) covers
+    s/t tokens while the attention sees all s. Rebuilt by HF's own builder from the full rows'
+    position ids and the full-shape stand-in (a sliding window's builder for windowed layers, as the
+    pipeline stages choose), it is the unsplit model's mask."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.shape[-1] == stand_in.shape[SEQ_DIM]:
+        return kwargs  # no mask (plain causal: SDPA's is_causal) or already whole rows
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    from partrain.parallel.pipeline.stage import _mask_kind
+
+    sliding = _mask_kind(block.config, block.layer_idx) == "sliding_attention"
+    build = create_sliding_window_causal_mask if sliding else create_causal_mask
+    whole = build(block.config, stand_in, None, None, position_ids=kwargs.get("position_ids"))
+    return {**kwargs, "attention_mask": whole}
 
 
 class SequenceDropout(nn.Module):
