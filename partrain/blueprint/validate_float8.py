@@ -35,19 +35,6 @@ def float8_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFa
         f"train.precision=bf16, {OFF}",
     )
     # Tensor parallelism composes (partrain.parallel.float8_tp: the TP projections cast with the whole
-    # tensors' amax, all-reduced over the TP group), with or without Megatron-SP.
-    c.check(
-        run.peft.method == "none",
-        "peft.method",
-        run.peft.method,
-        "LoRA's projections call their frozen base's weight directly: float8 would not apply to them",
-        f"peft=none, {OFF}",
-    )
-    if facts is not None:
-        c.check(
-            not facts.is_moe,
-            "model.arch",
-            facts.arch,
-            "float8 is not built for MoE models (experts are fused tensors, not nn.Linear)",
-            f"a dense model, {OFF}",
-        )
+    # tensors' amax, all-reduced over the TP group), with or without Megatron-SP. LoRA composes (its
+    # projections run the frozen base's matmul in float8, the adapters in bf16), and so do MoE models
+    # (attention and shared-expert linears convert; routed experts and routers stay in bf16).

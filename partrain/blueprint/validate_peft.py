@@ -5,8 +5,7 @@ peft.method=none, which would otherwise be silently unused), each reported as on
 key. LoRA composes with every layout `train` runs (dp: DDP, ZeRO-1/2/3, HSDP, every dp_sync; tp with
 and without Megatron-SP; every pipeline schedule; Ulysses and ring context parallelism; expert
 parallelism; recompute, compile, fp16/bf16 with either param_dtype): parity-tested against one
-process in tests/test_lora.py. The one refusal, float8 (its linears would not reach LoRA's frozen
-base), lives with the float8 rules (validate_float8).
+process in tests/test_lora.py; and train.float8 (the frozen base's matmuls in float8: tests/test_float8.py).
 """
 
 from __future__ import annotations

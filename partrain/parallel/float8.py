@@ -9,9 +9,16 @@ and `checkpoint export` handle plain bf16/fp32 weights, as without float8.
 
 What is converted: every `nn.Linear` of the decoder layers. The embedding is not a linear layer; the
 output head (`lm_head`: its logits feed the loss and are sensitive to float8's 3-bit mantissa) and
-an MoE router (`gate` / `router`: its top-k choice flips under small errors) are excluded by
-module path, as torchtitan does. torchao's float8 matmul needs both dimensions divisible by 16: a
-linear whose in or out features are not is skipped and counted (`Float8Counts`, in the log).
+an MoE router (`gate` / `router`, Qwen2-MoE's `shared_expert_gate`: its top-k choice flips under
+small errors) are excluded by module path, as torchtitan does. torchao's float8 matmul needs both
+dimensions divisible by 16: a linear whose in or out features are not is skipped and counted
+(`Float8Counts`, in the log).
+
+MoE models: attention's projections and the shared expert's MLP (Qwen2-MoE) are nn.Linear and
+convert. The routed experts are one module holding fused [experts, ...] weight tensors (HF's
+`*Experts`, and expert parallelism's `RoutedExperts` that re-makes them later, after this step):
+torchao's Float8Linear has no grouped-GEMM form for them, so they stay in the training precision,
+as the routers do; both are counted in the log line (`moe_kept`).
 
 Tensor parallelism (tp > 1, with or without Megatron-SP): partrain's TP projections are its own
 local-tensor modules (tp_layers.py, megatron_sp.py), not the nn.Linear + DTensor `parallelize_module`
@@ -44,9 +51,13 @@ from partrain.blueprint.config.schema import TrainConfig
 
 log = logging.getLogger(__name__)
 
-EXCLUDED_LEAVES = ("lm_head", "gate", "router")
-"""Module names (last FQN part) left in high precision: the output head and MoE routers. A Llama
-MLP's `gate_proj` is a different name and is converted."""
+EXCLUDED_LEAVES = ("lm_head", "gate", "router", "shared_expert_gate")
+"""Module names (last FQN part) left in high precision: the output head and MoE routers (a router that
+is an nn.Linear). A Llama MLP's `gate_proj` is a different name and is converted."""
+ROUTED_EXPERTS = "experts"
+"""The module name of an MoE layer's routed experts (fused weight tensors, never converted)."""
+ROUTERS = ("gate", "router")
+"""Module names of MoE routers (HF's `*TopKRouter`: not an nn.Linear, so torchao never asks about them)."""
 FLOAT8_DIM_MULTIPLE = 16
 """torch._scaled_mm needs both matrix dimensions of the weight divisible by 16."""
 
@@ -62,14 +73,29 @@ class Float8Counts:
     """The head and routers, by module path."""
     multiple: int = FLOAT8_DIM_MULTIPLE
     """What in/out features must be multiples of: 16, times tp under tensor parallelism (the shards')."""
+    moe_kept: List[str] = field(default_factory=list)
+    """MoE models: the routed-experts modules and the routers that are not nn.Linear, by module path
+    (they stay in the training precision)."""
 
     def line(self) -> str:
         skipped = f" ({', '.join(self.skipped_dims[:4])}{', ...' if len(self.skipped_dims) > 4 else ''})"
+        experts = sum(1 for fqn in self.moe_kept if fqn.rsplit(".", 1)[-1] == ROUTED_EXPERTS)
+        moe = f", {experts} routed experts and {len(self.moe_kept) - experts} routers kept in high precision"
         return (
             f"float8: {len(self.converted)} linear layers converted, {len(self.skipped_dims)} skipped "
             f"(dims not divisible by {self.multiple}){skipped if self.skipped_dims else ''}, "
-            f"{len(self.excluded)} excluded (head, router)"
+            f"{len(self.excluded)} excluded (head, router){moe if self.moe_kept else ''}"
         )
+
+
+def _moe_kept(module: nn.Module) -> List[str]:
+    """The routed experts and non-Linear routers of `module` (what stays in high precision in MoE layers)."""
+    kept = []
+    for fqn, child in module.named_modules():
+        leaf = fqn.rsplit(".", 1)[-1]
+        if leaf == ROUTED_EXPERTS or (leaf in ROUTERS and not isinstance(child, nn.Linear)):
+            kept.append(fqn)
+    return kept
 
 
 def _classify(module: nn.Module, fqn: str, counts: Float8Counts) -> bool:
@@ -96,16 +122,22 @@ def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
 
 
-def apply_float8(module: nn.Module, train: TrainConfig, fsdp: bool = False, tp: int = 1) -> Float8Counts:
+def apply_float8(
+    module: nn.Module, train: TrainConfig, fsdp: bool = False, tp: int = 1, lora: bool = False
+) -> Float8Counts:
     """Swap `module`'s eligible nn.Linear children for torchao's Float8Linear (on the meta device
     too: the Parameters are reused, so materialize fills them as before). Nothing without train.float8.
-    `tp` > 1: the TP modules installed next take the float8 config over (float8_tp)."""
+    `tp` > 1: the TP modules installed next take the float8 config over (float8_tp). `lora`: LoRA's
+    projections take it over too (partrain.parallel.lora), and FSDP gathers their bases in bf16."""
     counts = Float8Counts(multiple=FLOAT8_DIM_MULTIPLE * tp)
     if not train.float8:
         return counts
     from torchao.float8 import convert_to_float8_training  # an extra: imported only when float8 is on
 
-    gather_float8 = fsdp and tp == 1 and train.float8_recipe == "tensorwise"
+    # Not with LoRA: its projections cast their frozen base weight themselves (float8_tp), which needs the
+    # plain weight, not torchao's all-gather wrapper.
+    gather_float8 = fsdp and tp == 1 and train.float8_recipe == "tensorwise" and not lora
+    counts.moe_kept = _moe_kept(module)
     convert_to_float8_training(
         module,
         config=float8_config(train.float8_recipe, gather_float8),

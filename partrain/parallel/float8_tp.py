@@ -50,6 +50,8 @@ class Sharding:
 
 COLUMN = Sharding(input=None, weight_t=1, grad_output=1)
 ROW = Sharding(input=1, weight_t=0, grad_output=None)
+WHOLE = Sharding(input=None, weight_t=None, grad_output=None)
+"""No operand split (no tensor parallelism): LoRA's frozen base outside TP (partrain.parallel.lora)."""
 
 
 class Float8TP:
@@ -147,7 +149,7 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def for_projection(linear: nn.Module, mesh: DeviceMesh, sharding: Sharding) -> Optional[Float8TP]:
+def for_projection(linear: nn.Module, mesh: Optional[DeviceMesh], sharding: Sharding) -> Optional[Float8TP]:
     """The float8 matmuls of `linear` once sharded, when apply_float8 converted it (a torchao
     Float8Linear: it carries its config); None for a plain nn.Linear (the TP module stays as it was)."""
     mm_config = getattr(linear, "linear_mm_config", None)

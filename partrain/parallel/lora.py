@@ -25,6 +25,12 @@ its gradient is summed over TP in backward (`copy_to_tp` on the weight), a tiny 
 B's split is read from the base weight's placement, so GPT-2's fused c_attn (`_StridedShard`: each
 rank holds its heads of q, k and v) splits B's rows the same way. Under Megatron-SP a row projection
 reduce-scatters base + adapter partial sums to sequence shards, as the base alone would.
+
+float8 (`train.float8`): the base was converted to torchao's Float8Linear (or a TP projection that
+took its float8 config over) before LoRA, and replacing it would drop that. The projection keeps the
+base's float8 matmuls (`float8_tp.Float8TP`: the TP one, with its amax all-reduces, or an unsharded
+one) and runs the frozen base through them; the adapters' rank-r matmuls stay in high precision
+(they are small, and they are what trains).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from partrain.blueprint.config.schema import PeftConfig
 from partrain.blueprint.validate_peft import lora_targets
 from partrain.models.adapters import Adapter
 from partrain.models.lora_init import LORA_A, LORA_B, is_lora_weight
+from partrain.parallel import float8_tp
 from partrain.parallel.local_tensors import local
 from partrain.parallel.lora_sp import adapt_sequence_column
 from partrain.parallel.megatron_sp import SequenceColumn
@@ -86,6 +93,8 @@ class LoraProjection(nn.Module):
             self.copies_input = getattr(base, "copies_input", True)
         elif not isinstance(base, nn.Linear) and not self.conv:
             raise NotImplementedError(f"LoRA on {type(base).__name__}")
+        # float8: the base's own float8 matmuls (its TP module's, or made here for a plain Float8Linear).
+        self.float8 = getattr(base, "float8", None) or float8_tp.for_projection(base, None, float8_tp.WHOLE)
         device = base.weight.device
         setattr(self, LORA_A, nn.Linear(self.in_features, r, bias=False, device=device))
         setattr(self, LORA_B, nn.Linear(r, self.out_features, bias=False, device=device))
@@ -99,6 +108,8 @@ class LoraProjection(nn.Module):
 
     def _base(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w = local(self.weight)
+        if self.float8 is not None:
+            return self.float8.linear(x, w, bias)
         if not self.conv:
             return F.linear(x, w, bias)
         out = x @ w

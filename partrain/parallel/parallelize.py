@@ -34,7 +34,8 @@ from partrain.runtime.mesh import ParallelMesh
 
 def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=None) -> None:
     p = v.run.parallel
-    apply_float8(module, v.run.train, data_parallel.uses_fsdp(p.zero_stage), mesh.size("tp"))
+    fsdp, lora = data_parallel.uses_fsdp(p.zero_stage), v.run.peft.method == "lora"
+    apply_float8(module, v.run.train, fsdp, mesh.size("tp"), lora)
     apply_tp(module, adapter, mesh["tp"], sequence_parallel=p.tp_sequence_parallel)
     # Packed examples: the sp attention keeps each query inside its example (document masks).
     apply_sp(module, adapter, sequence_shard(mesh, p.sp_mode, packs_documents(v.run.data)), v.run.train.seq_len)

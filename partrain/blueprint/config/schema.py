@@ -348,9 +348,10 @@ class TrainConfig:
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
     float8: bool = False
     """Run the decoder's linear layers' matmuls in float8 through torchao (pip install 'partrain[float8]'):
-    needs train.precision=bf16 and a dense model (composes with tp, Megatron-SP, FSDP, pp); the head
-    stays in bf16, linears whose dimensions are not multiples of 16 (16 x tp under tp) are skipped
-    (counted in the log). Weights stay bf16/fp32."""
+    needs train.precision=bf16 (composes with tp, Megatron-SP, FSDP, pp, ep and peft=lora, whose frozen
+    base runs in float8 and adapters in bf16); the head, MoE routers and routed experts stay in bf16,
+    linears whose dimensions are not multiples of 16 (16 x tp under tp) are skipped (counted in the
+    log). Weights stay bf16/fp32."""
     float8_recipe: str = "tensorwise"
     """train.float8 only: torchao's scaling recipe, tensorwise (one scale per tensor; FSDP all-gathers its
     weights in float8) or rowwise (one scale per row: closer to bf16)."""

@@ -261,10 +261,11 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
         t = rank_microbatch_time(s.compute, spec, dense, r.sparse, r.first, r.last, s.tokens)
         return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t if t > 0 else s.rate)
     if spec.float8 and spec.cluster.device == "cuda" and hw > 0:
-        # The dense layers' projections (their FLOPs less attention's core) run at the float8 peak, in all
-        # three passes and a full recompute: one rate for the mix, so every caller's t = FLOPs / rate holds.
+        # The converted linears (attention's projections, dense MLPs, shared experts; not routed experts
+        # nor routers) run at the float8 peak, in all three passes and a full recompute: one rate for the
+        # mix, so every caller's t = FLOPs / rate holds.
         # A CPU has no float8 units (torch emulates the scaled matmul): its rate is left as it is.
-        linear = dense * (s.layer_flops[False][0] - s.layer_flops[False][1])
+        linear = dense * s.float8_flops[False] + r.sparse * s.float8_flops.get(True, 0.0)
         linear *= 3 + (s.passes_extra if spec.recompute == "full" else 0.0)
         t = (hw - linear) / s.rate + linear / (FLOAT8_PEAK_RATIO * s.rate)
         return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t)

@@ -4,9 +4,10 @@ each group family (nominal or measured per op), and per-layer FLOPs and saved ac
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from partrain.blueprint.families import family
 from partrain.blueprint.planner.comm import COMM_OPS, bandwidth, family_groups, link_of
 from partrain.blueprint.planner.compute_model import ComputeModel, compute_model
 from partrain.blueprint.planner.compute_time import matmul_rate
@@ -16,7 +17,7 @@ from partrain.blueprint.planner.memory import (
     dtypes,
     layer_activations,
 )
-from partrain.blueprint.planner.params import param_count
+from partrain.blueprint.planner.params import layer_is_sparse, param_count
 from partrain.blueprint.planner.spec import PlanSpec
 
 
@@ -28,14 +29,35 @@ def matmul_efficiency(spec: PlanSpec) -> float:
     return 0.70 * h / (h + 900)
 
 
+def float8_linear_macs(spec: PlanSpec, sparse: bool) -> int:
+    """Multiply-accumulates per token (= weights) of one layer's linears that train.float8 converts:
+    attention's projections and a dense MLP, or in an MoE layer its shared expert only (the routed
+    experts' fused tensors and the router stay bf16: partrain.parallel.float8)."""
+    f = spec.facts
+    if not sparse:
+        return attention_proj_macs(f) + mlp_macs(f, spec.extras, False)
+    shared = 3 * f.hidden * f.shared_expert_ffn if family(f.arch).shared_expert and f.shared_expert_ffn else 0
+    return attention_proj_macs(f) + shared
+
+
+def _float8_flops_per_rank(spec: PlanSpec, sparse: bool, tokens: float) -> float:
+    """Forward FLOPs of one layer's float8 linears on one rank (attention split over TP; a shared expert
+    is replicated over TP, as the MoE block: _layer_flops_per_rank)."""
+    attention = attention_proj_macs(spec.facts)
+    mlp = float8_linear_macs(spec, sparse) - attention
+    return 2.0 * tokens * (attention / spec.tp + mlp / (1 if sparse else spec.tp))
+
+
 def float8_gathered_share(spec: PlanSpec) -> float:
     """The share of the parameters FSDP all-gathers in float8 (1 byte, not 2) under train.float8 with the
-    tensorwise recipe at zero 2/3: the decoder layers' linear weights over all parameters. Not under tp > 1:
-    torchao's float8 all-gather wraps a plain weight, not a TP shard (partrain.parallel.float8)."""
-    if spec.float8 != "tensorwise" or spec.zero_stage < 2 or spec.facts.is_moe or spec.tp > 1:
+    tensorwise recipe at zero 2/3: the converted linears' weights over all parameters. Not under tp > 1
+    (torchao's float8 all-gather wraps a plain weight, not a TP shard) nor LoRA (its projections cast the
+    frozen base themselves): partrain.parallel.float8."""
+    if spec.float8 != "tensorwise" or spec.zero_stage < 2 or spec.tp > 1 or spec.lora_r:
         return 0.0
-    linear = spec.facts.n_layers * (attention_proj_macs(spec.facts) + mlp_macs(spec.facts, spec.extras, False))
-    return linear / param_count(spec.facts, spec.extras)
+    f, x = spec.facts, spec.extras
+    linear = sum(float8_linear_macs(spec, layer_is_sparse(f, x, i)) for i in range(f.n_layers))
+    return linear / param_count(f, x)
 
 
 # ---- the estimate -------------------------------------------------------------------------------------
@@ -139,6 +161,8 @@ class StepInputs:
     over the model with float8 all-gathers, float8_gathered_share)."""
     compute: Optional[ComputeModel] = None
     """The fitted compute model of `cluster.compute_profile` (None: FLOPs / rate)."""
+    float8_flops: Dict[bool, float] = field(default_factory=dict)
+    """train.float8: forward FLOPs of one dense / sparse layer's converted linears on a rank (empty: off)."""
 
 
 def step_inputs(spec: PlanSpec) -> StepInputs:
@@ -170,4 +194,5 @@ def step_inputs(spec: PlanSpec) -> StepInputs:
         passes_extra=1.0 / max(1, spec.recompute_every),
         gathered_param_bytes=4 if spec.precision == "fp32" else 2 - float8_gathered_share(spec),
         compute=model,
+        float8_flops={s: _float8_flops_per_rank(spec, s, tokens) for s in acts} if spec.float8 else {},
     )
