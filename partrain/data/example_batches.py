@@ -16,7 +16,7 @@ the summed token losses by it, so the loss is the same for every layout (partrai
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Tuple
 
 import numpy as np
 import torch
@@ -75,6 +75,7 @@ class ExampleBatches(DataPosition):
     """Shuffled padded training batches of examples; resumable, identical across dp layouts."""
 
     SIZE_FIELD = "n_examples"
+    ORDERED_FIELD = "n_examples"
     IDENTITY_COVERS = RENDERING_COVERS
 
     def __init__(
@@ -95,20 +96,10 @@ class ExampleBatches(DataPosition):
             )
         self.steps_per_epoch = self.n_examples // global_batch_size
         self.step = 0
-        self._perm: Optional[Tuple[int, np.ndarray]] = None
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
 
     def positions(self, step: int) -> np.ndarray:
         """Positions (into the usable examples) of the global batch of ``step``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        epoch, within = divmod(step, self.steps_per_epoch)
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_examples))
-        start = within * self.global_batch_size
-        return self._perm[1][start : start + self.global_batch_size]
+        return self.batch_order(step)
 
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s rows."""

@@ -159,25 +159,15 @@ class PackedExampleBatches(DataPosition):
             )
         self.steps_per_epoch = self.n_windows // global_batch_size
         self.step = 0
-        self._perm: Tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))
 
     @property
     def padding_share(self) -> float:
         """Share of the training windows' input slots that are padding."""
         return self.packing.padding_share(self.seq_len)
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def windows(self, step: int) -> np.ndarray:
         """Window indices of the global batch of ``step``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        epoch, within = divmod(step, self.steps_per_epoch)
-        if self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
-        start = within * self.global_batch_size
-        return self._perm[1][start : start + self.global_batch_size]
+        return self.batch_order(step)
 
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> PackedBatch:
         """(inputs, labels, position_ids), each [global_batch_size / dp_size, seq_len]."""

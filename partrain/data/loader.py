@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Tuple, Union
 
 import numpy as np
 import torch
@@ -105,14 +105,35 @@ names its kind by the count it carries."""
 class DataPosition:
     """A deterministic batch stream's position and what its order depends on (checked on resume).
 
-    Subclasses set ``step``, ``seed``, ``seq_len``, ``global_batch_size``, the count named by
-    ``SIZE_FIELD`` (what the permutation orders), and ``rank_batch``; those whose rows are rendered
+    Subclasses set ``step``, ``seed``, ``seq_len``, ``global_batch_size``, ``steps_per_epoch``, the
+    counts named by ``SIZE_FIELD`` (what the order depends on) and ``ORDERED_FIELD`` (the rows the
+    permutation orders), and ``rank_batch``; those whose rows are rendered
     (fine-tuning examples) also set ``identity`` (config key -> digest, what IDENTITY_COVERS says)."""
 
     SIZE_FIELD = "n_tokens"
     IDENTITY_COVERS = ""
     identity: Dict[str, str] = {}
     """Recorded under "rendering" only when set, so positions without one keep their old state."""
+    ORDERED_FIELD = "n_windows"
+    """The count of rows the per-epoch permutation orders (windows, or examples one per row)."""
+
+    def epoch_of(self, step: int) -> int:
+        """The pass over the data that ``step`` belongs to."""
+        return step // self.steps_per_epoch
+
+    def batch_order(self, step: int) -> np.ndarray:
+        """Row indices of the global batch of ``step`` (int64 [global_batch_size]): epoch e's rows in
+        a permutation seeded by the pair (seed, e), consumed global_batch_size at a time. The pair, not
+        seed + e: with a sum, seed 1 epoch 0 and seed 0 epoch 1 would share an order."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        epoch, within = divmod(step, self.steps_per_epoch)
+        cached = getattr(self, "_perm", None)  # (epoch, permutation): reused within an epoch
+        if cached is None or cached[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(getattr(self, self.ORDERED_FIELD))
+            cached = self._perm = (epoch, order)
+        start = within * self.global_batch_size
+        return cached[1][start : start + self.global_batch_size]
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """``rank_batch`` at the current step, then advance one step."""
@@ -235,24 +256,15 @@ class TokenBatches(DataPosition):
         """Global batches per pass over the data."""
         self.step = 0
         """Steps consumed by next_batch (the position state_dict records)."""
-        self._perm: Optional[Tuple[int, np.ndarray]] = None  # (epoch, permutation): reused within an epoch
 
     @classmethod
     def from_packed(cls, packed: Any, seq_len: int, global_batch_size: int, seed: int) -> "TokenBatches":
         """Training batches over a ``PackedData``'s train split."""
         return cls(packed.train_path, packed.dtype, seq_len, global_batch_size, seed)
 
-    def epoch_of(self, step: int) -> int:
-        """The pass over the data that ``step`` belongs to."""
-        return step // self.steps_per_epoch
-
     def windows(self, step: int) -> np.ndarray:
         """Window indices of the global batch of ``step`` (int64 [global_batch_size])."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        epoch, within = divmod(step, self.steps_per_epoch)
-        start = within * self.global_batch_size
-        return self._permutation(epoch)[start : start + self.global_batch_size]
+        return self.batch_order(step)
 
     def global_batch(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch_size, seq_len + 1]: the windows of ``step`` (inputs + next token)."""
@@ -263,14 +275,6 @@ class TokenBatches(DataPosition):
         contiguous rows of ``global_batch(step)``. Reads only those rows."""
         rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
         return split_inputs_labels(self._windows.rows(self.windows(step)[rows]))
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != epoch:
-            # Seeded by the pair (seed, epoch) rather than seed + epoch: with a sum, seed 1 epoch 0
-            # and seed 0 epoch 1 would share an order.
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = (epoch, rng.permutation(self.n_windows))
-        return self._perm[1]
 
 
 class EvalBatches:
