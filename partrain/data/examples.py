@@ -37,7 +37,6 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.blueprint.problems import os_error_problem
 from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem
 from partrain.data.atomic import fsync_dir, write_json
 from partrain.data.builtin_chat import BuiltinChat
@@ -58,10 +57,11 @@ from partrain.data.formats import read_rows
 from partrain.data.hf_dataset import DatasetCorpus
 from partrain.data.packing import (
     _publish,
-    _remove_empty,
     _remove_stale_temps,
+    build_entry,
     cache_root_for,
     file_sha256,
+    reopen_entry,
     token_dtype,
 )
 from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
@@ -282,28 +282,11 @@ def _entry(cfg: DataConfig, cache_root: Optional[Path]) -> Tuple[str, Path]:
 def prepare_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Examples:
     """Render data.source's rows into the cache, or reuse the entry there (checked against its SHA-256)."""
     fmt, folder = _entry(cfg, cache_root)
-    meta_path = folder / META_NAME
-    if meta_path.exists():
-        try:
-            return open_examples(meta_path, verify=True)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("rebuilding the damaged examples cache entry %s: %s", folder, exc)
+    examples = reopen_entry(folder, open_examples, "examples cache")
+    if examples is not None:
+        return examples
     tokenizer = load_tokenizer(cfg.tokenizer)
-    fresh = [p for p in (folder, *folder.parents) if not p.exists()]
-    try:
-        return _build(cfg, fmt, tokenizer, folder)
-    except OSError as exc:
-        raise ConfigError(
-            os_error_problem(
-                "data.cache_dir",
-                folder.parent,
-                exc,
-                "write the examples cache",
-                "set data.cache_dir to a writable folder with enough free space",
-            )
-        ) from exc
-    finally:
-        _remove_empty(fresh)
+    return build_entry(folder, lambda: _build(cfg, fmt, tokenizer, folder), "examples cache")
 
 
 def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Examples:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Union
+from typing import Callable, Iterable, Iterator, List, Optional, TypeVar, Union
 
 import numpy as np
 
@@ -51,6 +51,7 @@ from partrain.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_name
 from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORMAT_VERSION = 1
 """Bumped whenever the file layout or the tokenization rules change, so old entries are not reused."""
@@ -128,28 +129,41 @@ def prepare_tokens(cfg: DataConfig, cache_root: Optional[Path] = None) -> Packed
     is loaded only on a miss.
     """
     corpus, key, folder = _entry(cfg, cache_root)
-    meta_path = folder / META_NAME
-    if meta_path.exists():
-        try:
-            return open_packed(meta_path, verify=True)
-        except (OSError, ValueError, KeyError) as exc:
-            # meta.json present but the files do not match it (cut short, changed, deleted): rebuild
-            # rather than fail, the inputs are all still here.
-            log.warning("rebuilding the damaged data cache entry %s: %s", folder, exc)
+    packed = reopen_entry(folder, open_packed, "data cache")
+    if packed is not None:
+        return packed
     tokenizer = load_tokenizer(cfg.tokenizer)
-    # Folders this build creates: removed again if it fails, so a refused run leaves no empty cache.
+    return build_entry(folder, lambda: _build(corpus, tokenizer, cfg.eval_fraction, folder, key), "token cache")
+
+
+def reopen_entry(folder: Path, open_entry: Callable[..., T], what: str) -> Optional[T]:
+    """The cache entry in ``folder`` (``open_entry(meta_path, verify=True)``), or None when there is
+    none or it is damaged: meta.json present but the files do not match it (cut short, changed,
+    deleted) is rebuilt with a warning rather than a failure, the inputs are all still here."""
+    meta_path = folder / META_NAME
+    if not meta_path.exists():
+        return None
+    try:
+        return open_entry(meta_path, verify=True)
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("rebuilding the damaged %s entry %s: %s", what, folder, exc)
+        return None
+
+
+def build_entry(folder: Path, build: Callable[[], T], what: str) -> T:
+    """``build()`` the entry in ``folder``. The folders it creates are removed again if it fails, so a
+    refused run leaves no empty cache; an OSError is the cache side (no permission, no space: reading
+    the source reports its own errors as ConfigErrors), data.cache_dir's exit 2."""
     fresh = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
-        return _build(corpus, tokenizer, cfg.eval_fraction, folder, key)
+        return build()
     except OSError as exc:
-        # Reading the source already reports its own errors (as ConfigErrors); an OSError here
-        # is the cache side: no permission, no space.
         raise ConfigError(
             os_error_problem(
                 "data.cache_dir",
                 folder.parent,
                 exc,
-                "write the token cache",
+                f"write the {what}",
                 "set data.cache_dir to a writable folder with enough free space",
             )
         ) from exc
