@@ -103,7 +103,7 @@ def test_layout_matches_single_process(name, reference, shared, tmp_path, data_c
         state_bytes = [rank["model_state_bytes"] for rank in got.summary["ranks"]]
     else:
         got, state_bytes = shared[name]
-    diffs = check_parity(reference, got, rtol=1e-5)
+    diffs = check_parity(reference, got)
     print(f"{name}: {diffs}")
     assert got.losses[-1] < got.losses[0]  # it trains
 

@@ -70,7 +70,7 @@ def test_strategy_matches_single_process(name, runs):
     reference, got = runs
     for rank, record in enumerate(got[name]):
         layout = type(reference)(record["losses"], record["grad_norms"], reference.run_dir, {})
-        diffs = check_parity(reference, layout, rtol=1e-5)
+        diffs = check_parity(reference, layout)
         if rank == 0:
             print(f"{name}: {diffs}")
     assert got[name][0]["losses"][-1] < got[name][0]["losses"][0]

@@ -1,9 +1,25 @@
-"""float8 training (train.float8, torchao) for real on CPU: the one-process float8 run tracks bf16
-for 30 steps, FSDP and tensor parallelism (with and without Megatron-SP) under float8 track one
-process under float8, MoE models (ep2) and LoRA (tp2) under float8 track their one-process runs, a float8
-checkpoint resumes exactly and exports plain weights, and what float8 cannot do is refused (exit 2).
-The runs of one process count share a launch
-(testing.in_process.train_all)."""
+"""float8 training (train.float8, torchao) for real on CPU: the one-process float8 run tracks bf16,
+FSDP, ZeRO-1, sequence, pipeline and tensor parallelism (with and without Megatron-SP) under float8
+track one process under float8, MoE models (ep2) and LoRA (tp2) under float8 track their one-process
+runs, a float8 checkpoint resumes exactly and exports plain weights, and what float8 cannot do is
+refused (exit 2). The runs of one process count share a launch (testing.in_process.train_all).
+
+How the runs are compared, so that the checks hold on any machine:
+- What can be exact is compared exactly (1e-6): the same quantized operands give the same result
+  (torch.compile's trace, recompute under the same microbatches at step 1, a resume), and one TP
+  layer's weight gradients from the same upstream gradient (the layer-level test below).
+- Everything else is bounded by float8's own effect, measured in the same run (`float8_noise`,
+  NOISE_FACTOR): a layout's float8 run and one process's differ by last bits before each cast
+  (reduction order, FSDP's bf16 parameters against autocast's fp32 ones), and float8 turns a
+  last-bit difference into a whole e4m3 step (3 mantissa bits: up to 6 %) for every element it
+  pushes across a rounding boundary. How often that happens depends on the CPU's kernels and thread
+  count, for the layout and for the noise alike: a fixed tolerance measured on one machine failed on
+  another (issue 50: 9.2e-3 against 5e-3).
+- Step 1's gradient norm is held to GRAD_NORM_RTOL, half an e4m3 step, which a real fault exceeds.
+
+The model is llama-tiny at the smallest widths that still convert under tp2 (every shard a multiple of
+16): torch's CPU float8 matmul (_scaled_mm) is a naive kernel, about 1,000x a bf16 one, so float8 costs
+what its matmuls multiply."""
 
 from __future__ import annotations
 
@@ -16,23 +32,34 @@ from partrain.testing.parity import max_relative_difference, parity_args, refere
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
-SHORT = 10
-"""Steps of the runs that check a composition (pp, recompute, compile, ZeRO-1, sp) against the first
-SHORT steps of the one-process float8 run."""
+STEPS = 10
+"""Steps of every run: float8's deviation from bf16 and a layout's from one process both grow with the
+steps (the runs' weights drift apart); 10 steps show both clearly at a 64-token step."""
 BASE = [
     "recipe=llama-fsdp-tp",
     "parallel.tp=1",
     "parallel.tp_sequence_parallel=false",
     "train.precision=bf16",
-    "train.seq_len=64",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
     "data.max_bytes=1000000",
     "optim.warmup_steps=0",
     "optim.schedule=constant",  # a run saved at step 2 resumes on the same learning rates
 ]
-FLOAT8 = BASE + ["train.float8=true"]
+"""llama-tiny at its shipped widths: the meta-model tests below count its 28 converted linears."""
+SMALL = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=2",
+    "model.config.num_key_value_heads=2",
+    "train.seq_len=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=2",
+]
+"""What the training runs use: widths 32 and 64, heads of 16 (under tp2 every shard is 16 or 32 wide and
+still converts), two layers (pp2), 64 tokens a step."""
+CONVERTED = "float8: 14 linear layers converted, 0 skipped"
+"""7 projections in each of the 2 layers; the head excluded."""
+FLOAT8 = BASE + SMALL + ["train.float8=true"]
 ONE = ["parallel.dp=1", "parallel.zero_stage=0", "cluster.devices_per_node=1"]
 FSDP2 = ["parallel.dp=2", "parallel.zero_stage=3", "cluster.devices_per_node=2"]
 PP2_RECOMPUTE = ["parallel.dp=1", "parallel.pp=2", "parallel.zero_stage=0", "parallel.recompute=full"]
@@ -43,23 +70,49 @@ COMPILE = ["train.compile=true", "train.compile_backend=aot_eager"]
 TP2 = ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "cluster.devices_per_node=2"]
 MEGATRON_SP = ["parallel.tp_sequence_parallel=true"]
 ROWWISE = ["train.float8_recipe=rowwise"]
-MOE = ["recipe=mixtral-ep", "train.precision=bf16", "train.seq_len=64", "data.max_bytes=1000000"]
+MOE = ["recipe=mixtral-ep", "train.precision=bf16", "data.max_bytes=1000000"]
 MOE += ["optim.warmup_steps=0", "optim.schedule=constant"]
-"""Tiny Mixtral (4 experts top-2) as the recipe ships it: dp2 x ep2 on 2 processes."""
+MOE += [o for o in SMALL if "layers" not in o and "key_value" not in o]
+"""Tiny Mixtral (4 experts top-2, 2 layers) at the same widths: dp2 x ep2 on 2 processes."""
 LORA = ["peft=lora"]
-EXTRA_STEPS = 5
-"""Steps of the MoE and LoRA runs (issue 39)."""
 
 BF16_TRACKING_RTOL = 0.03
-"""The issue's bound: float8 loss within 3% of bf16's at every one of the 30 steps."""
-LAYOUT_RTOL = 5e-3
-"""A layout vs one process, both float8, every step. Not bit-exact: FSDP computes norms and residuals
-with its bf16 parameters where one process autocasts fp32 ones (bf16 alone, the same two layouts:
-2e-5 at step 1, 8.5e-4 over 30 steps), and float8 turns such small differences into whole e4m3 steps
-(3 mantissa bits: 6%) for the elements they push across a rounding boundary. Measured (FSDP dp2, with
-torchao's float8 all-gather): 3.4e-4 at step 1, at most 1.9e-3 over 30 steps."""
-FIRST_STEP_RTOL = 1e-3
-"""Step 1, before the runs' weights diverge (measured 3.4e-4)."""
+"""Issue 39's bound: float8 loss within 3% of bf16's at every step. Measured at most 6.9e-4 over 10
+steps (13 seeds, both recipes, llama, Mixtral and LoRA): a margin of 43x."""
+NOISE_FACTOR = 6.0
+"""A layout's float8 losses vs one process's, every step, relative to `float8_noise`. Two float8 runs
+whose inputs differ in last bits round some elements to neighbouring e4m3 values: at worst their
+quantization errors are independent, each the size of float8's own effect on a run, so the gap is of
+that order (sqrt(2) for independent errors of one size), times chance: the noise is measured on a
+few runs too, and a small draw makes the ratio large. Measured (10 steps, 10 seeds; 1 and 2 threads
+gave identical runs): at most 1.47 (tensorwise FSDP), then sp2 1.08, tp2 1.01-1.12, Mixtral ep2 1.29
+(its noise has one pair): a margin of 4.1x. With the noise from the two recipes alone the ratio
+reached 1.63 over 16 seeds, and its largest value grew with the seeds tried (0.65 over the first 6):
+hence two more pairs in the noise and a factor well above the ratios seen. ZeRO-1 with bf16
+parameters is compared with one process in bf16 parameters (against fp32 parameters it is a
+precision difference, not last bits): 4.6e-8, 1e-4 of the noise."""
+GRAD_NORM_RTOL = 2**-4
+"""A layout's step-1 gradient norm vs one process's (the same weights, both float8): half an e4m3
+rounding step (3 mantissa bits). A real fault exceeds it (a missing average: 2x; a shard's own scale
+instead of the whole tensor's: its elements off by whole steps); a finer one is the layer-level
+test's (test_float8_tp_projections_use_the_whole_tensors_scales: exact). Not scaled by float8's own
+step-1 gradient-norm error like the losses: that single number can cancel (float8 vs bf16 measured
+1.5e-4 to 7.2e-3 by seed) and the ratio reached 1.6. Measured: at most 5.3e-3 (LoRA tp2; 13 seeds,
+every layout), a margin of 12x."""
+
+LAYOUTS = {
+    # name: (overrides, the one-process run it is compared with)
+    "float8-fsdp2": (FLOAT8 + FSDP2, "float8"),
+    "float8-rowwise-fsdp2": (FLOAT8 + FSDP2 + ROWWISE, "float8-rowwise"),
+    "float8-zero1-16bit": (FLOAT8 + ZERO1_16BIT, "float8-16bit"),
+    "float8-sp2": (FLOAT8 + SP2, "float8"),
+    "float8-pp2-recompute": (FLOAT8 + PP2_RECOMPUTE, "float8"),
+    "float8-tp2": (FLOAT8 + TP2, "float8"),
+    "float8-tp2-megatron-sp": (FLOAT8 + TP2 + MEGATRON_SP, "float8"),
+    "float8-rowwise-tp2-megatron-sp": (FLOAT8 + TP2 + MEGATRON_SP + ROWWISE, "float8-rowwise"),
+}
+"""Every float8 layout compared with one process under the same recipe (and, for ZeRO-1 with bf16
+parameters, one process with bf16 parameters: the layout then differs only in last bits)."""
 
 
 @pytest.fixture(scope="module")
@@ -72,28 +125,53 @@ def runs(tmp_path_factory, data_cache):
     pytest.importorskip("torchao")
     common = [f"data.cache_dir={data_cache}"]
     cases = {
-        "bf16": parity_args(reference_overrides(BASE + ONE + common), STEPS),
-        "float8": parity_args(reference_overrides(FLOAT8 + ONE + common), STEPS),
-        "float8-rowwise": parity_args(
-            reference_overrides(FLOAT8 + ONE + common + ["train.float8_recipe=rowwise"]), STEPS
-        ),
-        "float8-fsdp2": parity_args(FLOAT8 + FSDP2 + common, STEPS),
-        "float8-pp2-recompute": parity_args(FLOAT8 + PP2_RECOMPUTE + common, SHORT),
-        "float8-compile": parity_args(reference_overrides(FLOAT8 + ONE + common + COMPILE), SHORT),
-        "float8-zero1-16bit": parity_args(FLOAT8 + ZERO1_16BIT + common, SHORT),
-        "float8-sp2": parity_args(FLOAT8 + SP2 + common, SHORT),
-        "float8-tp2": parity_args(FLOAT8 + TP2 + common, SHORT),
-        "float8-tp2-megatron-sp": parity_args(FLOAT8 + TP2 + MEGATRON_SP + common, SHORT),
-        "float8-rowwise-tp2-megatron-sp": parity_args(FLOAT8 + TP2 + MEGATRON_SP + ROWWISE + common, SHORT),
-        "float8-fsdp2-saved": parity_args(FLOAT8 + FSDP2 + common + ["checkpoint.every_steps=2"], 2),
-        "moe-bf16": parity_args(reference_overrides(MOE + common), EXTRA_STEPS),
-        "float8-moe": parity_args(reference_overrides(MOE + common + ["train.float8=true"]), EXTRA_STEPS),
-        "float8-moe-ep2": parity_args(MOE + common + ["train.float8=true"], EXTRA_STEPS),
-        "lora": parity_args(reference_overrides(BASE + ONE + common + LORA), EXTRA_STEPS),
-        "float8-lora": parity_args(reference_overrides(FLOAT8 + ONE + common + LORA), EXTRA_STEPS),
-        "float8-lora-tp2": parity_args(FLOAT8 + TP2 + common + LORA, EXTRA_STEPS),
+        "bf16": reference_overrides(BASE + SMALL + ONE + common),
+        "float8": reference_overrides(FLOAT8 + ONE + common),
+        "float8-rowwise": reference_overrides(FLOAT8 + ONE + common + ROWWISE),
+        "float8-compile": reference_overrides(FLOAT8 + ONE + common + COMPILE),
+        "float8-16bit": reference_overrides(FLOAT8 + ONE + common + ["train.param_dtype=16bit"]),
+        "float8-rowwise-16bit": reference_overrides(FLOAT8 + ONE + common + ROWWISE + ["train.param_dtype=16bit"]),
+        "moe-bf16": reference_overrides(MOE + common),
+        "float8-moe": reference_overrides(MOE + common + ["train.float8=true"]),
+        "float8-moe-ep2": MOE + common + ["train.float8=true"],
+        "lora": reference_overrides(BASE + SMALL + ONE + common + LORA),
+        "float8-lora": reference_overrides(FLOAT8 + ONE + common + LORA),
+        "float8-lora-tp2": FLOAT8 + TP2 + common + LORA,
+        **{name: overrides + common for name, (overrides, _) in LAYOUTS.items()},
     }
+    cases = {name: parity_args(overrides, STEPS) for name, overrides in cases.items()}
+    cases["float8-fsdp2-saved"] = parity_args(FLOAT8 + FSDP2 + common + ["checkpoint.every_steps=2"], 2)
     return train_all(cases, tmp_path_factory.mktemp("runs"))
+
+
+def float8_noise(runs, pairs) -> float:
+    """float8's own effect on the loss in these runs: the largest relative difference, over every step
+    and every (a, b) run pair in `pairs`, one process each. The pairs: bf16 vs float8 under each recipe
+    (what quantization does to a run), and float8 with fp32 parameters vs float8 with bf16 ones (what a
+    change below bf16's last bit becomes under float8: the phenomenon a layout shows). Several pairs,
+    because one is a single draw and can be small by chance."""
+    return max(max_relative_difference(runs[a].losses, runs[b].losses) for a, b in pairs)
+
+
+LLAMA_NOISE = (
+    ("bf16", "float8"),
+    ("bf16", "float8-rowwise"),
+    ("float8", "float8-16bit"),
+    ("float8-rowwise", "float8-rowwise-16bit"),
+)
+
+
+def assert_tracks_within_noise(got, ref, noise: float, label: str) -> None:
+    """`got` (a layout) vs `ref` (one process, the same float8 recipe): every step's loss within
+    NOISE_FACTOR times float8's own effect, step 1's gradient norm within GRAD_NORM_RTOL, and float8
+    really ran in `got`."""
+    loss = max_relative_difference(ref.losses, got.losses)
+    norm = abs(got.grad_norms[0] - ref.grad_norms[0]) / ref.grad_norms[0]
+    print(f"{label} vs one process: loss {loss:.2e} = {loss / noise:.2f} x float8's {noise:.2e}; grad norm {norm:.2e}")
+    assert loss <= NOISE_FACTOR * noise, (label, got.losses, ref.losses)
+    assert norm <= GRAD_NORM_RTOL, (label, got.grad_norms, ref.grad_norms)
+    logs = "".join(p.read_text() for p in (got.run_dir / "logs").glob("*"))
+    assert "float8: " in logs and " linear layers converted" in logs, logs[-2000:]
 
 
 @pytest.mark.parametrize("name", ["float8", "float8-rowwise"])
@@ -106,48 +184,41 @@ def test_float8_loss_tracks_bf16(name, runs):
     assert got.losses[-1] < got.losses[0]
 
 
-def test_float8_fsdp_tracks_one_process(runs):
-    diff = max_relative_difference(runs["float8"].losses, runs["float8-fsdp2"].losses)
-    print(f"float8 FSDP dp2 vs one process: max relative loss difference {diff:.2e}")
-    first = runs["float8"].losses[0], runs["float8-fsdp2"].losses[0]
-    assert math.isclose(*first, rel_tol=FIRST_STEP_RTOL), first
-    assert diff < LAYOUT_RTOL
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_float8_layout_tracks_one_process(name, runs):
+    """FSDP dp2 (tensorwise with torchao's float8 all-gather, rowwise gathering bf16), ZeRO-1 with bf16
+    parameters, Ulysses sp2, pp2 with full recompute, tp2 with and without Megatron-SP: within
+    NOISE_FACTOR of float8's own effect (float8_noise)."""
+    overrides, reference = LAYOUTS[name]
+    noise = float8_noise(runs, LLAMA_NOISE)
+    assert_tracks_within_noise(runs[name], runs[reference], noise, name)
+    logs = "".join(p.read_text() for p in (runs[name].run_dir / "logs").glob("*"))
+    # A pipeline stage converts its own layer's 7 projections.
+    assert (CONVERTED if "pp2" not in name else "float8: 7 linear layers converted, 0 skipped") in logs, logs[-2000:]
 
 
-def test_float8_composes_with_pipeline_and_recompute(runs):
-    """pp2 with full recompute: step 1 exact (the same microbatches, the same float8 scales; recompute
-    alone is bit-exact, measured), later steps within LAYOUT_RTOL (measured 6.9e-5 over 10 steps,
-    1.5e-3 over 30; bf16, the same layouts: 1.6e-4 over 30, which float8's coarser rounding amplifies)."""
-    ref, got = runs["float8"].losses[:SHORT], runs["float8-pp2-recompute"].losses
-    diff = max_relative_difference(ref, got)
-    print(f"float8 pp2 + recompute vs one process: max relative loss difference {diff:.2e}")
-    assert math.isclose(ref[0], got[0], rel_tol=1e-6), (ref[0], got[0])
-    assert diff < LAYOUT_RTOL
-
-
-@pytest.mark.parametrize("name", ["float8-zero1-16bit", "float8-sp2"])
-def test_float8_composes_with_zero1_16bit_parameters_and_sequence_parallel(name, runs):
-    """ZeRO-1 with bf16 parameters (param_dtype=16bit) and Ulysses sp2: measured 8.3e-4 and 1.2e-3 over
-    10 steps (3.5e-3 and 8.3e-3 over 30)."""
-    diff = max_relative_difference(runs["float8"].losses[:SHORT], runs[name].losses)
-    print(f"{name} vs one process float8: max relative loss difference {diff:.2e}")
-    assert diff < LAYOUT_RTOL
+def test_float8_pipeline_with_recompute_is_exact_at_step_1(runs):
+    """pp2 with full recompute, step 1: the same microbatches through the same layers with the same
+    float8 scales (recompute replays the forward exactly): one process's loss to 1e-6."""
+    ref, got = runs["float8"].losses[0], runs["float8-pp2-recompute"].losses[0]
+    assert math.isclose(ref, got, rel_tol=1e-6), (ref, got)
 
 
 def test_float8_composes_with_compile(runs):
-    """torch.compile (aot_eager: the trace without C++ code generation) of float8 blocks: measured bit-exact."""
-    assert max_relative_difference(runs["float8"].losses[:SHORT], runs["float8-compile"].losses) < 1e-6
+    """torch.compile (aot_eager: the trace without C++ code generation) of float8 blocks runs the same
+    kernels on the same operands: the eager run's losses to 1e-6."""
+    assert max_relative_difference(runs["float8"].losses, runs["float8-compile"].losses) < 1e-6
 
 
 def test_float8_log_counts_converted_linears(runs):
-    """7 projections in each of the 4 layers converted; the head excluded."""
     logs = "".join(p.read_text() for p in (runs["float8"].run_dir / "logs").glob("*"))
-    assert "float8: 28 linear layers converted, 0 skipped" in logs and "1 excluded" in logs, logs[-2000:]
+    assert CONVERTED in logs and "1 excluded" in logs, logs[-2000:]
 
 
 def test_a_float8_fsdp_checkpoint_resumes_exactly_and_exports_plain_weights(runs, data_cache, tmp_path):
     """Saved at step 2 under FSDP dp2 (weights wrapped for torchao's float8 all-gather), resumed under
-    FSDP dp2 for step 3: the uninterrupted run's loss; the checkpoint loads as a plain HF model."""
+    FSDP dp2 for step 3: the uninterrupted run's loss (the same layout, the same operands: 1e-6); the
+    checkpoint loads as a plain HF model."""
     import torch
 
     from partrain.checkpoint.export import load_model_weights
@@ -230,7 +301,7 @@ def test_fsdp_weights_are_all_gathered_in_float8():
     from partrain.models.build import build_meta_model
     from partrain.parallel.float8 import apply_float8
 
-    run = compose(FLOAT8)
+    run = compose(BASE + ["train.float8=true"])  # llama-tiny at its shipped widths
     for fsdp, lora in ((True, False), (False, False), (True, True)):
         model = build_meta_model(run.model)
         counts = apply_float8(model, run.train, fsdp=fsdp, lora=lora)
@@ -241,43 +312,6 @@ def test_fsdp_weights_are_all_gathered_in_float8():
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------------
-TP_FIRST_STEP_RTOL = 1e-3
-"""tp2 (with or without Megatron-SP) vs one process, both float8, the loss of step 1: measured 2.2e-4
-tensorwise, 1.3e-4 rowwise."""
-TP_FIRST_GRAD_NORM_RTOL = 5e-3
-"""The gradient norm of step 1: measured 2.1e-4 tensorwise, 1.5e-3 rowwise (torchao's rowwise matmul
-rounds each rank's partial sums to bf16). With each rank's own shard amax instead of the group's:
-7.5e-3. Later steps are not compared: under float8 (either layout) the gradient norm of some batches
-jumps by 10-50% for weights 1e-3 apart (FSDP dp2 vs one process: 7.8e-3 at step 1, 2.4e-2 at step 9;
-tp2: 0.12 at step 9), while the clipped (grad_clip=1) updates and the losses stay within LAYOUT_RTOL."""
-
-
-@pytest.mark.parametrize(
-    "name, reference",
-    [
-        ("float8-tp2", "float8"),
-        ("float8-tp2-megatron-sp", "float8"),
-        ("float8-rowwise-tp2-megatron-sp", "float8-rowwise"),
-    ],
-)
-def test_float8_tensor_parallel_tracks_one_process(name, reference, runs):
-    """The TP projections cast with the whole tensors' scales (float8_tp: amax all-reduced over tp).
-    Not bit-exact: the layers outside the projections (vocabulary-parallel embedding and loss,
-    attention on head shards) differ from one process in the last bits, as in bf16 (tp2: 3e-5 at step
-    1), and float8's casts amplify that, as FSDP's (LAYOUT_RTOL). Measured over 10 steps: 5.1e-4
-    tensorwise, 3.0e-4 + Megatron-SP, 4.5e-4 rowwise + Megatron-SP (over 30: 3.7e-3, 3.1e-3, 4.9e-3;
-    dp2 x tp2 under FSDP: 6.1e-4 at step 1, 7.5e-4 over 10, not run here: a 4-process launch)."""
-    ref, got = runs[reference], runs[name]
-    diff = max_relative_difference(ref.losses[:SHORT], got.losses)
-    norm = abs(got.grad_norms[0] - ref.grad_norms[0]) / ref.grad_norms[0]
-    print(f"{name} vs one process: max relative loss difference {diff:.2e}, step-1 grad norm {norm:.2e}")
-    assert math.isclose(ref.losses[0], got.losses[0], rel_tol=TP_FIRST_STEP_RTOL), (ref.losses[0], got.losses[0])
-    assert norm < TP_FIRST_GRAD_NORM_RTOL, (ref.grad_norms[0], got.grad_norms[0])
-    assert diff < LAYOUT_RTOL
-    logs = "".join(p.read_text() for p in (got.run_dir / "logs").glob("*"))
-    assert "float8: 28 linear layers converted, 0 skipped" in logs, logs[-2000:]
-
-
 def _float8_tp_layers(rank: int, world: int) -> dict:
     """A column-parallel then a row-parallel float8 projection (plain TP, and Megatron-SP's gathered
     column + reduce-scatter) against the same two Float8Linears in one process, with the same
@@ -339,13 +373,21 @@ def _float8_tp_layers(rank: int, world: int) -> dict:
     return out
 
 
+ROWWISE_PARTIALS_RTOL = 2**-6
+"""Rowwise TP outputs and input gradients vs one process, relative to the largest element: torchao's
+rowwise matmul returns bf16, so each rank's partial sum is rounded to bf16 before the TP sum, and one
+process rounds its whole product once. Four roundings of at most bf16's unit roundoff u = 2^-8 (two
+partials, their sum, the reference): 4u. Measured at most 4.7e-3 (1.2u; seeds 0-3, 1-2 threads):
+a margin of 3.3x. (It was 2^-7, a margin of 1.7x.)"""
+
+
 def test_float8_tp_projections_use_the_whole_tensors_scales(tmp_path):
     """Layer level, 2 processes: given the same upstream gradient, the weight gradients of a column- and
     a row-parallel float8 projection are those of one process (1e-6; measured exact), with and without
     Megatron-SP, tensorwise and rowwise: every sharded operand (weights, the row projection's input,
     the column projection's output gradient) was cast with the whole tensor's scale. Outputs and input
-    gradients add partial sums: tensorwise 4e-7 (1e-5 allowed); rowwise within bf16's rounding (torchao's
-    rowwise matmul returns bf16 partials: 3e-3 of the largest element)."""
+    gradients add partial sums: tensorwise in fp32 (1e-5 allowed; measured 4.2e-7 at most, seeds 0-3,
+    1-2 threads: 24x); rowwise within ROWWISE_PARTIALS_RTOL."""
     pytest.importorskip("torchao")
     from partrain.testing.multiproc import run_spawned
 
@@ -353,7 +395,7 @@ def test_float8_tp_projections_use_the_whole_tensors_scales(tmp_path):
         for case, diffs in rank_result.items():
             print(case, {k: f"{v:.1e}" for k, v in diffs.items()})
             assert diffs["up_weight_grad"] < 1e-6 and diffs["down_weight_grad"] < 1e-6, (case, diffs)
-            bound = 1e-5 if case.startswith("tensorwise") else 2**-7
+            bound = 1e-5 if case.startswith("tensorwise") else ROWWISE_PARTIALS_RTOL
             assert diffs["output"] < bound and diffs["input_grad"] < bound, (case, diffs)
 
 
@@ -366,7 +408,7 @@ def test_float8_under_tp_converts_only_linears_whose_shards_stay_multiples_of_16
     from partrain.models.build import build_meta_model
     from partrain.parallel.float8 import apply_float8
 
-    run = compose(FLOAT8)
+    run = compose(BASE + ["train.float8=true"])  # llama-tiny at its shipped widths
     assert len(apply_float8(build_meta_model(run.model), run.train, tp=4).converted) == 28
     model = build_meta_model(run.model)
     counts = apply_float8(model, run.train, fsdp=True, tp=8)
@@ -418,32 +460,26 @@ def test_float8_moe_converts_attention_and_shared_experts_only():
 
 
 def test_float8_moe_tracks_bf16_and_expert_parallel_tracks_one_process(runs):
-    """Mixtral-tiny float8, one process vs bf16: measured 4.3e-4 over 10 steps (BF16_TRACKING_RTOL); dp2 x ep2
-    vs one process, both float8: step 1 loss and gradient norm exact (the experts are bf16 and the
-    converted attention sees the same tokens), measured 7.6e-5 over 10 steps (LAYOUT_RTOL)."""
+    """Mixtral-tiny float8, one process vs bf16 (BF16_TRACKING_RTOL); dp2 x ep2 vs one process, both float8,
+    within NOISE_FACTOR of float8's own effect on this model (the experts stay bf16; the converted
+    attention sees the same tokens)."""
     bf16, one, ep2 = runs["moe-bf16"], runs["float8-moe"], runs["float8-moe-ep2"]
     tracking = max_relative_difference(bf16.losses, one.losses)
-    layout = max_relative_difference(one.losses, ep2.losses)
-    print(f"float8 MoE vs bf16 {tracking:.2e}; float8 ep2 vs one process {layout:.2e}")
+    print(f"float8 MoE vs bf16 {tracking:.2e}")
     assert one.losses != bf16.losses and tracking < BF16_TRACKING_RTOL
-    assert math.isclose(one.losses[0], ep2.losses[0], rel_tol=FIRST_STEP_RTOL)
-    assert math.isclose(one.grad_norms[0], ep2.grad_norms[0], rel_tol=FIRST_STEP_RTOL)
-    assert layout < LAYOUT_RTOL
+    assert_tracks_within_noise(ep2, one, float8_noise(runs, [("moe-bf16", "float8-moe")]), "float8-moe-ep2")
     logs = "".join(p.read_text() for p in (ep2.run_dir / "logs").glob("*"))
-    assert "float8: 8 linear layers converted" in logs and "2 routed experts and 2 routers kept" in logs
+    assert "float8: 8 linear layers converted" in logs and "2 routed experts and 2 routers kept" in logs, logs[-2000:]
 
 
 def test_float8_lora_tracks_lora_bf16_and_tp2_tracks_one_process(runs):
-    """LoRA's frozen base in float8, adapters bf16: vs LoRA bf16 measured 1.7e-3 over 10 steps
-    (BF16_TRACKING_RTOL); tp2 (the base's TP float8 matmuls, amax all-reduced) vs one process: 3.5e-4 over
-    10 steps, step-1 gradient norm 1e-5 (LAYOUT_RTOL, TP_FIRST_GRAD_NORM_RTOL)."""
+    """LoRA's frozen base in float8, adapters bf16, vs LoRA bf16 (BF16_TRACKING_RTOL); tp2 (the base's TP
+    float8 matmuls, amax all-reduced) vs one process within NOISE_FACTOR of float8's own effect on LoRA."""
     bf16, one, tp2 = runs["lora"], runs["float8-lora"], runs["float8-lora-tp2"]
     tracking = max_relative_difference(bf16.losses, one.losses)
-    layout = max_relative_difference(one.losses, tp2.losses)
-    norm = abs(tp2.grad_norms[0] - one.grad_norms[0]) / one.grad_norms[0]
-    print(f"float8 LoRA vs LoRA bf16 {tracking:.2e}; tp2 vs one process {layout:.2e}, grad norm {norm:.2e}")
+    print(f"float8 LoRA vs LoRA bf16 {tracking:.2e}")
     assert one.losses != bf16.losses and tracking < BF16_TRACKING_RTOL  # != : the base really ran in float8
-    assert layout < LAYOUT_RTOL and norm < TP_FIRST_GRAD_NORM_RTOL
+    assert_tracks_within_noise(tp2, one, float8_noise(runs, [("lora", "float8-lora")]), "float8-lora-tp2")
 
 
 def test_the_planner_counts_only_converted_moe_linears():

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from partrain.testing.in_process import train_all
-from partrain.testing.parity import check_parity, parity_args, reference_overrides
+from partrain.testing.parity import check_parity, max_relative_difference, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def runs(tmp_path_factory, data_cache):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lora_layout_matches_single_process(name, runs):
     got, ref = runs[name], runs["reference-lora"]
-    print(name, check_parity(ref, got, rtol=1e-5))
+    print(name, check_parity(ref, got))
     assert got.losses[-1] < got.losses[0]
 
 
@@ -154,6 +154,8 @@ def test_lora_other_models_and_precisions_match_single_process(name, runs):
     if rtol is not None:
         print(name, check_parity(ref, got, rtol=rtol))
     else:  # bf16 under another reduction order (see OTHER_MODELS)
+        norm = abs(got.grad_norms[0] - ref.grad_norms[0]) / ref.grad_norms[0]
+        print(f"{name}: loss {max_relative_difference(ref.losses, got.losses):.2e}, step-1 grad norm {norm:.2e}")
         for a, b in zip(got.losses, ref.losses, strict=True):
             assert math.isclose(a, b, rel_tol=BF16_RTOL), (got.losses, ref.losses)
         assert math.isclose(got.grad_norms[0], ref.grad_norms[0], rel_tol=BF16_RTOL), (got.grad_norms, ref.grad_norms)

@@ -78,7 +78,7 @@ def runs(tmp_path_factory, data_cache):
 def test_megatron_sp_matches_single_process(name, runs):
     overrides = LAYOUTS[name]
     recipe, model = overrides[0], _model_overrides(overrides)
-    print(name, check_parity(runs[_reference_name(recipe, model)], runs[name], rtol=1e-5))
+    print(name, check_parity(runs[_reference_name(recipe, model)], runs[name]))
     if model:  # the dropout really changed the run
         assert runs[_reference_name(recipe, model)].losses != runs[_reference_name(recipe)].losses
 

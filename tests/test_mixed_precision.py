@@ -24,6 +24,10 @@ from partrain.testing.parity import check_parity, parity_args, reference_overrid
 from partrain.train.loss_scale import DynamicLossScale
 
 RTOL = {"fp16": 1e-3, "bf16": 2e-3}
+"""16-bit layouts vs one process in the same precision, every step's loss and gradient norm: the
+layouts round partial sums to 16 bits in another order (fp16's unit roundoff 2^-11, bf16's 2^-8,
+averaged over many elements). Measured at most 2.5e-4 fp16 (4.0x) and 2.4e-4 bf16 (8.5x), FSDP dp2
+gradient norm."""
 BASE = [
     "recipe=gpt-dp",
     "train.global_batch_size=16",
