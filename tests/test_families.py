@@ -32,6 +32,10 @@ def test_variants_reuse_the_llama_files():
         assert FAMILIES[variant].name == "llama"
         assert FAMILIES[variant].layer_tensors is llama.layer_tensors
         assert ADAPTERS[variant] is ADAPTERS["llama"]
+    # Qwen3 (dense): Llama's layer with per-head q/k norms (the same function, one flag set).
+    qwen3 = FAMILIES["qwen3"]
+    assert qwen3.name == "llama" and qwen3.qk_norm and ADAPTERS["qwen3"] is ADAPTERS["llama"]
+    assert qwen3.layer_tensors.func is llama.layer_tensors and qwen3.layer_tensors.keywords == {"qk_norm": True}
 
 
 def test_unknown_arch_is_a_config_error():

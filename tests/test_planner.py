@@ -576,7 +576,16 @@ def test_model_state_bytes_per_rank_fp32(zero):
 
 ACTIVATION_CASES = [
     (m, p, r)
-    for m in ("gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny")
+    for m in (
+        "gpt2-tiny",
+        "llama-tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "smollm3-tiny",
+        "mixtral-tiny",
+        "qwen2-moe-tiny",
+        "qwen3-moe-tiny",
+    )
     for p in ("fp32", "bf16")
     for r in ("none", "full")
 ]

@@ -23,7 +23,7 @@ from partrain.errors import ConfigError, Problem
 
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
 SUPPORTED_ARCHS = tuple(FAMILIES)
-"""gpt2, llama, qwen2, mistral, mixtral, qwen2_moe, qwen3_moe: one entry per blueprint/families/ family."""
+"""One entry per blueprint/families/ family (gpt2, llama, qwen2, qwen3, mistral, smollm3, mixtral, qwen2_moe, ...)."""
 UNDECLARED_FIELDS: Dict[str, Dict[str, Any]] = {a: dict(f.undeclared_fields) for a, f in FAMILIES.items()}
 """Keys the HF modeling code reads (getattr with a default) that the config class does not declare
 (each family's `undeclared_fields`)."""

@@ -186,3 +186,19 @@ QWEN2 = replace(LLAMA, arch="qwen2", facts=partial(dense_facts, qkv_bias=True), 
 
 # Mistral: Llama's tensors without the optional o/MLP biases; a sliding window whenever one is set.
 MISTRAL = replace(LLAMA, arch="mistral", extras=extras, window_always=True)
+
+# Qwen3 (dense): per-head q_norm / k_norm in attention (replicated over TP, gradients summed), an
+# optional attention_bias on all four attention projections and none on the MLP; head_dim is a
+# declared config field (Qwen3-8B: 128, not hidden / heads).
+QWEN3 = replace(
+    LLAMA,
+    arch="qwen3",
+    extras=partial(extras, attention_bias=True),
+    layer_tensors=partial(layer_tensors, qk_norm=True),
+    qk_norm=True,
+)
+
+# SmolLM3: Llama's tensors (optional attention and MLP biases, read by its HF class); rotary skipped on
+# the layers `no_rope_layers` marks 0 (inside HF's attention: nothing for partrain to do); embeddings
+# tied by default.
+SMOLLM3 = replace(LLAMA, arch="smollm3")

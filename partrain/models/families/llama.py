@@ -1,4 +1,5 @@
-"""Llama at runtime, and the dense families that share its modules (Qwen2, Mistral: one adapter).
+"""Llama at runtime, and the dense families that share its modules (Qwen2, Qwen3, Mistral, SmolLM3: one
+adapter).
 
 Tensor parallelism follows transformers' own `base_model_tp_plan` (no plan here). The MoE families
 (mixtral.py, qwen2_moe.py, qwen3_moe.py) reuse LLAMA_PATHS. The planner's side is
@@ -18,4 +19,4 @@ LLAMA_PATHS = dict(
 )
 """Where a Llama-style model keeps its parts (every family here but GPT-2)."""
 
-LLAMA = Adapter(family="llama", archs=("llama", "qwen2", "mistral"), **LLAMA_PATHS)
+LLAMA = Adapter(family="llama", archs=("llama", "qwen2", "qwen3", "mistral", "smollm3"), **LLAMA_PATHS)
