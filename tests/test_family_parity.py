@@ -1,11 +1,16 @@
 """Every model family beyond the spine's own (llama, gpt2 and the MoE families have theirs in the axis
 files), trained for real under each parallel axis against one process of the same model, data and
 seed: dp2 (DDP and FSDP), tp2 with and without Megatron-SP, pp2 (1F1B), sp2 (Ulysses and ring) and
-LoRA under tp2. A family is one row of FAMILIES; the cases of one process count share a launch.
+LoRA under tp2, and the chunked head + loss (`train.loss_chunk_tokens`) with and without pp. A family
+is one row of FAMILIES; the cases of one process count share a launch.
 
 Qwen3 (dense): Llama's modules plus per-head q_norm / k_norm inside attention, which transformers'
 tp plan marks `replicated_with_grad_allreduce` (partrain/parallel/tensor_parallel.py): whole on every
-rank, their gradients summed over tp."""
+rank, their gradients summed over tp. SmolLM3: Llama's modules with rotary skipped on every 4th layer
+(inside HF's attention) and tied embeddings (split over pp's first and last stages). Granite: Llama's
+modules with Granite 3's four multipliers; the embedding multiplier and the logits' divisor live in
+HF's base and causal-LM forwards, which a pipeline stage does not run (models/families/llama.py
+GRANITE, applied in parallel/pipeline/stage.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +39,11 @@ COMMON = [
 ]
 """Two processes, four one-row microbatches a step, fp32 (FP32_RTOL)."""
 
-FAMILIES = {"qwen3": ["model=qwen3-tiny"], "smollm3": ["model=smollm3-tiny"]}
+FAMILIES = {
+    "qwen3": ["model=qwen3-tiny"],
+    "smollm3": ["model=smollm3-tiny"],
+    "granite": ["model=granite-tiny"],
+}
 """Family -> the overrides of its tiny model (conf/model/)."""
 
 LAYOUTS = {
@@ -46,6 +55,8 @@ LAYOUTS = {
     "sp2-ulysses": ["parallel.sp=2", "parallel.sp_mode=ulysses"],
     "sp2-ring": ["parallel.sp=2", "parallel.sp_mode=ring"],
     "lora-tp2": ["parallel.tp=2", "peft=lora"],
+    "ddp2-chunked-loss": ["parallel.dp=2", "train.loss_chunk_tokens=32"],
+    "pp2-chunked-loss": ["parallel.pp=2", "train.loss_chunk_tokens=32"],
 }
 """Layout -> overrides; each runs on 2 processes."""
 

@@ -582,6 +582,7 @@ ACTIVATION_CASES = [
         "qwen2-tiny",
         "qwen3-tiny",
         "smollm3-tiny",
+        "granite-tiny",
         "mixtral-tiny",
         "qwen2-moe-tiny",
         "qwen3-moe-tiny",

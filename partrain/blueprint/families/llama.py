@@ -202,3 +202,6 @@ QWEN3 = replace(
 # the layers `no_rope_layers` marks 0 (inside HF's attention: nothing for partrain to do); embeddings
 # tied by default.
 SMOLLM3 = replace(LLAMA, arch="smollm3")
+
+# Granite: Llama's tensors and biases; its four multipliers scale activations, not parameters or FLOPs.
+GRANITE = replace(LLAMA, arch="granite")

@@ -105,6 +105,13 @@ class Adapter:
     """(in the model, in the file) substrings: names save_pretrained writes differently."""
     layer_tp_plan: Optional[Conv1DLayerPlan] = None
     """partrain's own TP plan of a decoder layer; None: transformers' `base_model_tp_plan` is used."""
+    embedding_multiplier_key: Optional[str] = None
+    """Config key of a factor the HF base model's forward multiplies the token embeddings by (Granite:
+    "embedding_multiplier"). A pipeline stage runs the layers itself, not that forward, so it applies it."""
+    logits_divisor_key: Optional[str] = None
+    """Config key of a divisor the HF causal-LM forward applies to the head's logits (Granite:
+    "logits_scaling"); the pipeline's last stage applies it. The head is linear without bias, so dividing
+    its input is the same: the chunked loss, whose passthrough head gets HF's division, needs nothing."""
 
     # ---- lookups -------------------------------------------------------------------------------
 

@@ -113,6 +113,8 @@ class PipelineStageModule(nn.Module):
             position_ids = self.position_ids.to(x.device)
         if self.is_first:
             h = self.get_submodule(adapter.embedding_paths[0])(x)
+            if adapter.embedding_multiplier_key:  # what the HF base model's forward does after the lookup
+                h = h * getattr(self.config, adapter.embedding_multiplier_key)
             for path in adapter.embedding_paths[1:]:  # learned positions (GPT-2 wpe)
                 h = h + self.get_submodule(path)(position_ids)
             drop = getattr(base, "drop", None)
@@ -133,6 +135,10 @@ class PipelineStageModule(nn.Module):
             h = self.get_submodule(adapter.final_norm_path)(h)
             if not self.head_in_loss:
                 h = self.get_submodule(adapter.lm_head_path)(h)
+            if adapter.logits_divisor_key:
+                # What HF's causal-LM forward does to the logits; with the head in the loss (chunked),
+                # dividing its input is the same: the head is linear without bias.
+                h = h / getattr(self.config, adapter.logits_divisor_key)
         return h
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
