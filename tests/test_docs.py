@@ -84,6 +84,16 @@ def test_the_config_reference_page_is_up_to_date():
     )
 
 
+def test_the_model_families_page_is_up_to_date():
+    from partrain.blueprint.families import FAMILIES, support
+
+    committed = (DOCS / "families.md").read_text()
+    regenerate = "python -m partrain.blueprint.families.support > docs/families.md"
+    assert committed == support.render(), f"docs/families.md is stale: regenerate it with `{regenerate}`"
+    assert set(support.PARITY_FAMILIES) <= set(FAMILIES)
+    assert set(support.FAMILY_NOTES) == set(support.PARITY_FAMILIES)
+
+
 def test_the_reference_lists_every_key_with_its_choices():
     page = reference.render()
     for key in ("model.arch", "parallel.zero_stage", "train.precision", "checkpoint.export_dtype", "recipe"):
