@@ -78,8 +78,9 @@ def render() -> str:
             "",
             "A family is `model.arch` (the Hugging Face `model_type`; a pretrained folder's `config.json`"
             " gives it). Every dense family below is trained by partrain's test suite under each layout,"
-            " 3 steps in fp32 on 2 CPU processes (gloo), against one process of the same model, data and seed: losses and gradient norms agree within 1e-5 relative. *verified* means"
-            " exactly that test; a family or layout not in the table has not been checked this way.",
+            " 3 steps in fp32 on 2 CPU processes (gloo), against one process of the same model, data and"
+            " seed: losses and gradient norms agree within 1e-5 relative. *verified* means exactly that"
+            " check; a family or layout not in the table has not been checked this way.",
             "",
             header,
             rule,
