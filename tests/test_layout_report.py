@@ -159,3 +159,26 @@ def test_console_width_when_no_terminal_says_it():
     assert report_width({"COLUMNS": "132"}, no_terminal) is None  # rich honours COLUMNS itself
     assert report_width({}, lambda fd: (90, 40)) is None  # a terminal on stdin/stdout/stderr: rich measures it
     assert report_width({}, lambda fd: (0, 0)) == REPORT_WIDTH  # a pseudo-terminal that reports no size
+
+
+def test_the_report_says_what_the_suite_verified_of_the_family_under_this_layout():
+    """The family row: the family x layout matrix's cells this layout touches (docs/families.md)."""
+    from partrain.blueprint.report.family_support import family_support
+
+    def support(*overrides):
+        return family_support(validate(compose(list(overrides))))
+
+    qwen3 = support("recipe=llama-fsdp-tp", "model=qwen3-tiny")  # dp2 FSDP x tp2 with Megatron-SP
+    assert qwen3 == {
+        "arch": "qwen3",
+        "matrix": True,
+        "cells": {"fsdp2": "verified", "tp2-megatron-sp": "verified"},
+        "note": "",
+    }
+    mistral = support(
+        "recipe=llama-long-sp", "model=mistral-tiny", "model.config.sliding_window=32", "train.seq_len=64"
+    )
+    assert mistral["cells"].get("sp2-ulysses") == "refused", mistral
+    moe = support("recipe=mixtral-ep")
+    assert moe["matrix"] is False and "expert parallelism" in moe["note"]
+    assert support("recipe=gpt-3d")["cells"] == {"ddp2": "verified", "tp2": "verified", "pp2-1f1b": "verified"}

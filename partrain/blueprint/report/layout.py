@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from partrain.blueprint.report.family_support import family_line, family_support
 from partrain.blueprint.report.fine_tuning import fine_tuning_lines, fine_tuning_section
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import ValidatedRun
@@ -42,6 +43,7 @@ def layout_report(v: ValidatedRun) -> dict:
         "pp_schedule": run.parallel.pp_schedule if layout.pp > 1 else None,
         "pp_virtual_stages": run.parallel.pp_virtual_stages,
         "model": v.facts.to_json(),
+        "family": family_support(v),
         "batch": {
             "global_batch_size": v.global_batch_size,
             "micro_batch_size": run.train.micro_batch_size,
@@ -221,6 +223,7 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
         + (f", {m['n_experts']} experts top-{m['experts_per_token']}" if m["n_experts"] else "")
         + ")",
     )
+    summary.add_row("family", family_line(report["family"]))
     pre = report.get("pretrained")
     if pre:
         over = ", ".join(f"{k}={v}" for k, v in pre["config_overrides"].items())
