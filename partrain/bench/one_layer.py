@@ -27,7 +27,11 @@ def one_layer(run, device):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
     model.train()  # dropout as training runs it
     adapter = get_adapter(model)
-    return model, adapter.layers(model)[0], adapter.rotary(model)
+    rotary = adapter.rotary(model)
+    if rotary is None:
+        return model, adapter.layers(model)[0], None
+    kind = (getattr(config, "layer_types", None) or ["full_attention"])[0]
+    return model, adapter.layers(model)[0], lambda h, pos: adapter.position_embeddings(rotary, h, pos, kind)
 
 
 def layer_step(layer, rotary, spec: PlanSpec, device) -> Tuple[Callable[[], torch.Tensor], Callable[[], None]]:

@@ -139,7 +139,7 @@ def _torch_sequence_parallel_plan(layer: nn.Module, adapter: Adapter) -> Dict[st
     """Megatron-SP through torch's styles only (`sharded_saves=False`: benchmarks/sp_memory.py's
     comparison): SequenceParallel norms, and attention / MLP inputs gathered by PrepareModuleInput."""
     plan: Dict[str, object] = {}
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    for norm in adapter.layer_norms:
         if hasattr(layer, norm):
             plan[norm] = SequenceParallel()
     # HF passes hidden_states to attention by keyword and to the MLP positionally.
@@ -190,7 +190,7 @@ def _install_sharded_saves(layer: nn.Module, adapter: Adapter, plan: Dict[str, o
         for c in cols:
             del plan[f"{block}.{c}"]
         megatron_sp.install_block(layer.get_submodule(block), cols, mesh, conv=False, fused={})
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    for norm in adapter.layer_norms:
         if hasattr(layer, norm):
             tp_layers.sequence_norm(getattr(layer, norm), mesh)
     if adapter.experts(layer) is not None:

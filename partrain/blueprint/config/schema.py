@@ -86,8 +86,8 @@ AT_LEAST = {
 class ModelConfig:
     arch: str = "gpt2"
     """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, qwen3, mistral, smollm3, granite,
-    mixtral, qwen2_moe, qwen3_moe. With model.pretrained: the folder's model_type unless given on the command line or
-    in the recipe."""
+    gemma3_text, mixtral, qwen2_moe, qwen3_moe (docs/families.md). With model.pretrained: the folder's model_type
+    unless given on the command line or in the recipe."""
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class.
     With model.pretrained only the keys given on the command line or in the recipe apply (the model group's
@@ -462,7 +462,7 @@ class PeftConfig:
     """Dropout on the adapter's input (0 = none; the base projection never sees it)."""
     target_modules: List[str] = field(default_factory=list)
     """Projection names (the last part of their module path) that get adapters; empty = every attention
-    and MLP projection of the family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, Granite: q_proj, k_proj, v_proj,
+    and MLP projection of the family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, Granite, Gemma 3: q_proj, k_proj, v_proj,
     o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj (attention's and the MLP's), c_fc). MoE
     families: attention and the dense MLP projections (Qwen2-MoE's shared expert, Qwen3-MoE's mlp_only_layers);
     the routed experts (stacked 3-D tensors) and the router get no adapters and stay frozen."""

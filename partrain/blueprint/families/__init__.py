@@ -12,6 +12,7 @@ import difflib
 from typing import Dict
 
 from partrain.blueprint.families.base import Family
+from partrain.blueprint.families.gemma3 import GEMMA3
 from partrain.blueprint.families.gpt2 import GPT2
 from partrain.blueprint.families.llama import GRANITE, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from partrain.blueprint.families.mixtral import MIXTRAL
@@ -20,7 +21,7 @@ from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
 from partrain.errors import ConfigError, Problem
 
 FAMILIES: Dict[str, Family] = {
-    f.arch: f for f in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    f.arch: f for f in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 }
 """HF model_type -> its planner family, in the order reports list the supported architectures."""
 

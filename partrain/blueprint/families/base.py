@@ -111,6 +111,9 @@ class Family:
     rotary positions, gated MLP or MoE)."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k inside attention (Qwen3-MoE), replicated over TP."""
+    residual_norms: int = 2
+    """RMSNorms of a Llama-style layer on the residual stream: 2 (before attention and before the MLP);
+    Gemma 3 has 4 (also after each)."""
     shared_expert: bool = False
     """An always-on shared expert beside the routed ones, with its own sigmoid gate (Qwen2-MoE)."""
     moe_input_casts: int = 1

@@ -33,6 +33,7 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     "mistral": ("model=mistral-tiny", "model.config.sliding_window=32"),
     "smollm3": ("model=smollm3-tiny",),
     "granite": ("model=granite-tiny",),
+    "gemma3_text": ("model=gemma3-tiny",),
     "gpt2": ("model=gpt2-tiny",),
 }
 """HF model_type -> the overrides of its tiny model (conf/model/); Mistral with a sliding window shorter
@@ -42,6 +43,8 @@ SP_WINDOW = "sequence parallelism needs a sliding window of at least train.seq_l
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
+    ("gemma3_text", "sp2-ulysses"): SP_WINDOW,
+    ("gemma3_text", "sp2-ring"): SP_WINDOW,
 }
 """(family, layout) cells refused before launch (exit 2), with the reason; the test checks each is."""
 
@@ -52,6 +55,7 @@ FAMILY_NOTES: Dict[str, str] = {
     "mistral": "sliding-window attention",
     "smollm3": "rotary skipped on every 4th layer; tied embeddings",
     "granite": "embedding, residual, attention and logits multipliers",
+    "gemma3_text": "q/k norms, four norms a layer, scaled tied embeddings, local and global layers (own rotary bases)",
     "gpt2": "fused q/k/v (Conv1D, partrain's own tp plan); learned positions; tied embeddings",
 }
 """What each family's row exercises beyond Llama."""

@@ -272,7 +272,7 @@ def layer_activations(spec: PlanSpec, sparse: bool, tokens: float, seq: int, dt=
         if sp_attn:
             sharded += tokens * h * c * sp_attn["extra_outputs"]
     else:
-        resid = tokens * (4 * h * r + 2 * 4)  # two RMSNorms: input and normalised, rsqrt
+        resid = tokens * fam.residual_norms * (2 * h * r + 4)  # each RMSNorm: input and normalised, rsqrt
         # Attention and MLP inputs. Under autocast every projection casts its input on its own, so
         # q, k, v (and gate, up; router and shared expert) each keep a 16-bit copy.
         if d.autocast_copies:

@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 from partrain.errors import ConfigError, Problem
 from partrain.models.families.base import Adapter
+from partrain.models.families.gemma3 import GEMMA3
 from partrain.models.families.gpt2 import GPT2
 from partrain.models.families.llama import GRANITE, LLAMA
 from partrain.models.families.mixtral import MIXTRAL
@@ -20,7 +21,7 @@ from partrain.models.families.qwen2_moe import QWEN2_MOE
 from partrain.models.families.qwen3_moe import QWEN3_MOE
 
 ADAPTERS: Dict[str, Adapter] = {
-    arch: a for a in (GPT2, LLAMA, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE) for arch in a.archs
+    arch: a for a in (GPT2, LLAMA, GRANITE, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE) for arch in a.archs
 }
 """model_type -> adapter, for every supported architecture (a new family: add its module here)."""
 

@@ -105,6 +105,12 @@ class Adapter:
     """(in the model, in the file) substrings: names save_pretrained writes differently."""
     layer_tp_plan: Optional[Conv1DLayerPlan] = None
     """partrain's own TP plan of a decoder layer; None: transformers' `base_model_tp_plan` is used."""
+    layer_norms: Tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    """The norms of a decoder layer on the residual stream (Megatron-SP runs them on sequence shards and
+    sums their weights' gradients over tp); Gemma 3 adds pre/post_feedforward_layernorm."""
+    rotary_per_layer_type: bool = False
+    """The rotary module takes the layer's attention type (Gemma 3: local and global layers rotate with
+    different bases): `rotary(hidden, position_ids, layer_type)`."""
     embedding_multiplier_key: Optional[str] = None
     """Config key of a factor the HF base model's forward multiplies the token embeddings by (Granite:
     "embedding_multiplier"). A pipeline stage runs the layers itself, not that forward, so it applies it."""
@@ -135,6 +141,12 @@ class Adapter:
 
     def rotary(self, model: "nn.Module") -> Optional["nn.Module"]:
         return _maybe_submodule(model, self.rotary_path) if self.rotary_path else None
+
+    def position_embeddings(self, rotary: "nn.Module", hidden: Any, position_ids: Any, layer_type: str) -> Any:
+        """What HF's base model hands a decoder layer of `layer_type` as position_embeddings."""
+        if self.rotary_per_layer_type:
+            return rotary(hidden, position_ids, layer_type)
+        return rotary(hidden, position_ids)
 
     def attention(self, layer: "nn.Module") -> "nn.Module":
         return layer.get_submodule(self.attention_attr)

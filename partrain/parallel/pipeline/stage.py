@@ -123,11 +123,14 @@ class PipelineStageModule(nn.Module):
         else:
             h = x
         rotary = adapter.rotary(self)
-        extra = {}
+        rotated = {}
         if rotary is not None:
-            extra["position_embeddings"] = rotary(h, position_ids)
+            rotated = {
+                kind: adapter.position_embeddings(rotary, h, position_ids, kind) for kind in set(self._mask_kinds)
+            }
         masks = self._masks(h, position_ids)
         for (_name, layer), kind in zip(self.layers().items(), self._mask_kinds):
+            extra = {"position_embeddings": rotated[kind]} if rotated else {}
             h = layer(h, attention_mask=masks[kind], position_ids=position_ids, **extra)
             if isinstance(h, tuple):  # older HF layers return (hidden, ...)
                 h = h[0]
