@@ -39,6 +39,10 @@ COMMON = [
     "cluster.devices_per_node=2",
 ]
 """Two processes, four one-row microbatches a step, fp32 (FP32_RTOL)."""
+EXPORTED_LAYOUT = "tp2"
+EXPORT = ["checkpoint.every_steps=3", "checkpoint.export_hf=true"]
+"""The tp2 run of every family also saves its last step and exports it as an HF folder from its own
+ranks (the sharded weights gathered): what a user keeps of a run."""
 
 
 def _cases() -> Tuple[Dict[str, List[str]], Dict[str, Tuple[str, List[str]]]]:
@@ -48,7 +52,7 @@ def _cases() -> Tuple[Dict[str, List[str]], Dict[str, Tuple[str, List[str]]]]:
             if (family, layout) in PARITY_REFUSED:
                 continue
             name = f"{family}-{layout}"
-            layouts[name] = [*COMMON, *model, *overrides]
+            layouts[name] = [*COMMON, *model, *overrides, *(EXPORT if layout == EXPORTED_LAYOUT else [])]
             lora = ["peft=lora"] if "peft=lora" in overrides else []
             references[name] = (f"{family}-reference{'-lora' if lora else ''}", [*COMMON, *model, *lora])
     return layouts, references
@@ -79,3 +83,13 @@ def test_refused_cells_are_refused_before_launch(family, layout):
 
     missing = unsupported_features(validate(compose([*COMMON, *PARITY_FAMILIES[family], *PARITY_LAYOUTS[layout]])))
     assert len(missing) == 1 and "sliding attention window" in missing[0], missing
+
+
+@pytest.mark.parametrize("family", list(PARITY_FAMILIES))
+def test_every_family_exports_a_folder_transformers_loads_with_the_checkpoint_s_logits(family, runs):
+    """The tp2 run's HF export (checkpoint.export_hf) loads with AutoModelForCausalLM and gives the
+    checkpoint's logits exactly (tied embeddings, Gemma's scaled embedding, Granite's multipliers included)."""
+    from partrain.testing.hf_check import logits_difference
+
+    run_dir = runs[f"{family}-{EXPORTED_LAYOUT}"].run_dir
+    assert logits_difference(run_dir / "hf", run_dir / "checkpoints" / "step-00000003") == 0.0
