@@ -98,6 +98,9 @@ OTHER_MODELS = {
     "lora-tp2-bf16": (BF16, ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0"], None),
 }
 BF16_RTOL = 2e-3
+"""lora-tp2-bf16 vs one process, every step's loss and step 1's gradient norm: tp2 sums bf16 partial
+products in another order (bf16's unit roundoff 2^-8, averaged over many elements). Measured 5.6e-4
+(loss) and 1.5e-4 (gradient norm): a margin of 3.6x."""
 
 
 def _world(layout) -> int:
