@@ -15,7 +15,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -407,12 +406,10 @@ def test_narayanan_published_layout_fits_and_search_agrees(row):
     assert best["estimate"]["step_time_s"] >= 0.9 * est["step_time_s"], best["layout"]
 
 
-def test_search_1t_gpt_on_4096_h100_is_fast_and_fits():
+def test_search_1t_gpt_on_4096_h100_fits():
+    # Its speed is measured by benchmarks/search_speed.py (target < 2 s), not timed here.
     v = validate(_gpt_run(25600, 160, 128, 4096, 3072, tp=8, pp=64, peak=989.0, intra=450.0, inter=50.0, memory=79.6))
-    started = time.perf_counter()
     found = search(v, top_k=10)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 10, elapsed
     assert found and found[0]["estimate"]["fits"]
     assert found[0]["estimate"]["memory_bytes"]["total"] <= 79.6 * GIB
     times = [c["estimate"]["step_time_s"] for c in found]
@@ -422,11 +419,11 @@ def test_search_1t_gpt_on_4096_h100_is_fast_and_fits():
     assert all(c["why"] for c in found)
 
 
-def test_estimate_of_a_1t_layout_is_fast():
+def test_estimate_of_a_1t_layout_is_complete():
+    # Its speed is measured by benchmarks/search_speed.py (target < 0.5 s), not timed here.
     v = validate(_gpt_run(25600, 160, 128, 4096, 3072, tp=8, pp=64, peak=989.0, intra=450.0, inter=50.0))
-    started = time.perf_counter()
-    estimate(v)
-    assert time.perf_counter() - started < 0.5
+    est = estimate(v)
+    assert est["step_time_s"] > 0 and est["memory_bytes"]["total"] > 0
 
 
 # ---- the search's candidates are exactly the valid layouts ----------------------------------------

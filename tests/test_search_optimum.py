@@ -116,7 +116,8 @@ def test_the_search_starts_from_an_invalid_layout(cli, overrides):
     assert ran.code == 0, ran.stdout + ran.stderr
     out = json.loads(ran.stdout)
     assert out["valid"] is False and len(out["candidates"]) == 3
-    assert out["candidates"][0]["search"]["seconds"] < 3.0  # 1.0-1.3 s measured; benchmarks/search_speed.py: < 2 s
+    # Its speed is a benchmark (benchmarks/search_speed.py: 1T GPT on 4096 GPUs < 2 s), not a timed test.
+    assert out["candidates"][0]["search"]["seconds"] > 0
     for c in out["candidates"]:  # the notes as data and in words, as in a plan's own estimate
         est = c["estimate"]
         assert est["note_data"] and len(est["notes"]) == len(est["note_data"])

@@ -8,7 +8,6 @@ under a minute on this machine. Nothing is allocated (meta device) and no proces
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -139,14 +138,12 @@ def test_grouped_params_fold_layer_indices():
     assert sum(g["bytes"] for g in groups) == sim.ranks[0].simulated["params"]
 
 
-def test_cli_simulates_llama3_70b_on_1024_ranks_in_under_a_minute(run_partrain):
-    started = time.perf_counter()
+def test_cli_simulates_llama3_70b_on_1024_ranks(run_partrain):
+    # Its speed is measured by benchmarks/search_speed.py (target < 60 s), not timed here.
     ran = run_partrain(
         "plan", "recipe=llama3-70b-h100", "cluster=h100x1024", "parallel.dp=-1", "--simulate", "--json", timeout=120
     )
-    wall = time.perf_counter() - started
     assert ran.code == 0, ran.stderr
-    assert wall < 60, wall
     report = json.loads(ran.stdout)
     sim = report["simulation"]
     assert sim["world_size"] == 1024 and sim["exact"]
