@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from partrain.blueprint.config.compose import load_resolved
+from partrain.blueprint.epochs import with_epochs_as_steps
 from partrain.blueprint.validate import ValidatedRun, validate
 from partrain.blueprint.validate_elastic import is_elastic
 from partrain.runtime.agreement import Disagreement
@@ -98,8 +99,7 @@ def train_process(
     stop: the StopWatch (partrain.runtime.signals) the loop polls. via_launcher: started by
     `partrain train`, which reads the outcome from rank 0's events: exit 0 after a clean stop or a
     run that did not train well (torchrun must neither restart nor report a crash); otherwise (a
-    user's torchrun or srun) 128 + signal after a stop and 1 on rank 0 for a run that did not train.
-    """
+    user's torchrun or srun) 128 + signal after a stop and 1 on rank 0 for a run that did not train."""
     import torch
 
     from partrain.runtime.mesh import build_mesh
@@ -127,7 +127,8 @@ def train_process(
     baseline = memory_baseline(v, device, env.is_main, trackers)
     engine = build_engine(v, mesh, device)
 
-    batches, evals = _open_sharded_data(v, run_dir, mesh)
+    batches, evals, v = _open_sharded_data(v, run_dir, mesh)  # v: train.epochs counted in steps
+    run = v.run
     checkpoints, loss_scale, schedule = _checkpointed(v, run_dir, engine, batches, restarted, events)
     start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
     if start_step == 0 and run.checkpoint.init_from:  # a new run: base weights from another run's checkpoint
@@ -168,7 +169,7 @@ def train_process(
     if state.stopped:
         return _report_stop(v, env, run_dir, state, saved, via_launcher)
     return _report_summary(
-        v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, history.changes
+        v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, history.changes, saved
     )
 
 
@@ -199,11 +200,13 @@ def _metrics(v: ValidatedRun, env: DistEnv, run_dir: Path, device, baseline: int
 
 
 def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
-    """The run's batches and eval batches, each rank's sequence shard under context parallelism."""
+    """The run's batches and eval batches, each rank's sequence shard under context parallelism, and the
+    run with train.epochs counted in steps from the batches (every rank counts the same)."""
     from partrain.parallel.context_parallel import sequence_shard, shard_batches
 
     batches, evals = _open_data(v, run_dir)
-    return shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode))
+    v = with_epochs_as_steps(v, getattr(batches, "steps_per_epoch", None))  # None: a stream (no epochs)
+    return (*shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode)), v)
 
 
 def _gather_rank_records(
@@ -292,6 +295,7 @@ def _report_summary(
     events: Optional[Events] = None,
     hf_dir: Optional[Path] = None,
     layout_changes=(),
+    saved: Optional[Path] = None,
 ) -> int:
     """Rank 0: summary.json and the summary event; the exit code (1 on rank 0 for a run that did not
     train, unless `partrain train` reads it from the event)."""
@@ -316,6 +320,7 @@ def _report_summary(
             summary["moe"] = moe.summary()
         if hf_dir is not None:
             summary["hf_export"] = str(hf_dir)
+        summary.update(_kept(v, run_dir, saved))
         summary.update(profiling_summary(v.run, gathered))
         summary.update(_data_row_facts(v, run_dir))
         summary.update(_packing_facts(v, run_dir))
@@ -330,6 +335,16 @@ def _report_summary(
                 print(f"training did not work: {summary['problem']}", file=sys.stderr, flush=True)
                 return 1
     return 0
+
+
+def _kept(v: ValidatedRun, run_dir: Path, saved: Optional[Path]) -> dict:
+    """The summary's record of what the run kept: its last checkpoint and the commands exporting it."""
+    from partrain.blueprint.config.saving import SAVES_NOTHING, export_commands, saving_keys
+
+    if saved is None:
+        return {"checkpoint": None, **({} if saving_keys(v.run.checkpoint) else {"saved_nothing": SAVES_NOTHING})}
+    lora = v.run.peft.method == "lora"
+    return {"checkpoint": str(saved), "export_commands": export_commands(str(saved), str(run_dir), lora)}
 
 
 def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Optional[Path], via_launcher: bool) -> int:
@@ -347,8 +362,8 @@ def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Opt
             again = f"checkpoint.resume=auto train.run_dir={run_dir}"
             again += f" checkpoint.dir={cfg.dir}" if cfg.dir else ""
             text += f"; checkpoint saved at {saved}; resume with {again}"
-        elif not cfg.every_steps:
-            text += "; checkpointing is off (checkpoint.every_steps=0), so nothing was saved"
+        elif not (cfg.every_steps or cfg.save_final):
+            text += "; checkpointing is off (checkpoint.every_steps=0, checkpoint.save_final=false): nothing was saved"
         else:
             text += "; no step trained since the start, nothing new to save"
         log.warning("%s", text)

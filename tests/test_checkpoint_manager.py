@@ -58,8 +58,8 @@ class Engine:
         self.optimizer.step()
 
 
-def _manager(root: Path, seed: int, resume: str = "none", every: int = 2, **parts):
-    cfg = CheckpointConfig(every_steps=every, resume=resume, keep_last=0)
+def _manager(root: Path, seed: int, resume: str = "none", every: int = 2, final: bool = True, **parts):
+    cfg = CheckpointConfig(every_steps=every, resume=resume, keep_last=0, save_final=final)
     events = []
     engine = Engine(seed)
     schedule = LRSchedule(OptimConfig(lr=1e-2, schedule="cosine", warmup_steps=2), 10)
@@ -119,5 +119,22 @@ def test_a_part_the_checkpoint_lacks_keeps_its_state_or_is_brought_forward(tmp_p
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
     manager, *_ = _manager(tmp_path, seed=1, resume="auto")
     assert manager.resume() == 0 and manager.last == (0, None) and manager.resumed_extra == {}
-    off, *_ = _manager(tmp_path, seed=1, every=0)
+    off, *_ = _manager(tmp_path, seed=1, every=0, final=False)
     assert off.save_at_stop(5) is None and off.at_end(5, stopped=15) == (None, None)
+    assert off.at_end(5, stopped=None) == (None, None)
+
+
+def test_the_last_step_is_kept_by_default_once(tmp_path):
+    """checkpoint.save_final: a finished or stopped run saves its last step, unless every_steps just did."""
+    final, engine, _, events = _manager(tmp_path / "a", seed=1, every=0)
+    engine.step()
+    saved, hf_dir = final.at_end(3, stopped=None)
+    assert saved == tmp_path / "a" / "step-00000003" and (saved / "partrain.json").is_file() and hf_dir is None
+    stopped, engine, _, _ = _manager(tmp_path / "b", seed=1, every=0)
+    assert stopped.at_end(4, stopped=15)[0] == tmp_path / "b" / "step-00000004"
+    periodic, engine, _, events = _manager(tmp_path / "c", seed=1, every=2)
+    periodic.maybe_save(2)
+    assert periodic.at_end(2, stopped=None)[0] == tmp_path / "c" / "step-00000002"
+    assert [k["step"] for a, k in events if a[0] == "checkpoint"] == [2]  # saved once
+    nothing, *_ = _manager(tmp_path / "d", seed=1, every=0)
+    assert nothing.at_end(0, stopped=None) == (None, None)  # no step trained: nothing to keep

@@ -21,9 +21,10 @@ from partrain.runtime.shared_checkpoints import SHARED_DIR_FIX, checkpoint_dir_p
 from partrain.runtime.torchrun import Rendezvous
 
 
-def _run(nodes: int, every: int, folder: str = "") -> RunConfig:
+def _run(nodes: int, every: int, folder: str = "", final: bool = True) -> RunConfig:
     run = RunConfig()
     run.cluster.nodes, run.checkpoint.every_steps, run.checkpoint.dir = nodes, every, folder
+    run.checkpoint.save_final = final
     return run
 
 
@@ -32,7 +33,9 @@ def test_only_a_multi_node_run_saving_into_its_run_folders_is_refused():
     assert problem.key == "checkpoint.dir" and "cluster.nodes=2" in problem.rule
     assert problem.fix == SHARED_DIR_FIX and "every node mounts" in problem.fix
     assert checkpoint_dir_problems(_run(2, 5, "/shared/ckpt")) == []
-    assert checkpoint_dir_problems(_run(2, 0)) == []  # saves nothing
+    assert checkpoint_dir_problems(_run(2, 0, final=False)) == []  # saves nothing
+    (problem,) = checkpoint_dir_problems(_run(2, 0))  # the final checkpoint (checkpoint.save_final) is saved too
+    assert "checkpoint.save_final=true" in problem.rule and "save_final=false" in problem.fix
     assert checkpoint_dir_problems(_run(1, 5)) == []  # one node: its run folder is the one folder
 
 

@@ -158,10 +158,11 @@ def test_read_only_checkpoint_dir_is_fine_when_the_run_does_not_save(read_only, 
     from partrain.preflight import check_before_launch
 
     folder, _ = read_only
-    check_before_launch(validate(compose([*TINY, f"checkpoint.dir={folder}", "checkpoint.every_steps=0"])))
+    no_save = ["checkpoint.every_steps=0", "checkpoint.save_final=false"]
+    check_before_launch(validate(compose([*TINY, f"checkpoint.dir={folder}", *no_save])))
     Path("afile").write_text("")
     with pytest.raises(ConfigError, match="checkpoint.dir='afile': is a file"):
-        check_before_launch(validate(compose([*TINY, "checkpoint.dir=afile", "checkpoint.every_steps=0"])))
+        check_before_launch(validate(compose([*TINY, "checkpoint.dir=afile", *no_save])))
 
 
 def test_train_split_too_short_exits_2_without_a_run_folder(partrain, tmp_path):

@@ -118,12 +118,18 @@ def _ps_problems(c: ProblemCollector, run: RunConfig, degrees: Dict[str, int]) -
         "parameter-server: fp16 loss scaling would unscale gradients the servers already hold",
         "use train.precision=bf16 or fp32",
     )
+    ck = run.checkpoint
+    saves = [f"checkpoint.{k}={getattr(ck, k)}" for k in ("every_steps", "save_final", "export_hf") if getattr(ck, k)]
+    if ck.resume != "none":
+        saves.append(f"checkpoint.resume={ck.resume}")
     c.check(
-        run.checkpoint.every_steps == 0 and run.checkpoint.resume == "none",
-        "checkpoint.every_steps",
-        run.checkpoint.every_steps,
-        "parameter-server: the servers' master shards and optimizer state are not checkpointed yet",
-        "set checkpoint.every_steps=0 checkpoint.resume=none, or parallel.dp_sync=allreduce",
+        not saves,
+        saves[0].split("=")[0] if saves else "checkpoint.every_steps",
+        saves[0].split("=", 1)[1] if saves else 0,
+        "parameter-server: the servers' master shards and optimizer state are not checkpointed yet, so the run "
+        f"cannot save or resume ({', '.join(saves)})",
+        "set checkpoint.every_steps=0 checkpoint.save_final=false checkpoint.resume=none, "
+        "or parallel.dp_sync=allreduce",
     )
     c.check(
         p.ps_placement == "colocated",

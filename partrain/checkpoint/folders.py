@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from partrain.blueprint.config import saving
 from partrain.data.atomic import fsync_dir  # one implementation of durable renames
 from partrain.errors import ConfigError, Problem
 
@@ -30,7 +31,7 @@ _STEP_NAME = re.compile(r"^step-(\d{8,})$")
 
 
 def step_name(step: int) -> str:
-    return f"step-{step:08d}"
+    return saving.step_name(step)
 
 
 def step_dir(root: Path, step: int) -> Path:

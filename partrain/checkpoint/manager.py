@@ -168,22 +168,36 @@ class CheckpointManager:
         self.last = (step, Path(path))
         return Path(path)
 
-    def save_at_stop(self, step: int) -> Optional[Path]:
-        """A run stopped early: save its last step when checkpointing is on (collective); the folder
-        holding that step (None when checkpointing is off or nothing was ever saved)."""
-        if not self.cfg.every_steps or step == self.last[0]:
-            return self.last[1] if self.cfg.every_steps else None
+    def saves_at_end(self) -> bool:
+        """Whether the run's last step is saved when it ends (checkpoint.save_final, or a stopped run
+        with periodic checkpoints, which has always kept its last step)."""
+        return bool(self.cfg.save_final or self.cfg.every_steps)
+
+    def save_last(self, step: int) -> Optional[Path]:
+        """Save `step` unless it is saved already (collective); the folder holding it, None at step 0."""
+        if step == 0:
+            return None
+        if step == self.last[0] and self.last[1] is not None:
+            return self.last[1]
         return self.save(step)
 
-    def export_at_end(self, step: int) -> Optional[Path]:
-        """checkpoint.export_hf: save the last step if it is not saved yet, then every rank writes its
-        shard of <run_dir>/hf from that checkpoint (collective). The folder, or None when off."""
+    def save_at_stop(self, step: int) -> Optional[Path]:
+        """A run stopped early: save its last step (collective); the folder holding that step (None when
+        the run saves nothing at its end, or nothing was ever trained or saved)."""
+        if not self.saves_at_end():
+            return None
+        return self.save_last(step) or self.last[1]
+
+    def export_at_end(self, step: int, saved: Optional[Path]) -> Optional[Path]:
+        """checkpoint.export_hf: every rank writes its shard of <run_dir>/hf from the last step's
+        checkpoint `saved` (saved for it when the run keeps no final checkpoint; collective). The folder,
+        or None when off."""
         from partrain.checkpoint.hf_export import export_hf_collective
         from partrain.checkpoint.save import wait_pending_save
 
         if not self.cfg.export_hf or step == 0:
             return None
-        path = self.last[1] if step == self.last[0] and self.last[1] is not None else self.save(step)
+        path = saved or self.save_last(step)
         wait_pending_save()  # an async save must be on disk before it is read back
         out = self.run_dir / "hf"
         export_hf_collective(path, out, self.cfg.export_dtype)
@@ -191,10 +205,16 @@ class CheckpointManager:
         return out
 
     def at_end(self, step: int, stopped) -> Tuple[Optional[Path], Optional[Path]]:
-        """After the loop (collective): (the folder holding a stopped run's last step, the HF folder of
-        a finished run's export); then waits for a background save."""
-        saved = self.save_at_stop(step) if stopped else None
-        hf_dir = self.export_at_end(step) if not stopped else None
+        """After the loop (collective): (the newest checkpoint the run kept, its last step unless
+        checkpoint.save_final=false, None when it kept none; the HF folder of a finished run's export);
+        then waits for a background save."""
+        if stopped:
+            saved = self.save_at_stop(step)
+            hf_dir = None
+        else:
+            final = self.save_last(step) if self.cfg.save_final else None
+            hf_dir = self.export_at_end(step, final)
+            saved = final or self.last[1]  # without save_final: the newest periodic (or exported) one
         self.finish()
         return saved, hf_dir
 

@@ -123,10 +123,17 @@ def _warn(validated, sinfo) -> None:
     warnings = Console(stderr=True, highlight=False)
     if sinfo.groups is None:
         warnings.print(f"note: the partition was not checked ({sinfo.unchecked})", markup=False)
-    if validated.run.checkpoint.every_steps <= 0:
+    ck = validated.run.checkpoint
+    if ck.every_steps <= 0 and not ck.save_final:
         warnings.print(
-            "warning: checkpoint.every_steps=0: a preempted or timed-out job saves nothing and its requeue starts "
-            "from step 0; add checkpoint.every_steps=N",
+            "warning: checkpoint.every_steps=0 and checkpoint.save_final=false: a preempted or timed-out job saves "
+            "nothing and its requeue starts from step 0; add checkpoint.every_steps=N",
+            markup=False,
+        )
+    elif ck.every_steps <= 0:
+        warnings.print(
+            "note: checkpoint.every_steps=0: the job saves at SIGTERM and at its end only, so a crashed node loses "
+            "every step since the start; add checkpoint.every_steps=N",
             markup=False,
         )
 

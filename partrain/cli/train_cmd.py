@@ -52,6 +52,7 @@ def train(
     overrides += [f"cluster.rdzv_endpoint={rdzv_endpoint}"] if rdzv_endpoint is not None else []
     validated, choice = resolved(overrides, recipes, as_json, fetch_data=not dry_run)
     if dry_run:
+        _refuse_what_the_launch_refuses(validated, as_json)
         facts: dict = {}
         unchecked = preflight(validated, as_json, facts)  # the launch's checks, before any verdict is printed
         report = print_layout(
@@ -80,8 +81,27 @@ def train(
     raise typer.Exit(code)
 
 
+def _refuse_what_the_launch_refuses(validated, as_json: bool) -> None:
+    """The dry run's share of the launch's own checks, with its messages: a multi-node run's
+    rendezvous endpoint, node rank and shared checkpoint folder (under srun or the user's torchrun,
+    which do the rendezvous, only the folder), so a dry run never says ready for what train refuses."""
+    from partrain.multinode import rendezvous_of
+    from partrain.runtime.context import from_environ
+    from partrain.runtime.shared_checkpoints import checkpoint_dir_problems
+
+    try:
+        if from_environ(dict(os.environ)) is None:
+            rendezvous_of(validated)
+        elif problems := checkpoint_dir_problems(validated.run):
+            raise ConfigError(problems)
+    except ConfigError as err:
+        fail(err, as_json)
+
+
 def _warn_if_predicted_not_to_fit(validated, console) -> None:
-    """The planner's verdict before a launch: a warning, not a refusal (a measured run decides)."""
+    """The planner's verdict before a launch: a warning, not a refusal (a measured run decides); and
+    the warning of a run that keeps nothing."""
+    from partrain.blueprint.config.saving import SAVES_NOTHING, saving_keys
     from partrain.blueprint.planner import estimate
     from partrain.blueprint.report.estimate import verdict_text
     from partrain.runtime.context import from_environ
@@ -93,6 +113,8 @@ def _warn_if_predicted_not_to_fit(validated, console) -> None:
     if not est["fits"]:
         text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
         console.print(text, markup=False)
+    if not saving_keys(validated.run.checkpoint):
+        console.print(f"warning: {SAVES_NOTHING}", markup=False)
 
 
 def _unsupported_problem(text: str):

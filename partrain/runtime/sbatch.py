@@ -243,9 +243,14 @@ def _checkpoint_comment(run) -> List[str]:
     if run.checkpoint.every_steps > 0:
         every = run.checkpoint.every_steps
         return [f"# Checkpoints every {every} steps and at SIGTERM; a requeue resumes from the newest (resume=auto)."]
+    if run.checkpoint.save_final:
+        return [
+            "# Checkpoints at SIGTERM and at the end only (checkpoint.save_final); a requeue resumes from the",
+            "# newest, but a crashed node loses every step since: add checkpoint.every_steps=N to the overrides.",
+        ]
     return [
-        "# warning: checkpoint.every_steps=0, so nothing is saved at SIGTERM and a requeued job starts",
-        "# from step 0; add checkpoint.every_steps=N to the overrides to continue after preemption.",
+        "# warning: checkpoint.every_steps=0 and checkpoint.save_final=false, so nothing is saved at SIGTERM",
+        "# and a requeued job starts from step 0; add checkpoint.every_steps=N to continue after preemption.",
     ]
 
 

@@ -74,8 +74,15 @@ def run_training(
 
 
 def parity_args(overrides: Sequence[str], steps: int) -> List[str]:
-    """A parity run's overrides: `steps` steps, no eval (the gradient norms and losses are compared)."""
-    return [*overrides, f"train.steps={steps}", "train.eval_every=0", "train.eval_batches=0"]
+    """A parity run's overrides: `steps` steps, no eval (the gradient norms and losses are compared), no
+    final checkpoint unless the overrides ask for one (they come later and win)."""
+    return [
+        "checkpoint.save_final=false",
+        *overrides,
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.eval_batches=0",
+    ]
 
 
 def read_record(run_dir: Path) -> RunRecord:

@@ -177,4 +177,12 @@ def summary_table(summary: dict):
     for label, text in profiling_rows(summary):
         table.add_row(label, text)
     table.add_row("run folder", summary["run_dir"])
+    if summary.get("hf_export"):
+        table.add_row("HF folder", summary["hf_export"])
+    if summary.get("checkpoint"):
+        table.add_row("checkpoint", summary["checkpoint"])
+        for command in summary.get("export_commands", []):
+            table.add_row("export", command)
+    elif summary.get("saved_nothing"):
+        table.add_row("checkpoint", f"[bold yellow]{summary['saved_nothing']}[/bold yellow]")
     return table

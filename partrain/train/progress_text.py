@@ -132,4 +132,15 @@ def summary_lines(s: dict) -> list:
         lines.append(f"summary: examples: {packing_text(s['packing'])}")
     lines.extend(f"summary: {label}: {text}" for label, text in profiling_rows(s))
     lines.append(f"summary: run folder {s['run_dir']}")
+    if s.get("hf_export"):
+        lines.append(f"summary: HF folder {s['hf_export']}")
+    lines.extend(kept_lines(s))
     return lines
+
+
+def kept_lines(s: dict) -> list:
+    """What the run kept: its checkpoint and the commands that export it (or that it kept nothing)."""
+    if s.get("checkpoint"):
+        commands = [f"summary: export: {c}" for c in s.get("export_commands", [])]
+        return [f"summary: checkpoint {s['checkpoint']}", *commands]
+    return [f"summary: {s['saved_nothing']}"] if s.get("saved_nothing") else []

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from partrain.blueprint.config.names import nearest_name
+from partrain.blueprint.config.names import nearest_key, nearest_name
 from partrain.blueprint.config.paths import conf_dir
 from partrain.blueprint.config.pretrained import take_pretrained_as_is
 from partrain.blueprint.config.recipes import find_recipe
@@ -129,6 +129,65 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     )
 
     parsed = _parse_overrides(overrides)
+    recipe_name = _check_overrides(parsed)
+    _refuse_repeated_choices(parsed)
+    store = ConfigStore.instance()
+    body: dict = {}
+    if recipe_name:
+        body, path = _load_recipe(recipe_name, recipe_dirs)
+        body = _without_machine_pins(body, parsed)
+        store.store(group=RECIPE_GROUP, name=recipe_name, node=body, package="_global_", provider=str(path))
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=[_for_hydra(t, ov) for t, ov in zip(overrides, parsed)])
+    except MissingConfigException as exc:
+        raise ConfigError(_missing_option_problem(exc, parsed, recipe_name))
+    except ConfigCompositionException as exc:
+        raise ConfigError(_composition_problem(exc, parsed, recipe_name))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(
+            Problem(
+                RECIPE_GROUP if recipe_name else "overrides",
+                recipe_name or " ".join(overrides),
+                str(exc).splitlines()[0],
+                "check the recipe's defaults list and the overrides",
+            )
+        )
+    finally:
+        if recipe_name:
+            store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
+    _backend_follows_device(cfg, parsed)
+    return take_pretrained_as_is(_typed(cfg, recipe_name), _explicit_model_keys(parsed, body))
+
+
+DEVICE_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+"""The backend a device named on the command line brings with it (unless the backend is named too)."""
+
+
+def _without_machine_pins(body: dict, parsed) -> dict:
+    """A recipe describes a layout, not a machine: a cluster group named on the command line
+    (`cluster=h100x8`) replaces the recipe's `cluster:` keys too, so the cluster the user names is
+    the cluster that runs (`cluster.KEY=...` overrides always beat the recipe)."""
+    named = any(ov.key_or_group.lstrip("+") == "cluster" for ov in parsed)
+    if not named or not isinstance(body.get("cluster"), dict):
+        return body
+    return {k: v for k, v in body.items() if k != "cluster"}
+
+
+def _backend_follows_device(cfg: DictConfig, parsed) -> None:
+    """`cluster.device=cuda` on the command line means nccl, `cluster.device=cpu` gloo, unless
+    `cluster.backend` is named there too: a CPU cluster's gloo silently kept for GPUs would move every
+    collective through host memory."""
+    typed = {ov.key_or_group.lstrip("+"): ov.value() for ov in parsed}
+    device = typed.get("cluster.device")
+    if device in DEVICE_BACKENDS and "cluster.backend" not in typed and OmegaConf.select(cfg, "cluster") is not None:
+        with open_dict(cfg):
+            cfg.cluster.backend = DEVICE_BACKENDS[device]
+
+
+def _check_overrides(parsed) -> str:
+    """Refuse what no override may do (delete keys, set Hydra's own settings, name an unknown top-level
+    key, choose an empty group); the recipe named, or ""."""
     recipe_name = ""
     for ov in parsed:
         if ov.is_delete():
@@ -170,33 +229,7 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
                     f"{hint}top-level keys are {', '.join(GROUPS + (RECIPE_GROUP,))}",
                 )
             )
-
-    _refuse_repeated_choices(parsed)
-    store = ConfigStore.instance()
-    body: dict = {}
-    if recipe_name:
-        body, path = _load_recipe(recipe_name, recipe_dirs)
-        store.store(group=RECIPE_GROUP, name=recipe_name, node=body, package="_global_", provider=str(path))
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=[_for_hydra(t, ov) for t, ov in zip(overrides, parsed)])
-    except MissingConfigException as exc:
-        raise ConfigError(_missing_option_problem(exc, parsed, recipe_name))
-    except ConfigCompositionException as exc:
-        raise ConfigError(_composition_problem(exc, parsed, recipe_name))
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(
-            Problem(
-                RECIPE_GROUP if recipe_name else "overrides",
-                recipe_name or " ".join(overrides),
-                str(exc).splitlines()[0],
-                "check the recipe's defaults list and the overrides",
-            )
-        )
-    finally:
-        if recipe_name:
-            store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
-    return take_pretrained_as_is(_typed(cfg, recipe_name), _explicit_model_keys(parsed, body))
+    return recipe_name
 
 
 def _explicit_model_keys(parsed, recipe_body: dict) -> List[str]:
@@ -261,9 +294,9 @@ def _composition_problem(exc, parsed, recipe_name: str) -> Problem:
                 for k in _known_keys(OmegaConf.structured(RunConfig))
                 if k.rpartition(".")[0] == parent
             ]
-            close = difflib.get_close_matches(leaf, siblings, n=1)
+            close = nearest_key(leaf, siblings)
             hint = (
-                f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+                f"did you mean {parent + '.' if parent else ''}{close}?"
                 if close
                 else f"known keys here: {', '.join(siblings)}"
                 if siblings
@@ -356,9 +389,9 @@ def _check_keys(raw, schema, prefix: str, problems: list) -> None:
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in schema:
             known = list(schema.keys())
-            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+            close = nearest_key(str(key), known)
             hint = (
-                f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+                f"did you mean {prefix + '.' if prefix else ''}{close}?"
                 if close
                 else f"known keys here: {', '.join(map(str, known))}"
             )

@@ -5,6 +5,11 @@ JSON keys (documented contract, see docs/planner.md#the-dry-run-plan-json):
   model (facts), batch (global_batch_size, micro_batch_size, microbatches, seq_len, tokens_per_step),
   ranks [{rank, node, local_rank, coords}], groups {family: [[ranks]]}, rank_kinds (see `rank_kinds`),
   pretrained ({folder, config_overrides, tokenizer} with model.pretrained, else null),
+  train_steps, train_epochs (the config's train.steps and train.epochs),
+  epochs ({epochs, unit, per_epoch, steps_per_epoch, steps}: train.epochs counted in steps from the data,
+  in a dry run whose data was read; else null),
+  saves ({keys, folder, every_steps, final, hf_export, nothing}: what the run keeps, see
+  blueprint.config.saving; `nothing` is the warning of a run that keeps nothing, else null),
   fine_tuning ({data, adapters}: see report.fine_tuning; null for a text run without peft),
   verdict, notes, status ("ready" | "does_not_fit" | "unsupported"), ready (bool; with the estimate),
   unchecked [{check, why}] (what the launch's preflight checks and this report did not: `plan`
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from partrain.blueprint.config.saving import saving_line, saving_plan
 from partrain.blueprint.report.family_support import family_line, family_support
 from partrain.blueprint.report.fine_tuning import fine_tuning_lines, fine_tuning_section
 from partrain.blueprint.trainable import unsupported_features
@@ -55,6 +61,10 @@ def layout_report(v: ValidatedRun) -> dict:
         "pretrained": _pretrained(run),
         # peft's adapters here; a dry run adds what its preflight measured of the data (cli.layout_view)
         "fine_tuning": fine_tuning_section(v, None),
+        "train_steps": run.train.steps,
+        "train_epochs": run.train.epochs,
+        "epochs": None,
+        "saves": saving_plan(run),
         "notes": notes,
         "verdict": _verdict(v, notes),
         # "ready" until the estimate says otherwise (report.estimate.conclude): one verdict in the end.
@@ -257,6 +267,11 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     )
     for label, text in fine_tuning_lines(report.get("fine_tuning")):
         summary.add_row(label, text)
+    summary.add_row("length", _length_line(report))
+    if report.get("saves"):
+        saves = report["saves"]
+        text = saving_line(saves)
+        summary.add_row("checkpoints", f"[bold yellow]{text}[/bold yellow]" if saves["nothing"] else text)
     console.print(summary)
 
     width = console.width
@@ -272,6 +287,20 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
             console.print(picture)
     style = {"ready": "green", "unsupported": "yellow"}.get(report.get("status", "ready"), "red")
     console.print(f"[bold {style}]verdict:[/bold {style}] {report['verdict']}")
+
+
+def _length_line(report: dict) -> str:
+    """The run's length: its steps, or train.epochs and the steps they come to."""
+    epochs = report.get("epochs")
+    if epochs:
+        return (
+            f"train.epochs={epochs['epochs']:g}: {epochs['per_epoch']:,} {epochs['unit']} a pass, "
+            f"{epochs['steps_per_epoch']:,} steps a pass (global batch {report['batch']['global_batch_size']}), "
+            f"{epochs['steps']:,} steps"
+        )
+    if report.get("train_epochs"):
+        return f"train.epochs={report['train_epochs']:g}: steps counted once the data is read (train --dry-run)"
+    return f"{report['train_steps']:,} steps"
 
 
 def _rank_table(report: dict, width: int):

@@ -1,0 +1,67 @@
+"""What a run keeps: which checkpoint keys make it save, and the commands that export its last step.
+
+Pure and torch-free: the dry run, the launch and the worker's summary say the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+
+def step_name(step: int) -> str:
+    """A complete checkpoint's folder name (partrain.checkpoint.folders matches it)."""
+    return f"step-{step:08d}"
+
+
+def saving_keys(checkpoint) -> List[str]:
+    """The checkpoint keys that make a run save (`key=value`), empty when it saves nothing.
+    checkpoint: a CheckpointConfig."""
+    keys = [f"checkpoint.every_steps={checkpoint.every_steps}"] if checkpoint.every_steps > 0 else []
+    keys += ["checkpoint.save_final=true"] if checkpoint.save_final else []
+    keys += ["checkpoint.export_hf=true"] if checkpoint.export_hf else []
+    return keys
+
+
+SAVES_NOTHING = (
+    "this run saves nothing (checkpoint.every_steps=0, checkpoint.save_final=false, checkpoint.export_hf=false): "
+    "what it trains is lost when it ends; drop checkpoint.save_final=false to keep its last step"
+)
+"""What the launch and the dry run say about a run that keeps nothing."""
+
+
+def export_commands(checkpoint_path: str, run_dir: str, lora: bool) -> List[str]:
+    """The `partrain checkpoint export` commands that turn a saved step into a folder others load."""
+    if lora:
+        return [
+            f"partrain checkpoint export {checkpoint_path} --peft {run_dir}/adapter",
+            f"partrain checkpoint export {checkpoint_path} --hf {run_dir}/merged",
+        ]
+    return [f"partrain checkpoint export {checkpoint_path} --hf {run_dir}/hf"]
+
+
+def saving_plan(run) -> dict:
+    """What a run will keep, for the dry run's report (JSON key `saves`): the saving keys, the folder
+    and the last step's checkpoint, and the note when it keeps nothing. run: a RunConfig."""
+    ck = run.checkpoint
+    root = ck.dir or f"{run.train.run_dir or 'RUN_DIR'}/checkpoints"
+    final = f"{root}/{step_name(run.train.steps)}" if (ck.save_final or ck.export_hf) else None
+    return {
+        "keys": saving_keys(ck),
+        "folder": root,
+        "every_steps": ck.every_steps,
+        "final": final,
+        "hf_export": f"{run.train.run_dir or 'RUN_DIR'}/hf" if ck.export_hf else None,
+        "nothing": SAVES_NOTHING if not saving_keys(ck) else None,
+    }
+
+
+def saving_line(plan: dict) -> str:
+    """The dry run's `checkpoints` row."""
+    if plan["nothing"]:
+        return plan["nothing"]
+    parts = [f"every {plan['every_steps']} steps into {plan['folder']}"] if plan["every_steps"] else []
+    if plan["final"]:
+        parts.append(f"the last step to {plan['final']}")
+    if plan["hf_export"]:
+        parts.append(f"an HF folder to {plan['hf_export']}")
+    return "; ".join(parts)
