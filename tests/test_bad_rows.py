@@ -6,6 +6,7 @@ temporary cache, and the CLI cases stop in the preflight, before any process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -180,3 +181,18 @@ def test_cli_long_example_dry_run_exit_2_naming_line_and_limit(run_partrain, tmp
     assert "data.long_examples" in ran.stderr and f"{path} line 2: the example is" in ran.stderr
     assert f"longer than the {SEQ_LEN + 1} a row holds" in ran.stderr and "data.long_examples=truncate" in ran.stderr
     assert not ran.spawned
+
+
+def test_a_line_that_is_not_json_is_skipped_and_counted_like_any_bad_row(tmp_path):
+    """Issue 45: data.skip_bad_rows skips every kind of bad row, a line that is not JSON included."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(_chat(0)) + "\n" + '{"messages": [oops\n' + json.dumps(_chat(1)) + "\n")
+    with pytest.raises(ConfigError) as err:
+        probe_examples(_cfg(str(path), "chat", tmp_path))
+    (problem,) = err.value.problems
+    assert "line 2 is not valid JSON" in problem.rule and "data.skip_bad_rows=true" in problem.fix
+    chat = _cfg(str(path), "chat", tmp_path, skip_bad_rows=True)
+    for cfg in (chat, dataclasses.replace(chat, format="auto")):  # auto reads the first valid row
+        examples = probe_examples(cfg)
+        assert examples.n_examples == 2 and examples.skipped["counts"] == {"invalid_json": 1}
+        assert examples.skipped["rows"] == [1] and f"{path} line 2: not valid JSON" in examples.skipped["first"]

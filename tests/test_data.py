@@ -353,7 +353,7 @@ def test_a_builder_that_loses_the_race_uses_the_winners_entry(tmp_path, monkeypa
 
 def test_bad_numbers_are_config_errors(tmp_path):
     for cfg, key in (
-        (DataConfig(max_bytes=-1), "data.max_bytes"),
+        (DataConfig(max_bytes=-2), "data.max_bytes"),
         (DataConfig(eval_fraction=1.0), "data.eval_fraction"),
     ):
         with pytest.raises(ConfigError) as err:

@@ -54,8 +54,15 @@ def test_an_explicit_tokenizer_or_a_folder_without_one(llama_folder, tmp_path):
     assert compose([f"model.pretrained={llama_folder}", "data.tokenizer=byte"]).data.tokenizer == "byte"
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text((llama_folder / "config.json").read_text())
+    config = json.loads((llama_folder / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))  # a byte-vocabulary model
     assert compose([f"model.pretrained={bare}"]).data.tokenizer == "byte"
+    (bare / "config.json").write_text(json.dumps(config))  # 300 ids: made for another tokenizer
+    with pytest.raises(ConfigError) as err:
+        compose([f"model.pretrained={bare}"])
+    (problem,) = err.value.problems
+    assert problem.key == "model.pretrained" and "vocab_size=300" in problem.rule and "data.tokenizer=" in problem.fix
+    assert compose([f"model.pretrained={bare}", "data.tokenizer=byte"]).data.tokenizer == "byte"  # by name
     assert compose([]).data.tokenizer == "byte", "without a pretrained model, auto is the byte tokenizer"
 
 

@@ -48,6 +48,10 @@ def test_every_rank_writes_a_trace_with_the_named_ranges(runs, name, communicati
     for path in traces:
         names = _range_names(path)
         assert {"partrain/forward", "partrain/backward", "partrain/optimizer", communication} <= names, names
+        # Each traced step is one ProfilerStep#N span, as torch's profiler schedule marks it (HTA, TensorBoard).
+        events = json.loads(path.read_text())["traceEvents"]
+        steps = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3"], steps
     # The launcher's summary names them too.
     assert any(line.startswith("summary: profiler traces (steps 2-3): 2 files") for line in summary_lines(run.summary))
 

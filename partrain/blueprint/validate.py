@@ -162,6 +162,14 @@ def _check_ranges(c: ProblemCollector, run: RunConfig) -> None:
         value = getattr(getattr(run, section), name)
         c.check(value >= low, key, value, f"must be >= {low}", f"set {key} to {low} or more")
     c.check(o.lr > 0, "optim.lr", o.lr, "must be > 0", "e.g. optim.lr=3e-4")
+    c.check(t.epochs >= 0, "train.epochs", t.epochs, "must be >= 0 (0 = train.steps decides)", "e.g. train.epochs=3")
+    c.check(
+        not (t.epochs > 0 and d.streaming),
+        "train.epochs",
+        t.epochs,
+        "a streamed source's length is not known before training, so epochs cannot be turned into steps",
+        "set train.steps=N instead, or data.streaming=false (the cache counts the data)",
+    )
     c.check(
         1 <= t.loss_scale_init <= 2.0**64,
         "train.loss_scale_init",

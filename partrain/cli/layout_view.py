@@ -52,6 +52,17 @@ CHECK = typer.Option(
 SCHEDULE_SVG = typer.Option(None, "--schedule-svg", help="Also write the pipeline schedule picture to this SVG file.")
 
 
+def _add_epochs(report: dict, validated, data_facts: Optional[dict]) -> None:
+    """train.epochs counted in steps by the preflight: the report's `epochs`, and its `saves` at that length."""
+    if not (data_facts and data_facts.get("epochs")):
+        return
+    from partrain.blueprint.config.saving import saving_plan
+    from partrain.blueprint.epochs import with_epochs_as_steps
+
+    report["epochs"] = data_facts["epochs"]
+    report["saves"] = saving_plan(with_epochs_as_steps(validated, data_facts["epochs"]["steps_per_epoch"]).run)
+
+
 def print_layout(
     validated,
     as_json: bool,
@@ -85,6 +96,7 @@ def print_layout(
         from partrain.blueprint.report.fine_tuning import fine_tuning_section
 
         report["fine_tuning"] = fine_tuning_section(validated, data_facts["fine_tuning"])
+    _add_epochs(report, validated, data_facts)
     conclude(report)
     if auto_choice is not None:
         report["auto"] = auto_choice

@@ -22,6 +22,12 @@ def batch_problems(packed: Any, seq_len: int, global_batch_size: int, with_eval:
     ]
 
 
+def text_epoch_counts(packed: Any, seq_len: int, global_batch_size: int) -> tuple:
+    """("windows", training windows of one pass, global batches per pass), as `TokenBatches` counts them."""
+    n_windows = max(0, (packed.n_train_tokens - 1) // seq_len)
+    return "windows", n_windows, n_windows // global_batch_size
+
+
 def too_short(path: Path, n_tokens: int, seq_len: int, batch: int, more: str) -> Problem:
     n_windows = max(0, (n_tokens - 1) // seq_len)
     longest = (n_tokens - 1) // batch

@@ -29,6 +29,7 @@ from partrain.blueprint.config.schema import DataConfig
 from partrain.data.builtin_chat import BUILTIN_CHAT, BuiltinChat
 from partrain.data.formats import SUFFIXES, capped, read_documents, source_error
 from partrain.data.hf_dataset import DatasetCorpus, is_dataset_folder
+from partrain.errors import ConfigError
 
 BUILTIN = "builtin"
 """The ``data.source`` value that selects the standard-library corpus."""
@@ -36,6 +37,40 @@ BUILTIN = "builtin"
 # Folders of the standard library that are not library source: tests (partly deliberately
 # broken or odd-encoded files), third-party packages (differ per machine) and bytecode caches.
 _BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+
+
+BUILTIN_BYTES = 8_000_000
+"""What data.max_bytes=-1 (the default) reads of the builtin corpus (the standard library's sources run
+to tens of MB; 8 MB is plenty for the CPU recipes)."""
+
+
+def source_byte_cap(source: str, max_bytes: int) -> int:
+    """data.max_bytes resolved (0 = no cap): the default -1 caps the builtin corpus only, never a
+    user's own source."""
+    if max_bytes >= 0:
+        return max_bytes
+    return BUILTIN_BYTES if source == BUILTIN else 0
+
+
+def cut_note(cfg: DataConfig) -> Optional[str]:
+    """The note of a data.max_bytes that leaves part of a user's files unread (None when it reads them
+    all, or for the builtin corpus and dataset folders): said by the dry run and the launch."""
+    cap = source_byte_cap(cfg.source, cfg.max_bytes)
+    if cap <= 0 or cfg.source in (BUILTIN, BUILTIN_CHAT):
+        return None
+    try:
+        corpus = Corpus.from_config(cfg)
+    except ConfigError:
+        return None  # the data check reports it
+    if not isinstance(corpus, Corpus):
+        return None
+    total = sum(p.stat().st_size for p in corpus.files)
+    if total <= cap:
+        return None
+    return (
+        f"data.max_bytes={cap} reads the first {cap:,} bytes of text of {cfg.source} ({total:,} bytes of files): "
+        "the rest is not trained on; data.max_bytes=0 reads all of it"
+    )
 
 
 @dataclass(frozen=True)
@@ -58,14 +93,15 @@ class Corpus:
         """Resolve ``cfg.source`` to its files; a ConfigError if it names nothing readable."""
         if cfg.source == BUILTIN_CHAT:  # generated chat rows (partrain.data.builtin_chat), no files
             return BuiltinChat()
+        cap = source_byte_cap(cfg.source, cfg.max_bytes)
         if cfg.source == BUILTIN:
             root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-            return cls(BUILTIN, root, _builtin_files(root), cfg.text_field, cfg.max_bytes)
+            return cls(BUILTIN, root, _builtin_files(root), cfg.text_field, cap)
         given = Path(cfg.source).expanduser()
         if is_dataset_folder(given):  # not resolved: the Hub cache's snapshot path names the commit
-            return DatasetCorpus.open(given, cfg.text_field, cfg.max_bytes, cfg.split, cfg.streaming)
+            return DatasetCorpus.open(given, cfg.text_field, cap, cfg.split, cfg.streaming)
         root = given.resolve()
-        return cls("files", root, _user_files(root, cfg.source), cfg.text_field, cfg.max_bytes)
+        return cls("files", root, _user_files(root, cfg.source), cfg.text_field, cap)
 
     @property
     def slug(self) -> str:

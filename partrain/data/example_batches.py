@@ -16,7 +16,7 @@ the summed token losses by it, so the loss is the same for every layout (partrai
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,16 +39,23 @@ def _usable(
     return keep + first, counts[keep], int(np.sum(long))
 
 
-def _too_few(split: str, usable: int, dropped: int, global_batch_size: int, fix: str) -> ConfigError:
-    return ConfigError(
-        Problem(
-            "train.global_batch_size",
-            global_batch_size,
-            f"the {split} split holds {usable} usable examples ({dropped} more are left out: no trained token "
-            f"within train.seq_len, or longer than it with data.long_examples=skip), fewer than one global batch",
-            fix,
-        )
+def _too_few(
+    split: str, usable: int, dropped: int, global_batch_size: int, fix: str, windows: Optional[Tuple[int, int]] = None
+) -> ConfigError:
+    """A split with fewer rows than one global batch. windows: (packed windows, seq_len) when the rows
+    are packed windows: then the windows are what is compared with the batch."""
+    left_out = (
+        f"{dropped} more are left out: no trained token within train.seq_len, or longer than it with "
+        "data.long_examples=skip"
     )
+    if windows is None:
+        rule = f"the {split} split holds {usable} usable examples ({left_out}), fewer than one global batch"
+    else:
+        rule = (
+            f"the {split} split's {usable} usable examples ({left_out}) pack into {windows[0]} windows of "
+            f"train.seq_len={windows[1]}, fewer than one global batch of {global_batch_size} windows"
+        )
+    return ConfigError(Problem("train.global_batch_size", global_batch_size, rule, fix))
 
 
 class _Rows:

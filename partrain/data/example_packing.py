@@ -24,7 +24,7 @@ partrain's sequence-parallel attention reads the same position ids (parallel.con
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -151,11 +151,12 @@ class PackedExampleBatches(DataPosition):
         self.n_windows = self.packing.n_windows
         if self.n_windows < global_batch_size:
             raise _too_few(
-                f"training (packed into {self.n_windows} windows)",
+                "training",
                 self.n_examples,
                 self.dropped,
                 global_batch_size,
                 "lower it, or set data.packing=false (one example per row)",
+                windows=(self.n_windows, seq_len),
             )
         self.steps_per_epoch = self.n_windows // global_batch_size
         self.step = 0
@@ -192,11 +193,12 @@ class PackedEvalExampleBatches:
         self._rows = _PackedRows(examples, self.packing, seq_len)
         if self.packing.n_windows < global_batch_size:
             raise _too_few(
-                f"eval (packed into {self.packing.n_windows} windows)",
+                "eval",
                 len(index),
                 examples.n_examples - examples.n_train - len(index),
                 global_batch_size,
-                "raise data.eval_fraction, or train.eval_batches=0",
+                "raise data.eval_fraction, or train.eval_batches=0 (no eval)",
+                windows=(self.packing.n_windows, seq_len),
             )
         self.num_batches = self.packing.n_windows // global_batch_size
 
@@ -292,6 +294,21 @@ def example_batch_problems(
         except ConfigError as err:
             problems += err.problems
     return problems
+
+
+def example_epoch_counts(
+    examples: Examples, seq_len: int, global_batch_size: int, long_examples: str, packing: bool
+) -> Optional[Tuple[str, int, int]]:
+    """(what a batch row is, how many of them one pass over the training split holds, global batches
+    per pass), as the workers' training batches count them; None when they would not open."""
+    train_cls, _ = example_batch_classes(packing)
+    try:
+        batches = train_cls(examples, seq_len, global_batch_size, 0, long_examples)
+    except ConfigError:
+        return None
+    if packing:
+        return "packed windows", batches.n_windows, batches.steps_per_epoch
+    return "examples", batches.n_examples, batches.steps_per_epoch
 
 
 def resume_position_problems(

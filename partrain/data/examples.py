@@ -53,7 +53,7 @@ from partrain.data.chat import (
 )
 from partrain.data.corpus import BUILTIN, Corpus
 from partrain.data.eval_source import eval_config, with_eval_source
-from partrain.data.formats import read_rows
+from partrain.data.formats import InvalidJsonLine, read_rows
 from partrain.data.hf_dataset import DatasetCorpus
 from partrain.data.packing import (
     _publish,
@@ -115,7 +115,7 @@ def row_source(cfg: DataConfig) -> Iterator[Tuple[str, str, Any]]:
             yield str(corpus.root), where, row
         return
     for path in corpus.files:
-        for where, row in read_rows(path):
+        for where, row in read_rows(path, keep_invalid_json=cfg.skip_bad_rows):
             yield str(path), where, row
 
 
@@ -136,7 +136,7 @@ def resolve_format(cfg: DataConfig) -> str:
 
 def _first_row(cfg: DataConfig):
     try:
-        rows = row_source(cfg)
+        rows = (r for r in row_source(cfg) if not isinstance(r[2], InvalidJsonLine))
         return [next(rows)]
     except StopIteration:
         return []
@@ -167,6 +167,8 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
             ) from None
 
     def render(row: Any) -> Example:
+        if isinstance(row, InvalidJsonLine):
+            raise ChatRowError(row.message, "invalid_json")
         if not isinstance(row, dict):
             raise ChatRowError(f"the row is a {type(row).__name__}, not an object", "not_an_object")
         if fmt == "chat":

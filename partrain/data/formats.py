@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
 
@@ -71,13 +72,22 @@ def _read_txt(path: Path, limit: Optional[int], errors: str) -> Iterator[str]:
     yield text
 
 
-def read_rows(path: Path) -> Iterator[Tuple[str, object]]:
+@dataclass(frozen=True)
+class InvalidJsonLine:
+    """A .jsonl line that does not parse, passed on as a row when the caller skips bad rows
+    (data.skip_bad_rows): the renderer refuses it like any other bad row, counted under its rule."""
+
+    message: str
+
+
+def read_rows(path: Path, keep_invalid_json: bool = False) -> Iterator[Tuple[str, object]]:
     """(where, record) of every row of a .jsonl or .parquet file, in file order: where is "line N"
     (jsonl, 1-based, blank lines skipped) or "row N" (parquet). For fine-tuning rows, whose fields the
-    caller reads (partrain.data.examples)."""
+    caller reads (partrain.data.examples). A line that is not JSON is an error, or with
+    keep_invalid_json an InvalidJsonLine record."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _jsonl_records(path)
+        return _jsonl_records(path, keep_invalid_json)
     if suffix == ".parquet":
         return _parquet_records(path)
     raise source_error(
@@ -92,7 +102,7 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
         yield _text_of(record, path, text_field, where)
 
 
-def _jsonl_records(path: Path) -> Iterator[Tuple[str, object]]:
+def _jsonl_records(path: Path, keep_invalid_json: bool = False) -> Iterator[Tuple[str, object]]:
     try:
         f = open(path, "rb")
     except OSError as exc:
@@ -106,8 +116,14 @@ def _jsonl_records(path: Path) -> Iterator[Tuple[str, object]]:
                 try:
                     record = json.loads(line)
                 except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                    if keep_invalid_json:
+                        yield f"line {lineno}", InvalidJsonLine(f"not valid JSON: {exc}")
+                        continue
                     raise source_error(
-                        path, f"line {lineno} is not valid JSON: {exc}", "write one JSON object per line (JSON Lines)"
+                        path,
+                        f"line {lineno} is not valid JSON: {exc}",
+                        "write one JSON object per line (JSON Lines), or set data.skip_bad_rows=true to skip "
+                        "such lines (counted per rule in the run summary)",
                     ) from exc
                 yield f"line {lineno}", record
         except OSError as exc:  # e.g. a network filesystem dropping out mid-file

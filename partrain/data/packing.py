@@ -287,12 +287,12 @@ def file_sha256(path: Path) -> str:
 
 
 def _check_numbers(cfg: DataConfig) -> None:
-    if cfg.max_bytes < 0:
+    if cfg.max_bytes < -1:
         raise ConfigError(
             Problem(
                 key="data.max_bytes",
                 value=cfg.max_bytes,
-                rule="must be >= 0 (0 = read everything)",
+                rule="must be >= -1 (-1 = the default, 0 = read everything)",
                 fix="data.max_bytes=0 or a positive byte count",
             )
         )

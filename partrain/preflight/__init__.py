@@ -32,6 +32,7 @@ not there yet (the launch downloads both).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from partrain.blueprint.config.path_limits import DEFAULT_RUNS
+from partrain.blueprint.config.saving import saving_keys
 from partrain.blueprint.validate import ValidatedRun
 from partrain.errors import ConfigError, Problem
 from partrain.preflight.float8 import float8_problems
@@ -78,7 +80,7 @@ def check_before_launch(v: ValidatedRun, dry_run: bool = False, facts: Optional[
     unchecked: List[Unchecked] = []
     run_dir = Path(run.train.run_dir).expanduser() if run.train.run_dir else None
     problems += folder_problems("train.run_dir", run_dir if run_dir is not None else DEFAULT_RUNS)
-    if run.checkpoint.dir and run.checkpoint.every_steps > 0:
+    if run.checkpoint.dir and saving_keys(run.checkpoint):
         problems += folder_problems("checkpoint.dir", run.checkpoint.dir)
     elif run.checkpoint.dir and Path(run.checkpoint.dir).expanduser().is_file():  # resuming from a read-only
         problems.append(  # archive without saving is fine, but a file would silently hold no checkpoint
@@ -213,10 +215,15 @@ def data_problems(
     writing no cache entry. data.streaming: the source opens and holds text, and the tokenizer loads
     (nothing is tokenized ahead, so a corpus too short for one batch is found by the workers)."""
     from partrain.data import batch_problems, prepare_tokens, probe_tokens
+    from partrain.data.corpus import cut_note
     from partrain.data.examples import prepare_examples, probe_examples, uses_examples
 
     t = v.run.train
     with_eval = t.eval_batches > 0
+    if note := cut_note(v.run.data):  # a capped read of the user's files: said, not silent
+        print(f"note: {note}", file=sys.stderr, flush=True)
+        if facts is not None:
+            facts["data_cut"] = note
     try:
         if v.run.data.streaming:
             from partrain.preflight.fine_tuning import stream_vocab
@@ -240,6 +247,11 @@ def data_problems(
             problems += example_batch_problems(
                 examples, t.seq_len, v.global_batch_size, with_eval, long_examples, packing
             )
+            if t.epochs > 0 and not problems:
+                from partrain.data.example_packing import example_epoch_counts
+
+                counts = example_epoch_counts(examples, t.seq_len, v.global_batch_size, long_examples, packing)
+                problems += epoch_problems(v, counts, facts)
             saved = ((resume_record or {}).get("extra") or {}).get("data")
             if saved and not problems:
                 from partrain.data.example_packing import resume_position_problems
@@ -249,16 +261,49 @@ def data_problems(
                 )
             return problems
         if dry_run:
-            # The same rule decides when enough has been read and what the launch would refuse.
-            packed = probe_tokens(
-                v.run.data, lambda counted: not batch_problems(counted, t.seq_len, v.global_batch_size, with_eval)
-            )
+            # The same rule decides when enough has been read and what the launch would refuse; epochs
+            # need the whole count.
+            def enough(counted) -> bool:
+                return t.epochs <= 0 and not batch_problems(counted, t.seq_len, v.global_batch_size, with_eval)
+
+            packed = probe_tokens(v.run.data, enough)
         else:
             packed = prepare_tokens(v.run.data)
     except ConfigError as err:
         return list(err.problems)
     problems = _vocab_problems(v, packed.vocab_size)
-    return problems + batch_problems(packed, t.seq_len, v.global_batch_size, with_eval=with_eval)
+    problems += batch_problems(packed, t.seq_len, v.global_batch_size, with_eval=with_eval)
+    if t.epochs > 0 and not problems:
+        from partrain.data.batch_check import text_epoch_counts
+
+        problems += epoch_problems(v, text_epoch_counts(packed, t.seq_len, v.global_batch_size), facts)
+    return problems
+
+
+def epoch_problems(v: ValidatedRun, counts: Optional[tuple], facts: Optional[dict]) -> List[Problem]:
+    """train.epochs: the steps it comes to (facts["epochs"] for the dry run's report), and the problems
+    of the run at that length (a warmup or profiler window longer than the run), before any process."""
+    from partrain.blueprint.epochs import with_epochs_as_steps
+    from partrain.blueprint.validate import validate
+
+    if counts is None:  # the batches would not open: their own problem is reported
+        return []
+    unit, per_epoch, steps_per_epoch = counts
+    resolved = with_epochs_as_steps(v, steps_per_epoch)
+    if facts is not None:
+        facts["epochs"] = {
+            "epochs": v.run.train.epochs,
+            "unit": unit,
+            "per_epoch": per_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "steps": resolved.run.train.steps,
+        }
+    try:
+        validate(resolved.run)
+    except ConfigError as err:
+        note = f" (train.epochs={v.run.train.epochs} comes to train.steps={resolved.run.train.steps})"
+        return [dataclasses.replace(p, rule=p.rule + note) for p in err.problems]
+    return []
 
 
 def tokenizer_problems(v: ValidatedRun) -> List[Problem]:

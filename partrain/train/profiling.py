@@ -89,7 +89,15 @@ class RunProfiling:
             return
         if ctx.profile_steps and number == ctx.profile_steps[0]:
             self._start_profiler()
-        yield
+        if self._profiler is None:
+            yield
+        else:
+            # The span torch's own profiler schedule gives each step: TensorBoard's profiler view and
+            # Holistic Trace Analysis split iterations at ProfilerStep#N.
+            from torch.profiler import record_function
+
+            with record_function(f"ProfilerStep#{number}"):
+                yield
         if ctx.profile_steps and number == ctx.profile_steps[1]:
             self._stop_profiler()
         if ctx.memory_history and number == ctx.memory_dump_step:

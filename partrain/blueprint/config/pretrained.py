@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Collection, Optional
 
 from partrain.blueprint.config.paths import is_there
+from partrain.errors import ConfigError, Problem
 
 AUTO_TOKENIZER = "auto"
 """The `data.tokenizer` value that means "the model's own": model.pretrained's tokenizer, else byte."""
@@ -153,5 +154,44 @@ def adopt_pretrained(run):
         model = dataclasses.replace(model, arch=_stored_model_type(folder) or "")
     if data.tokenizer == AUTO_TOKENIZER:
         own = folder is not None and has_tokenizer(folder)
+        if folder is not None and not own:
+            _refuse_bytes_for_a_foreign_vocabulary(folder)
         data = dataclasses.replace(data, tokenizer=folder if own else BYTE_TOKENIZER)
     return dataclasses.replace(run, model=model, data=data)
+
+
+BYTE_VOCAB = 256
+"""Ids the byte tokenizer produces (0..255): a model whose vocabulary is larger was made for another
+tokenizer."""
+
+
+def _stored_vocab_size(folder: str) -> Optional[int]:
+    try:
+        stored = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict):
+        return None
+    text = stored.get("text_config") if isinstance(stored.get("text_config"), dict) else {}
+    value = stored.get("vocab_size", text.get("vocab_size"))
+    return value if isinstance(value, int) else None
+
+
+def _refuse_bytes_for_a_foreign_vocabulary(folder: str) -> None:
+    """A pretrained folder without tokenizer files whose vocabulary is not the byte tokenizer's: the
+    byte fallback would train byte ids into embeddings learned for other tokens, silently. Exit 2
+    naming the fix instead; `data.tokenizer=byte` given by name still trains bytes."""
+    size = _stored_vocab_size(folder)
+    if size is None or size <= BYTE_VOCAB:
+        return
+    raise ConfigError(
+        Problem(
+            "model.pretrained",
+            folder,
+            f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its config.json has vocab_size={size}: "
+            f"the byte tokenizer (ids 0-{BYTE_VOCAB - 1}) would train byte ids into a model made for another "
+            "tokenizer",
+            "give the model's tokenizer, data.tokenizer=FOLDER_OR_HUB_ID (or copy its tokenizer files into the "
+            "folder); data.tokenizer=byte trains on bytes anyway",
+        )
+    )

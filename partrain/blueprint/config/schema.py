@@ -75,7 +75,7 @@ AT_LEAST = {
     "optim.warmup_steps": 0,
     "parallel.pp_virtual_stages": 1,
     "parallel.recompute_every": 1,
-    "data.max_bytes": 0,
+    "data.max_bytes": -1,
     "train.loss_scale_window": 1,
     "peft.r": 1,
 }
@@ -250,8 +250,9 @@ class DataConfig:
     """auto (the model's own: model.pretrained's tokenizer when that folder ships one, else byte; the
     resolved config records which), byte (256-symbol byte-level, no download), a local folder with an HF
     tokenizer, or a Hub id (gpt2, org/name@revision) resolved through the Hub cache."""
-    max_bytes: int = 8_000_000
-    """Read at most this many bytes of raw text (0 = all)."""
+    max_bytes: int = -1
+    """Bytes of raw text read: -1 = the builtin corpus's first 8 MB and all of any other source; 0 = all;
+    N = the first N bytes (the dry run and the launch say how much that leaves out)."""
     eval_fraction: float = 0.02
     """Share of the token stream held out for evaluation (the tail; not used with eval_split or eval_source)."""
     eval_split: str = ""
@@ -344,7 +345,11 @@ class TrainConfig:
     microbatches: int = 0
     """Microbatches per step on one rank (gradient accumulation / pipeline microbatches); 0 = derived."""
     steps: int = 100
-    """Optimizer steps to train."""
+    """Optimizer steps to train (see epochs)."""
+    epochs: float = 0.0
+    """Passes over the training split instead of train.steps (0 = off; 0.5 = half a pass): steps become
+    ceil(epochs x global batches a pass), counted from the prepared data (the dry run shows it); not
+    with data.streaming."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision: compute in low precision, master weights in fp32)."""
     float8: bool = False
@@ -425,10 +430,14 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Save a checkpoint every this many steps (0 = never)."""
+    """Save a checkpoint every this many steps (0 = only the final one, see save_final)."""
+    save_final: bool = True
+    """Save the last step when the run ends, finished or stopped (adapters included); the summary prints
+    it and its export commands. false with every_steps=0 = the run keeps nothing (the launch says so)."""
     dir: str = ""
     """Checkpoint folder; default <run_dir>/checkpoints. A run over several nodes that saves checkpoints
-    must set it to one folder every node mounts (exit 2 otherwise, under torchrun, srun and `launch slurm`)."""
+    (every_steps > 0, save_final or export_hf) must set it to one folder every node mounts (exit 2
+    otherwise, under torchrun, srun and `launch slurm`)."""
     resume: str = "none"
     """none, auto (the newest complete checkpoint in dir) or a checkpoint path."""
     init_from: str = ""
