@@ -161,6 +161,10 @@ SINGLE_PROCESS_FILES = frozenset(
         "simulate",
         "sp_planner",
         "validate",
+        "what_runs_keep",
+        "no_silent_fallbacks",
+        "quickstarts",
+        "epochs",
     )
 )
 """Test files whose tests run in pytest's process or start one short process at a time (planner,
