@@ -339,16 +339,18 @@ def _report_summary(
 
 def _kept(v: ValidatedRun, run_dir: Path, saved: Optional[Path]) -> dict:
     """The summary's record of what the run kept: its last checkpoint and the commands exporting it."""
-    from partrain.blueprint.config.saving import SAVES_NOTHING, export_commands, saving_keys
+    from partrain.blueprint.config.saving import export_commands, nothing_note
 
     if saved is None:
-        return {"checkpoint": None, **({} if saving_keys(v.run.checkpoint) else {"saved_nothing": SAVES_NOTHING})}
+        note = nothing_note(v.run)
+        return {"checkpoint": None, **({"saved_nothing": note} if note else {})}
     lora = v.run.peft.method == "lora"
     return {"checkpoint": str(saved), "export_commands": export_commands(str(saved), str(run_dir), lora)}
 
 
 def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Optional[Path], via_launcher: bool) -> int:
     """One line saying where the stopped run ended and how to continue it (rank 0); the exit code."""
+    from partrain.blueprint.config.saving import nothing_note
     from partrain.runtime.signals import PARENT_DEATH_SIGNAL, exit_code, signal_name
 
     # Every node's launcher reports the stop: local rank 0 of each node says it too (multi-node).
@@ -362,8 +364,8 @@ def _report_stop(v: ValidatedRun, env: DistEnv, run_dir: Path, state, saved: Opt
             again = f"checkpoint.resume=auto train.run_dir={run_dir}"
             again += f" checkpoint.dir={cfg.dir}" if cfg.dir else ""
             text += f"; checkpoint saved at {saved}; resume with {again}"
-        elif not (cfg.every_steps or cfg.save_final):
-            text += "; checkpointing is off (checkpoint.every_steps=0, checkpoint.save_final=false): nothing was saved"
+        elif (note := nothing_note(v.run)) is not None:
+            text += f"; {note}"
         else:
             text += "; no step trained since the start, nothing new to save"
         log.warning("%s", text)

@@ -162,6 +162,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "sp_planner",
         "validate",
         "what_runs_keep",
+        "data_prepare",
         "no_silent_fallbacks",
         "quickstarts",
         "epochs",

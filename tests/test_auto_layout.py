@@ -46,7 +46,9 @@ def test_the_choice_is_stable_trainable_and_keeps_the_margin(recipe, cli):
         and validated.run.train.global_batch_size == compose([f"recipe={recipe}"]).train.global_batch_size
     )
     # The chosen degrees, given by hand, pass `train --dry-run --check` (no "cannot train" verdict).
-    ran = cli("train", f"recipe={recipe}", *record["chosen"]["overrides"], "--dry-run", "--check", "--json")
+    nodes = validated.run.cluster.nodes  # a multi-node launch's own checks: rendezvous, shared checkpoint folder
+    launch = ["checkpoint.dir=ckpt", "--node-rank", "0", "--rdzv-endpoint", "node0:29400"] if nodes > 1 else []
+    ran = cli("train", f"recipe={recipe}", *record["chosen"]["overrides"], *launch, "--dry-run", "--check", "--json")
     assert ran.code == 0, ran.stdout
     report = json.loads(ran.stdout)
     assert report["status"] == "ready" and "cannot train" not in json.dumps(report)

@@ -58,16 +58,14 @@ def test_bad_epochs_are_refused(overrides, rule):
 
 
 def test_a_one_process_run_trains_the_steps_its_epochs_come_to(tmp_path):
+    from partrain.preflight import check_before_launch
+
     overrides = [*TEXT, "cluster.devices_per_node=1", "parallel.dp=1", "train.epochs=1.5"]
     overrides.append("checkpoint.save_final=false")
-    dry = subprocess.run(
-        [sys.executable, "-m", "partrain.cli", "train", *overrides, "--dry-run", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    steps = json.loads(dry.stdout)["epochs"]["steps"]
+    overrides.append(f"data.cache_dir={tmp_path / 'cache'}")
+    facts: dict = {}
+    check_before_launch(validate(compose(overrides)), dry_run=True, facts=facts)  # the dry run's count
+    steps = facts["epochs"]["steps"]
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "partrain.cli", "train", *overrides, f"train.run_dir={run_dir}"],

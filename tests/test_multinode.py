@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 40  # ~0.05 s each here: room for SIGTERM to land mid-run in the test sharing these runs
 BASE = ["train.seq_len=32", "data.max_bytes=200000", "train.timeout_s=60", "train.eval_every=0", "train.eval_batches=0"]
+BASE += ["checkpoint.save_final=false"]  # tests that save name a shared checkpoint.dir (and every_steps)
 DP4 = ["recipe=gpt-dp", "parallel.dp=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 

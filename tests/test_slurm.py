@@ -207,15 +207,16 @@ def test_sbatch_script_for_llama3_70b_on_8_nodes_of_8_gpus(cli):
 
 
 def test_sbatch_script_for_a_cpu_layout_quotes_overrides_and_writes_out(cli):
-    args = ["recipe=gpt-dp", "cluster.nodes=2", "parallel.dp=4", "train.run_dir=/scratch/my runs/a", "--time", "30"]
+    args = ["recipe=gpt-dp", "cluster.nodes=2", "parallel.dp=4", "train.run_dir=/scratch/my runs/a"]
+    args += ["checkpoint.dir=/scratch/ck", "--time", "30"]
     ran = cli("launch", "slurm", *args, "--cpus-per-task", "4")
     assert ran.code == 0, ran.stderr
     options = sbatch_lines(ran.stdout)
     assert (options["--nodes"], options["--ntasks-per-node"], options["--cpus-per-task"]) == ("2", "2", "4")
     assert "--gpus-per-node" not in options and options["--time"] == "00:30:00"
     # train.run_dir given: the script adds no run id (the folder is named already).
-    assert srun_line(ran.stdout)[3:] == [*args[:4], "checkpoint.resume=auto", "train.threads_per_process=4"]
-    assert "warning: checkpoint.every_steps=0" in ran.stderr
+    assert srun_line(ran.stdout)[3:] == [*args[:5], "checkpoint.resume=auto", "train.threads_per_process=4"]
+    assert "note: checkpoint.every_steps=0: the job saves at SIGTERM and at its end only" in ran.stderr
     out = ran.cwd / "job.sbatch"
     ran = cli("launch", "slurm", *args, "--out", str(out), "--json")
     assert ran.code == 0, ran.stderr
@@ -323,6 +324,10 @@ def test_the_run_folder_is_keyed_by_the_scripts_run_id_not_the_job_id():
     assert _run_id_of(script(["recipe=gpt-dp", "train.run_id=mine"])) == "mine"  # the user's own, not a second
 
 
+THREE_NODES = ["recipe=gpt-dp", "cluster.nodes=3", "parallel.dp=6", "train.global_batch_size=24"]
+SHARED = "checkpoint.dir=/shared/ckpt"
+"""A multi-node run keeps its last step (checkpoint.save_final) in a folder every node mounts."""
+
 SINFO = "debug*|2|2|(null)\ngpu|4|64|gpu:a100:4(S:0-1)\nbig|1|128+|gpu:h100:8,nvme:1\n"
 
 
@@ -330,8 +335,8 @@ SINFO = "debug*|2|2|(null)\ngpu|4|64|gpu:a100:4(S:0-1)\nbig|1|128+|gpu:h100:8,nv
     "args, key, rule",
     [
         (["recipe=gpt-dp", "--cpus-per-task", "4"], "--cpus-per-task", "at most 2"),
-        (["recipe=gpt-dp", "cluster.nodes=3", "parallel.dp=6", "train.global_batch_size=24"], "cluster.nodes", "has 2"),
-        (["recipe=llama3-70b-h100", "--partition", "gpu"], "cluster.devices_per_node", "at most 4"),
+        ([*THREE_NODES, SHARED], "cluster.nodes", "has 2"),
+        (["recipe=llama3-70b-h100", SHARED, "--partition", "gpu"], "cluster.devices_per_node", "at most 4"),
         (["recipe=gpt-dp", "--partition", "nope"], "--partition", "no such partition"),
     ],
 )

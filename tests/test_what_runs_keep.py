@@ -88,13 +88,17 @@ def test_a_multi_node_run_keeping_its_last_step_needs_a_shared_folder():
     assert checkpoint_dir_problems(run) == []
 
 
-def test_parameter_server_names_save_final_as_what_it_cannot_do():
+def test_a_strategy_that_cannot_save_skips_the_final_checkpoint_and_says_so(cli):
     overrides = ["recipe=gpt-dp", "parallel.dp_sync=parameter-server"]
-    with pytest.raises(ConfigError) as err:
-        validate(compose(overrides))
+    validate(compose(overrides))  # plan and train it as before
+    ran = cli("train", *overrides, "--dry-run", "--json")
+    saves = json.loads(ran.stdout)["saves"]
+    assert saves["final"] is None and "parameter-server cannot checkpoint yet" in saves["nothing"]
+    assert "warning: parallel.dp_sync=parameter-server cannot checkpoint" in cli("train", *overrides).stdout
+    with pytest.raises(ConfigError) as err:  # what it would have to save is refused
+        validate(compose([*overrides, "checkpoint.every_steps=5"]))
     (problem,) = [p for p in err.value.problems if p.key.startswith("checkpoint.")]
-    assert problem.key == "checkpoint.save_final" and "save_final=false" in problem.fix
-    validate(compose([*overrides, "checkpoint.save_final=false"]))
+    assert problem.key == "checkpoint.every_steps" and "checkpoint.every_steps=0" in problem.fix
 
 
 @pytest.mark.parametrize("recipe", ["sft-lora", "gpt-dp", "gpt-3d", "llama-fsdp-tp"])

@@ -100,6 +100,16 @@ def merged_kwargs(
     stored = read_pretrained_config(pretrained) if pretrained else {}  # a missing config.json first: it
     # is also why an arch taken from it (partrain.blueprint.config.pretrained) would be empty
     if arch not in SUPPORTED_ARCHS or arch not in snapshot:
+        if pretrained and stored.get("model_type") == arch:  # the folder's own model_type: name its file
+            known = unknown_arch(arch)
+            raise ConfigError(
+                Problem(
+                    "model.pretrained",
+                    pretrained,
+                    f"its config.json has model_type={arch!r}, {known.rule}",
+                    "fine-tune a model of a supported family (docs/families.md lists what runs under which layout)",
+                )
+            )
         raise ConfigError(unknown_arch(arch))
     entry = snapshot[arch]
     fields, aliases = {**UNDECLARED_FIELDS.get(arch, {}), **entry["defaults"]}, entry["attribute_map"]

@@ -119,7 +119,7 @@ def _ps_problems(c: ProblemCollector, run: RunConfig, degrees: Dict[str, int]) -
         "use train.precision=bf16 or fp32",
     )
     ck = run.checkpoint
-    saves = [f"checkpoint.{k}={getattr(ck, k)}" for k in ("every_steps", "save_final", "export_hf") if getattr(ck, k)]
+    saves = [f"checkpoint.{k}={getattr(ck, k)}" for k in ("every_steps", "export_hf") if getattr(ck, k)]
     if ck.resume != "none":
         saves.append(f"checkpoint.resume={ck.resume}")
     c.check(
@@ -127,9 +127,8 @@ def _ps_problems(c: ProblemCollector, run: RunConfig, degrees: Dict[str, int]) -
         saves[0].split("=")[0] if saves else "checkpoint.every_steps",
         saves[0].split("=", 1)[1] if saves else 0,
         "parameter-server: the servers' master shards and optimizer state are not checkpointed yet, so the run "
-        f"cannot save or resume ({', '.join(saves)})",
-        "set checkpoint.every_steps=0 checkpoint.save_final=false checkpoint.resume=none, "
-        "or parallel.dp_sync=allreduce",
+        f"cannot save or resume ({', '.join(saves)}); its final checkpoint is skipped, and the launch says so",
+        "set checkpoint.every_steps=0 checkpoint.export_hf=false checkpoint.resume=none, or parallel.dp_sync=allreduce",
     )
     c.check(
         p.ps_placement == "colocated",

@@ -112,9 +112,10 @@ class CheckpointManager:
     def for_run(cls, v, run_dir: Path, tensors, parts, restarted: bool, events=None) -> "CheckpointManager":
         """The manager of a validated run: its folder, meta and resume spec. After torchrun's elastic
         agent restarted the job (restarted), always continue from the newest checkpoint."""
+        from partrain.blueprint.config.saving import kept_checkpoint
         from partrain.checkpoint.record import run_meta
 
-        cfg = v.run.checkpoint
+        cfg = kept_checkpoint(v.run)
         root = Path(cfg.dir).expanduser() if cfg.dir else run_dir / "checkpoints"
         spec = "auto" if restarted and cfg.resume == "none" else cfg.resume
         return cls(cfg, root, run_dir, tensors, parts, run_meta(v), spec, v.run.cluster.devices_per_node, events)

@@ -1,4 +1,5 @@
-"""`partrain data show`: the first training rows exactly as the loader yields them."""
+"""`partrain data show | prepare | make-chat`: the first training rows exactly as the loader yields them;
+the run's data tokenized into the cache before a launch; the generated chat set as a file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.console import Console
 
 from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_run, fail, stdout_console
 from partrain.errors import ConfigError
@@ -112,6 +114,54 @@ def data_show_cmd(
             text.append(f" [+{padding} padding]", style="dim italic")
         console.print(text)
     console.print(Text("green: tokens the loss is taken on", style="dim"))
+
+
+@data_app.command("prepare")
+def data_prepare_cmd(
+    overrides: Optional[List[str]] = OVERRIDES,
+    recipes: Optional[List[Path]] = RECIPES,
+    as_json: bool = JSON,
+) -> None:
+    """Tokenize the run's data into the cache (fine-tuning rows: render, mask and check them) exactly as
+    `partrain train` with the same overrides would at launch, which then finds it ready. Run it once per
+    cache folder before a multi-node or SLURM launch: no rank then waits on tokenization."""
+    import time
+
+    from partrain.blueprint.validate import validate
+    from partrain.data.prepare import prepare_data
+    from partrain.errors import Problem
+    from partrain.multinode import preparing_data
+    from partrain.preflight import data_problems
+
+    started = time.monotonic()
+    try:
+        v = validate(compose_run(list(overrides or []), recipes))
+        if v.run.data.streaming:
+            raise ConfigError(
+                Problem(
+                    "data.streaming",
+                    True,
+                    "a streamed source is tokenized by every rank as it trains: nothing is prepared ahead",
+                    "set data.streaming=false to cache the data (then prepare it here)",
+                )
+            )
+        with Console(stderr=True).status(f"preparing {v.run.data.source} (tokenizing, packing, checking)"):
+            with preparing_data(v):  # another process preparing the same cache entry: wait, then reuse it
+                if problems := data_problems(v):
+                    raise ConfigError(problems)
+                entry = prepare_data(v.run.data)  # ready now: opened from the cache
+    except ConfigError as err:
+        fail(err, as_json)
+    meta = json.loads(Path(entry.meta_path).read_text(encoding="utf-8"))
+    report = {"meta_path": str(entry.meta_path), "seconds": round(time.monotonic() - started, 2), "entry": meta}
+    if as_json:
+        print(json.dumps(report, default=str))
+        return
+    stdout_console().print(
+        f"prepared in {report['seconds']:.1f} s: {entry.meta_path.parent}; `partrain train` with the same overrides "
+        "reuses it (on every node that reads this cache folder)",
+        markup=False,
+    )
 
 
 @data_app.command("make-chat")

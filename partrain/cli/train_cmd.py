@@ -101,7 +101,7 @@ def _refuse_what_the_launch_refuses(validated, as_json: bool) -> None:
 def _warn_if_predicted_not_to_fit(validated, console) -> None:
     """The planner's verdict before a launch: a warning, not a refusal (a measured run decides); and
     the warning of a run that keeps nothing."""
-    from partrain.blueprint.config.saving import SAVES_NOTHING, saving_keys
+    from partrain.blueprint.config.saving import nothing_note
     from partrain.blueprint.planner import estimate
     from partrain.blueprint.report.estimate import verdict_text
     from partrain.runtime.context import from_environ
@@ -113,8 +113,8 @@ def _warn_if_predicted_not_to_fit(validated, console) -> None:
     if not est["fits"]:
         text = f"warning: the planner predicts this layout {verdict_text(est)}; `partrain plan` shows the breakdown"
         console.print(text, markup=False)
-    if not saving_keys(validated.run.checkpoint):
-        console.print(f"warning: {SAVES_NOTHING}", markup=False)
+    if note := nothing_note(validated.run):
+        console.print(f"warning: {note}", markup=False)
 
 
 def _unsupported_problem(text: str):

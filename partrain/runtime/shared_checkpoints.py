@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import List
 
-from partrain.blueprint.config.saving import saving_keys
+from partrain.blueprint.config.saving import kept_checkpoint, saving_keys
 from partrain.errors import Problem
 
 SHARED_DIR_FIX = (
@@ -28,7 +28,7 @@ SHARED_DIR_FIX = (
 def checkpoint_dir_problems(run) -> List[Problem]:
     """The problem of a run over several nodes that saves checkpoints without checkpoint.dir (its
     default lies inside each node's own run folder); empty when fine. run: a RunConfig."""
-    saving = saving_keys(run.checkpoint)
+    saving = saving_keys(kept_checkpoint(run))
     if run.cluster.nodes <= 1 or not saving or run.checkpoint.dir:
         return []
     return [

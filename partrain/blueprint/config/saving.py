@@ -5,7 +5,8 @@ Pure and torch-free: the dry run, the launch and the worker's summary say the sa
 
 from __future__ import annotations
 
-from typing import List
+import dataclasses
+from typing import List, Optional
 
 
 def step_name(step: int) -> str:
@@ -28,6 +29,28 @@ SAVES_NOTHING = (
 )
 """What the launch and the dry run say about a run that keeps nothing."""
 
+CANNOT_CHECKPOINT = {
+    "parameter-server": "parallel.dp_sync=parameter-server cannot checkpoint yet (the servers' master shards and "
+    "optimizer state are not saved), so this run saves nothing: what it trains is lost when it ends",
+}
+"""dp_sync strategies whose runs cannot save: their final checkpoint is skipped, and said (periodic
+checkpoints, export and resume are refused by the validator)."""
+
+
+def kept_checkpoint(run):
+    """run.checkpoint as the run can honour it: no final checkpoint for a strategy that cannot save."""
+    if run.parallel.dp_sync in CANNOT_CHECKPOINT:
+        return dataclasses.replace(run.checkpoint, save_final=False)
+    return run.checkpoint
+
+
+def nothing_note(run) -> Optional[str]:
+    """What the launch, the dry run and the summary say of a run that keeps nothing; None when it keeps
+    something. run: a RunConfig."""
+    if saving_keys(kept_checkpoint(run)):
+        return None
+    return CANNOT_CHECKPOINT.get(run.parallel.dp_sync, SAVES_NOTHING)
+
 
 def export_commands(checkpoint_path: str, run_dir: str, lora: bool) -> List[str]:
     """The `partrain checkpoint export` commands that turn a saved step into a folder others load."""
@@ -42,7 +65,7 @@ def export_commands(checkpoint_path: str, run_dir: str, lora: bool) -> List[str]
 def saving_plan(run) -> dict:
     """What a run will keep, for the dry run's report (JSON key `saves`): the saving keys, the folder
     and the last step's checkpoint, and the note when it keeps nothing. run: a RunConfig."""
-    ck = run.checkpoint
+    ck = kept_checkpoint(run)
     root = ck.dir or f"{run.train.run_dir or 'RUN_DIR'}/checkpoints"
     final = f"{root}/{step_name(run.train.steps)}" if (ck.save_final or ck.export_hf) else None
     return {
@@ -51,7 +74,7 @@ def saving_plan(run) -> dict:
         "every_steps": ck.every_steps,
         "final": final,
         "hf_export": f"{run.train.run_dir or 'RUN_DIR'}/hf" if ck.export_hf else None,
-        "nothing": SAVES_NOTHING if not saving_keys(ck) else None,
+        "nothing": nothing_note(run),
     }
 
 
