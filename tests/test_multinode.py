@@ -214,6 +214,7 @@ def test_placement_on_two_nodes():
     """Dry run: ranks per node, tp groups inside a node, the spanning pp groups on the inter-node link;
     a tp group that would span nodes is refused (exit 2)."""
     dims = ["cluster.nodes=2", "cluster.devices_per_node=2", "parallel.dp=1", "train.global_batch_size=4"]
+    dims += ["checkpoint.save_final=false", "--node-rank", "0", "--rdzv-endpoint", "node0:29400"]  # the launch's checks
     cmd = [sys.executable, "-m", "partrain.cli", "train", "recipe=gpt-3d", *dims, "--dry-run"]
     ok = subprocess.run([*cmd, "parallel.tp=2", "parallel.pp=2", "--json"], capture_output=True, text=True, timeout=120)
     report = json.loads(ok.stdout)
