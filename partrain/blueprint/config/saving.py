@@ -6,6 +6,7 @@ Pure and torch-free: the dry run, the launch and the worker's summary say the sa
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from typing import List, Optional
 
 
@@ -53,13 +54,11 @@ def nothing_note(run) -> Optional[str]:
 
 
 def export_commands(checkpoint_path: str, run_dir: str, lora: bool) -> List[str]:
-    """The `partrain checkpoint export` commands that turn a saved step into a folder others load."""
-    if lora:
-        return [
-            f"partrain checkpoint export {checkpoint_path} --peft {run_dir}/adapter",
-            f"partrain checkpoint export {checkpoint_path} --hf {run_dir}/merged",
-        ]
-    return [f"partrain checkpoint export {checkpoint_path} --hf {run_dir}/hf"]
+    """The `partrain checkpoint export` commands that turn a saved step into a folder others load, quoted
+    for a shell (a run folder may hold spaces)."""
+    folders = [("--peft", "adapter"), ("--hf", "merged")] if lora else [("--hf", "hf")]
+    path = shlex.quote(checkpoint_path)
+    return [f"partrain checkpoint export {path} {flag} {shlex.quote(f'{run_dir}/{name}')}" for flag, name in folders]
 
 
 def saving_plan(run) -> dict:
