@@ -30,10 +30,15 @@ from partrain.errors import ConfigError, Problem
 class Recipe:
     name: str
     path: Path
-    description: str
     shipped: bool
     shadows: Path | None = None
     """The recipe of the same name this one hides, if any."""
+
+    @property
+    def description(self) -> str:
+        """The file's `description:` line, read when asked: every compose looks a recipe up, and
+        parsing every recipe file for it cost more than Hydra's own loading of the one used."""
+        return _description(self.path)
 
 
 def recipe_dirs(user_dirs: Sequence[str | Path]) -> List[Path]:
@@ -67,11 +72,9 @@ def list_recipes(user_dirs: Sequence[str | Path]) -> Dict[str, Recipe]:
             name = path.stem
             if name in found:
                 if found[name].shadows is None:
-                    found[name] = Recipe(
-                        found[name].name, found[name].path, found[name].description, found[name].shipped, path
-                    )
+                    found[name] = Recipe(found[name].name, found[name].path, found[name].shipped, path)
                 continue
-            found[name] = Recipe(name, path, _description(path), folder == shipped)
+            found[name] = Recipe(name, path, folder == shipped)
     return dict(sorted(found.items()))
 
 
