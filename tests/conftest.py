@@ -125,6 +125,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "bad_rows",
         "bench_compute",
         "chat_examples",
+        "chat_templates",
         "checkpoint_manager",
         "chunked_loss",
         "cli",

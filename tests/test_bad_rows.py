@@ -41,7 +41,7 @@ ANSWER = ("assistant", "a")
 BAD = {  # case: (format, the bad row, its rule)
     "no role": ("chat", _turns((None, "hi"), ANSWER), "no_role_or_content"),
     "no content": ("chat", _turns(("user", None), ANSWER), "no_role_or_content"),
-    "unknown role": ("chat", _turns(("tool", "x"), ANSWER), "unknown_role"),
+    "unknown role": ("chat", _turns(("robot", "x"), ANSWER), "unknown_role"),
     "non-string content": ("chat", _turns(("user", ["x"]), ANSWER), "not_a_string"),
     "empty conversation": ("chat", _turns(), "empty_conversation"),
     "no assistant turn": ("chat", _turns(("user", "hi")), "no_assistant_turn"),

@@ -10,13 +10,12 @@ from partrain.data.chat import (
     IGNORE_INDEX,
     ChatRenderer,
     ChatRowError,
-    chat_example,
     check_messages,
     detect_format,
-    prompt_completion_example,
     resolve_template,
     tokenized_example,
 )
+from partrain.data.chat_labels import chat_example, prompt_completion_example
 from partrain.data.tokenizer import ByteTokenizer
 
 CHAT = [
@@ -129,7 +128,7 @@ def test_templates_that_cannot_be_split_or_found_are_refused(tmp_path):
     forgetful = (
         "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.content }}|{% endif %}{% endfor %}"
     )
-    with pytest.raises(ChatRowError, match="renders earlier turns differently"):
+    with pytest.raises(ChatRowError, match="turn 2: .* does not hold this assistant turn's content"):
         chat_example(ChatRenderer(forgetful), ByteTokenizer(), CHAT)
     with pytest.raises(ChatRowError, match="no chat template"):
         resolve_template("", None)

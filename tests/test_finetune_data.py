@@ -204,3 +204,6 @@ def test_data_show_json_is_the_loaders_rows_in_hugging_face_convention(run_partr
         answers = "".join(m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant")
         shown = tok.decode([sample["input_ids"][t] for t in trained])
         assert shown and answers.startswith(shown)  # all of them, or those up to the cut at seq_len
+    # Piped (no colour): the trained text is bracketed, each answer through its end-of-turn marker.
+    plain = run_partrain("data", "show", *data_overrides, "--n", "1")
+    assert plain.code == 0 and "<|im_end|>\u27e7" in plain.stdout and "\u27e6...\u27e7: tokens the loss" in plain.stdout

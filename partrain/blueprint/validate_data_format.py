@@ -15,8 +15,17 @@ from typing import Optional
 
 from partrain.blueprint.config.schema import RunConfig
 
-EXAMPLE_FORMATS = ("chat", "prompt_completion", "tokenized")
+EXAMPLE_FORMATS = ("chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
 """data.format values read one example per row (everything but text)."""
+
+CHAT_FORMATS = ("chat", "sharegpt", "alpaca")
+"""data.format values rendered as chat messages with the chat template (sharegpt and alpaca mapped to
+messages by partrain.data.row_layouts)."""
+
+
+def uses_template(fmt: str, chat_template: str) -> bool:
+    """Whether rows of this format are rendered with a chat template."""
+    return fmt in CHAT_FORMATS or (fmt == "prompt_completion" and bool(chat_template))
 
 
 def packing_problem(fmt: str, packing: bool) -> Optional[tuple]:

@@ -77,6 +77,10 @@ def _segments(tokenizer, sample: dict, pad_id: Optional[int]) -> tuple:
     return out, len(ids) - end
 
 
+TRAINED_MARKS = ("\u27e6", "\u27e7")
+"""⟦ and ⟧: around trained text when `data show` prints without colour."""
+
+
 @data_app.command("show")
 def data_show_cmd(
     overrides: Optional[List[str]] = OVERRIDES,
@@ -103,17 +107,22 @@ def data_show_cmd(
     from rich.text import Text
 
     console = stdout_console()
+    # Without colour (piped, NO_COLOR) the trained text is bracketed, so the mask survives a copy-paste.
+    opened, closed = ("", "") if console.color_system else TRAINED_MARKS
     for i, sample in enumerate(samples):
         segments, padding = _segments(tokenizer, sample, pad_id)
         trained = sum(1 for label in sample["labels"] if label != IGNORE_INDEX)
         console.print(Text(f"row {i}: {len(sample['input_ids'])} tokens, {trained} trained", style="bold"))
         text = Text()
         for piece, is_trained in segments:
-            text.append(piece, style="bold green" if is_trained else "dim")
+            text.append(
+                f"{opened}{piece}{closed}" if is_trained else piece, style="bold green" if is_trained else "dim"
+            )
         if padding:
             text.append(f" [+{padding} padding]", style="dim italic")
         console.print(text)
-    console.print(Text("green: tokens the loss is taken on", style="dim"))
+    legend = "green" if console.color_system else f"{TRAINED_MARKS[0]}...{TRAINED_MARKS[1]}"
+    console.print(Text(f"{legend}: tokens the loss is taken on", style="dim"))
 
 
 @data_app.command("prepare")

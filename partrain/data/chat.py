@@ -28,6 +28,7 @@ the reader that found the row adds its file and line.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -35,11 +36,13 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 IGNORE_INDEX = -100
 """Label of a token that takes no loss (the value torch's cross_entropy and Hugging Face ignore)."""
 
-ROLES = ("system", "user", "assistant")
-"""The roles a chat row may use; a system turn may only come first."""
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat row may use; a system turn may only come first. Only assistant turns are trained
+(a tool turn is the result a tool call returned, which the model reads)."""
 
-TRAIN_ON = ("completion", "all")
-"""data.train_on: the assistant's tokens only, or every token."""
+TRAIN_ON = ("completion", "last_turn", "all")
+"""data.train_on: every assistant turn (TRL's assistant_only_loss), the last assistant turn only, or
+every token."""
 
 CHATML = (
     "{% for message in messages %}"
@@ -86,6 +89,8 @@ class Example:
 
     input_ids: List[int]
     labels: List[int]
+    method: str = ""
+    """How a chat's trained text was found (partrain.data.chat_labels.LABELLING_METHODS); "" otherwise."""
 
     @property
     def trained_tokens(self) -> int:
@@ -97,34 +102,51 @@ Piece = Union[str, List[int]]
 
 
 def check_messages(messages: Any) -> List[dict]:
-    """The conversation as a list of {role, content}; ChatRowError naming the first rule broken."""
+    """The conversation as a list of turns; ChatRowError naming the first rule broken. Content is a
+    string or a list of parts (``{"type": "text", "text": ...}``); an assistant turn may hold
+    ``tool_calls`` (then its content may be empty) and ``reasoning_content``. Every key of a turn is
+    passed on to the template, which decides what it renders."""
     if not isinstance(messages, list):
         raise ChatRowError(f"'messages' must be a list of turns, not a {type(messages).__name__}", "not_a_list")
     if not messages:
         raise ChatRowError("the conversation is empty", "empty_conversation")
     for i, turn in enumerate(messages):
-        if not isinstance(turn, dict):
-            raise ChatRowError(
-                f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'", "not_an_object"
-            )
-        missing = [k for k in ("role", "content") if k not in turn]
-        if missing:
-            raise ChatRowError(
-                f"turn {i} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(turn)})", "no_role_or_content"
-            )
-        if turn["role"] not in ROLES:
-            raise ChatRowError(f"turn {i} has role {turn['role']!r}; roles are {', '.join(ROLES)}", "unknown_role")
-        if not isinstance(turn["content"], str):
-            raise ChatRowError(f"turn {i}: content is a {type(turn['content']).__name__}, not a string", "not_a_string")
-        if turn["role"] == "system" and i > 0:
-            raise ChatRowError(
-                f"turn {i} is a system turn after the start; a system turn may only come first", "system_not_first"
-            )
+        _check_turn(i, turn)
     if not any(turn["role"] == "assistant" for turn in messages):
         raise ChatRowError(
             "the conversation has no assistant turn, so nothing in it would be trained", "no_assistant_turn"
         )
-    return [{"role": t["role"], "content": t["content"]} for t in messages]
+    return [dict(t) for t in messages]
+
+
+def _check_turn(i: int, turn: Any) -> None:
+    if not isinstance(turn, dict):
+        raise ChatRowError(
+            f"turn {i} is a {type(turn).__name__}, not an object with 'role' and 'content'", "not_an_object"
+        )
+    calls = turn.get("role") == "assistant" and bool(turn.get("tool_calls"))
+    missing = [k for k in ("role", "content") if k not in turn and not (k == "content" and calls)]
+    if missing:
+        raise ChatRowError(
+            f"turn {i} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(turn)})", "no_role_or_content"
+        )
+    if turn["role"] not in ROLES:
+        raise ChatRowError(f"turn {i} has role {turn['role']!r}; roles are {', '.join(ROLES)}", "unknown_role")
+    content = turn.get("content")
+    if not (isinstance(content, str) or _is_parts(content) or (calls and content is None)):
+        raise ChatRowError(
+            f"turn {i}: content is a {type(content).__name__}, not a string or a list of "
+            '{"type": "text", "text": ...} parts',
+            "not_a_string",
+        )
+    if turn["role"] == "system" and i > 0:
+        raise ChatRowError(
+            f"turn {i} is a system turn after the start; a system turn may only come first", "system_not_first"
+        )
+
+
+def _is_parts(content: Any) -> bool:
+    return isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
 
 
 def resolve_template(spec: str, tokenizer_template: Optional[str]) -> str:
@@ -147,15 +169,54 @@ def resolve_template(spec: str, tokenizer_template: Optional[str]) -> str:
     )
 
 
-def _environment():
+def _environment(marks: "_GenerationMarks"):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
         raise ChatRowError(f"the chat template refused the conversation: {message}", "template_refused")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", marks.extension()]
+    )
     env.globals["raise_exception"] = raise_exception
     return env
+
+
+class _GenerationMarks:
+    """``{% generation %}`` ... ``{% endgeneration %}``: records where each marked block's text lands in the
+    output (transformers' AssistantTracker convention), while the renderer counts what it has emitted."""
+
+    def __init__(self):
+        self.spans: List[Tuple[int, int]] = []
+        self.emitted = 0
+
+    def extension(self):
+        from jinja2 import nodes
+        from jinja2.ext import Extension
+
+        marks = self
+
+        class Generation(Extension):
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_marked", []), [], [], body).set_lineno(lineno)
+
+            def _marked(self, caller):
+                text = caller()
+                marks.spans.append((marks.emitted, marks.emitted + len(text)))
+                return text
+
+        return Generation
+
+
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+"""A template's `{% generation %}` tag (its marks then say what is trained)."""
+
+END_PROBE = "\u2063PARTRAIN-END-PROBE\u2063"
+"""Assistant text rendered once to learn what the template writes after an assistant turn."""
 
 
 class ChatRenderer:
@@ -164,56 +225,54 @@ class ChatRenderer:
     def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
         from jinja2 import TemplateError
 
+        self._marks = _GenerationMarks()
         try:
-            self._template = _environment().from_string(template)
+            self._template = _environment(self._marks).from_string(template)
         except TemplateError as exc:
             raise ChatRowError(f"the chat template does not parse: {exc}") from None
+        self.has_generation_marks = bool(GENERATION_TAG.search(template))
         self.bos_token, self.eos_token = bos_token, eos_token
+        self._end_of_turn: Optional[str] = None
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None) -> str:
+        return self.render_marked(messages, add_generation_prompt, tools)[0]
+
+    def render_marked(
+        self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None
+    ) -> Tuple[str, List[Tuple[int, int]]]:
+        """The text and the character spans the template marked with {% generation %}."""
         from jinja2 import TemplateError
 
+        self._marks.spans, self._marks.emitted = [], 0
+        out: List[str] = []
+        variables = dict(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        if tools is not None:
+            variables["tools"] = tools
         try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
+            for block in self._template.generate(**variables):
+                out.append(block)
+                self._marks.emitted += len(block)
         except TemplateError as exc:
             raise ChatRowError(f"the chat template failed on this conversation: {exc}", "template_refused") from None
+        return "".join(out), list(self._marks.spans)
 
-    def segments(self, messages: Sequence[dict]) -> List[Tuple[str, bool]]:
-        """The conversation's text cut into (text, is an assistant turn) pieces, in order."""
-        whole = self.render(messages)
-        out: List[Tuple[str, bool]] = []
-        done = 0
-        for i, turn in enumerate(messages):
-            if turn["role"] != "assistant":
-                continue
-            start = self._prefix_length(messages[:i], True, whole, i)
-            end = self._prefix_length(messages[: i + 1], False, whole, i)
-            span = whole[start:end]
-            end = start + len(span.rstrip())  # the newline after an end-of-turn marker is scaffolding
-            if start < done or end <= start:
-                raise ChatRowError(
-                    f"turn {i}: the chat template renders no text of its own for this assistant turn",
-                    "template_refused",
-                )
-            out += [(whole[done:start], False), (whole[start:end], True)]
-            done = end
-        out.append((whole[done:], False))
-        return [(text, trained) for text, trained in out if text]
-
-    def _prefix_length(self, messages: Sequence[dict], generation: bool, whole: str, turn: int) -> int:
-        text = self.render(messages, add_generation_prompt=generation)
-        if not whole.startswith(text):
-            raise ChatRowError(
-                f"turn {turn}: the chat template renders earlier turns differently once later ones follow, so "
-                "the assistant's tokens cannot be told apart (choose another data.chat_template)",
-                "template_refused",
-            )
-        return len(text)
+    def end_of_turn(self) -> str:
+        """What the template writes right after an assistant's text ("<|im_end|>", "<|eot_id|>"), learnt
+        from one probe rendering; "" when the probe fails or nothing follows."""
+        if self._end_of_turn is None:
+            probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": END_PROBE}]
+            try:
+                text = self.render(probe)
+            except ChatRowError:
+                text = ""
+            after = text.split(END_PROBE, 1)[1] if END_PROBE in text else ""
+            self._end_of_turn = after.strip().split("\n", 1)[0].strip() if after.strip() else ""
+        return self._end_of_turn
 
 
 def tokenize_pieces(tokenizer, pieces: Sequence[Tuple[Piece, bool]], train_on: str = "completion") -> Example:
@@ -229,38 +288,6 @@ def tokenize_pieces(tokenizer, pieces: Sequence[Tuple[Piece, bool]], train_on: s
     return Example(ids, labels)
 
 
-def chat_example(renderer: ChatRenderer, tokenizer, messages: Any, train_on: str = "completion") -> Example:
-    """A chat row's example (``messages`` as read from the row; checked first)."""
-    return tokenize_pieces(tokenizer, renderer.segments(check_messages(messages)), train_on)
-
-
-def prompt_completion_example(
-    tokenizer,
-    prompt: Any,
-    completion: Any,
-    renderer: Optional[ChatRenderer] = None,
-    prompt_template: str = "",
-    train_on: str = "completion",
-) -> Example:
-    """A prompt/completion row's example: through the chat template as one user and one assistant
-    turn when a renderer is given, else ``prompt_template`` (``{prompt}`` replaced; the prompt alone
-    when empty) followed by the completion and the tokenizer's EOS, the completion and EOS trained."""
-    for name, value in (("prompt", prompt), ("completion", completion)):
-        if not isinstance(value, str):
-            raise ChatRowError(f"field {name!r} is a {type(value).__name__}, not a string", "not_a_string")
-    if not completion:
-        raise ChatRowError("field 'completion' is empty, so nothing in this row would be trained", "empty_completion")
-    if renderer is not None:
-        turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return tokenize_pieces(tokenizer, renderer.segments(turns), train_on)
-    if prompt_template and "{prompt}" not in prompt_template:
-        raise ChatRowError(f"data.prompt_template={prompt_template!r} has no {{prompt}} placeholder")
-    head = prompt_template.replace("{prompt}", prompt) if prompt_template else prompt
-    bos = [int(tokenizer.bos_id)] if getattr(tokenizer, "bos_id", None) is not None else []
-    pieces: List[Tuple[Piece, bool]] = [(bos, False), (head, False), (completion, True), ([tokenizer.eos_id], True)]
-    return tokenize_pieces(tokenizer, [(p, t) for p, t in pieces if p], train_on)
-
-
 def tokenized_example(row: dict, vocab_size: int) -> Example:
     """A pre-tokenized row: ``input_ids`` and optionally ``labels`` (the same length; -100 = no loss)."""
     ids = row.get("input_ids")
@@ -274,7 +301,7 @@ def tokenized_example(row: dict, vocab_size: int) -> Example:
     return Example(list(ids), list(labels))
 
 
-FORMATS = ("text", "chat", "prompt_completion", "tokenized")
+FORMATS = ("text", "chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
 """data.format values besides auto."""
 
 
@@ -283,6 +310,10 @@ def detect_format(row: Any) -> str:
     if isinstance(row, dict):
         if "messages" in row:
             return "chat"
+        if isinstance(row.get("conversations"), list):
+            return "sharegpt"
+        if "instruction" in row and "output" in row:
+            return "alpaca"
         if "prompt" in row and "completion" in row:
             return "prompt_completion"
         if "input_ids" in row:

@@ -30,6 +30,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Tuple
@@ -37,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem
+from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem, uses_template
 from partrain.data.atomic import fsync_dir, write_json
 from partrain.data.builtin_chat import BuiltinChat
 from partrain.data.chat import (
@@ -45,12 +46,11 @@ from partrain.data.chat import (
     ChatRenderer,
     ChatRowError,
     Example,
-    chat_example,
     detect_format,
-    prompt_completion_example,
     resolve_template,
     tokenized_example,
 )
+from partrain.data.chat_labels import chat_example, prompt_completion_example
 from partrain.data.corpus import BUILTIN, Corpus
 from partrain.data.eval_source import eval_config, with_eval_source
 from partrain.data.formats import InvalidJsonLine, read_rows
@@ -64,14 +64,16 @@ from partrain.data.packing import (
     reopen_entry,
     token_dtype,
 )
+from partrain.data.row_layouts import LAYOUT_FORMATS, messages_of
 from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
 from partrain.data.tokenizer import load_tokenizer, tokenizer_name
 from partrain.errors import ConfigError, Problem
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-"""Bumped whenever the entry's layout or the rendering rules change, so old entries are not reused."""
+FORMAT_VERSION = 2
+"""Bumped whenever the entry's layout or the rendering rules change, so old entries are not reused
+(2: ids from the whole rendering, labels from its trained spans: partrain.data.chat_labels)."""
 KIND = "examples"
 """meta.json's "kind": tells a worker this entry holds examples, not a packed token stream."""
 META_NAME = "meta.json"
@@ -101,6 +103,9 @@ class Examples:
     rendering: dict = field(default_factory=dict)
     """Config key -> digest of the value the rows were rendered with (``rendering_identity``); {} for an
     entry written before it was recorded, which a resume then cannot check."""
+    labelling: dict = field(default_factory=dict)
+    """Chat rows per labelling method (partrain.data.chat_labels.LABELLING_METHODS): how the template's
+    assistant text was found; {} for rows that are not chats."""
 
     @property
     def n_examples(self) -> int:
@@ -152,7 +157,7 @@ def uses_examples(cfg: DataConfig) -> bool:
 def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
     """row -> Example for this format; ChatRowError for a row that breaks a rule."""
     template = None
-    if fmt == "chat" or (fmt == "prompt_completion" and cfg.chat_template):
+    if uses_template(fmt, cfg.chat_template):
         try:
             text = resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
             template = ChatRenderer(text, tokenizer.bos_token, tokenizer.eos_token)
@@ -173,13 +178,19 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
             raise ChatRowError(f"the row is a {type(row).__name__}, not an object", "not_an_object")
         if fmt == "chat":
             if "messages" not in row:
-                raise ChatRowError(f"the row has no 'messages' field (fields: {list(row)})", "missing_field")
-            return chat_example(template, tokenizer, row["messages"], cfg.train_on)
+                raise ChatRowError(
+                    f"the row has no 'messages' field (fields: {list(row)}){_layout_hint(row, fmt)}", "missing_field"
+                )
+            return chat_example(template, tokenizer, row["messages"], cfg.train_on, row.get("tools"))
+        if fmt in LAYOUT_FORMATS:
+            return chat_example(template, tokenizer, messages_of(row, fmt), cfg.train_on, row.get("tools"))
         if fmt == "prompt_completion":
             missing = [k for k in ("prompt", "completion") if k not in row]
             if missing:
                 raise ChatRowError(
-                    f"the row has no {' or '.join(repr(k) for k in missing)} (fields: {list(row)})", "missing_field"
+                    f"the row has no {' or '.join(repr(k) for k in missing)} (fields: {list(row)})"
+                    + _layout_hint(row, fmt),
+                    "missing_field",
                 )
             return prompt_completion_example(
                 tokenizer, row["prompt"], row["completion"], template, cfg.prompt_template, cfg.train_on
@@ -187,6 +198,13 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
         return tokenized_example(row, tokenizer.vocab_size)
 
     return render
+
+
+def _layout_hint(row: dict, fmt: str) -> str:
+    """ "; it reads as sharegpt rows: set data.format=sharegpt (or auto)" when the row's fields are another
+    layout's, else ""."""
+    other = detect_format(row)
+    return f"; it reads as {other} rows: set data.format={other} (or auto)" if other not in ("text", fmt) else ""
 
 
 def _examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows) -> Iterator[Example]:
@@ -321,6 +339,7 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
         meta_path=meta_path,
         skipped=skipped.to_json(),
         rendering=rendering_identity(cfg, fmt, tokenizer.name),
+        labelling=dict(split.get("labelling", {})),
     )
 
 
@@ -329,15 +348,19 @@ def _split_examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows, 
     names one (partrain.data.eval_source); at the end split["n_train"] is the training examples' count
     (without an eval set of its own, all but the held-out last data.eval_fraction)."""
     n = 0
+    methods = split.setdefault("labelling", Counter())  # chat rows per labelling method (the dry run says)
     for example in _examples(cfg, fmt, tokenizer, skipped):
         n += 1
+        methods.update([example.method] if example.method else [])
         yield example
     held = eval_config(cfg)
     if held is None:
         split["n_train"] = _n_train(n, cfg.eval_fraction)
         return
     split["n_train"] = n
-    yield from _examples(held, fmt, tokenizer, skipped)
+    for example in _examples(held, fmt, tokenizer, skipped):
+        methods.update([example.method] if example.method else [])
+        yield example
 
 
 def _n_train(n_examples: int, eval_fraction: float) -> int:
@@ -370,6 +393,7 @@ def open_examples(meta_path, verify: bool = False) -> Examples:
         meta_path=meta_path,
         skipped=meta.get("skipped") or {},
         rendering=meta.get("rendering") or {},
+        labelling=meta.get("labelling") or {},
     )
 
 
@@ -412,6 +436,7 @@ def _build(cfg: DataConfig, fmt: str, tokenizer, entry: Path) -> Examples:
             "train_on": cfg.train_on,
             "skipped": skipped.to_json(),
             "rendering": rendering_identity(cfg, fmt, tokenizer.name),
+            "labelling": dict(split["labelling"]),
             "files": {
                 name: {"size": (building / name).stat().st_size, "sha256": file_sha256(building / name)}
                 for name in FILES

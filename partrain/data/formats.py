@@ -190,7 +190,10 @@ def _field_error(path: Path, text_field: str, rule: str) -> ConfigError:
             key="data.text_field",
             value=text_field,
             rule=f"{path}: {rule}",
-            fix="set data.text_field to the field that holds the text",
+            fix="set data.text_field to the field that holds the text; fine-tuning rows are read with data.format="
+            "chat ('messages'), sharegpt ('conversations' of from/value), alpaca ('instruction', 'input', "
+            "'output'), prompt_completion ('prompt', 'completion') or tokenized ('input_ids'; see "
+            "docs/data-formats.md)",
         )
     )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -53,6 +53,16 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
         """Token ids of each text as a uint8 array (no Python int per byte: this is the hot path)."""
         return [np.frombuffer(self._bytes(text), dtype=np.uint8) for text in texts]
+
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Token ids of ``text`` and each one's [start, end) character offsets (a character's bytes share it)."""
+        ids: List[int] = []
+        offsets: List[Tuple[int, int]] = []
+        for k, char in enumerate(text):
+            for byte in self._bytes(char):
+                ids.append(byte)
+                offsets.append((k, k + 1))
+        return ids, offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; a separator decodes to NUL, a split multi-byte character to U+FFFD."""
@@ -119,6 +129,14 @@ class HFTokenizer:
         # so the "sequence too long" warning would be noise.
         out = self._tok(list(texts), add_special_tokens=False, verbose=False, return_attention_mask=False)
         return [np.asarray(ids, dtype=np.int64) for ids in out["input_ids"]]
+
+    def encode_with_offsets(self, text: str) -> Optional[Tuple[List[int], List[Tuple[int, int]]]]:
+        """Token ids of ``text`` without special tokens and each one's [start, end) character offsets, as
+        transformers' assistant mask reads them; None for a slow tokenizer, which has no offsets."""
+        if not getattr(self._tok, "is_fast", False):
+            return None
+        out = self._tok(text, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
+        return [int(i) for i in out["input_ids"]], [(int(a), int(b)) for a, b in out["offset_mapping"]]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept, so document boundaries stay visible)."""

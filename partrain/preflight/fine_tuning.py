@@ -20,7 +20,9 @@ FIRST_STEPS = 4
 
 def template_words(cfg, fmt: str) -> Optional[str]:
     """The template the rows are rendered with, in words (None: tokenized rows, or prompts as they are)."""
-    if fmt == "chat" or (fmt == "prompt_completion" and cfg.chat_template):
+    from partrain.blueprint.validate_data_format import uses_template
+
+    if uses_template(fmt, cfg.chat_template):
         return f"{cfg.chat_template} (data.chat_template)" if cfg.chat_template else "the tokenizer's own"
     if fmt == "prompt_completion" and cfg.prompt_template:
         return "data.prompt_template"
@@ -41,6 +43,7 @@ def data_facts(v: ValidatedRun, examples) -> dict:
         "format": fmt,
         "detected": d.format == "auto",
         "template": template_words(d, fmt),
+        "labelling": dict(examples.labelling),
         "train_on": d.train_on,
         "packing": d.packing,
         "examples_train": int(examples.n_train),
@@ -94,6 +97,7 @@ def stream_vocab(v: ValidatedRun, facts: Optional[dict] = None) -> Optional[int]
             "format": fmt,
             "detected": d.format == "auto",
             "template": template_words(d, fmt),
+            "labelling": {},  # the stream's rows are rendered by the workers
             "train_on": d.train_on,
             "packing": False,
             "examples_train": None,

@@ -30,8 +30,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 PEFT_METHODS = ("none", "lora")
-DATA_FORMATS = ("auto", "text", "chat", "prompt_completion", "tokenized")
-TRAIN_ON = ("completion", "all")
+DATA_FORMATS = ("auto", "text", "chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
+TRAIN_ON = ("completion", "last_turn", "all")
 LONG_EXAMPLES = ("error", "truncate", "skip")
 
 CHOICES = {
@@ -267,11 +267,12 @@ class DataConfig:
     """Where tokenized, packed token files are cached (default ~/.cache/partrain/data)."""
     format: str = "auto"
     """How a row is read: text (the text_field string, packed into windows), chat ({"messages": [{role,
-    content}]}), prompt_completion ({"prompt", "completion"}), tokenized ({"input_ids", optional "labels"}),
-    or auto (from the first row's fields; builtin is text). See partrain.data.chat and partrain.data.examples."""
+    content}]}), sharegpt ({"conversations": [{from, value}]}), alpaca ({instruction, input, output}),
+    prompt_completion ({"prompt", "completion"}), tokenized ({"input_ids", optional "labels"}), or auto
+    (from the first row's fields; builtin is text). See docs/data-formats.md."""
     train_on: str = "completion"
-    """Fine-tuning formats: completion (loss on the assistant turns / the completion only, end-of-turn
-    token included) or all (every token)."""
+    """Fine-tuning formats: completion (loss on every assistant turn / the completion, end-of-turn token
+    included: TRL's assistant_only_loss), last_turn (the last assistant turn only) or all (every token)."""
     chat_template: str = ""
     """Jinja chat template of chat rows (and prompt_completion rows when set): "" = the tokenizer's own,
     or a built-in name (chatml, llama3, zephyr), or a file holding a template."""

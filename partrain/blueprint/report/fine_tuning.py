@@ -2,7 +2,9 @@
 what LoRA trains.
 
 JSON key "fine_tuning" (null for a text run without peft):
-  data: {format, detected (data.format was auto), template, train_on, packing, examples_train,
+  data: {format, detected (data.format was auto), template, labelling ({method: rows}: how each chat's
+         trained text was found, partrain.data.chat_labels; {} for rows that are not chats), train_on,
+         packing, examples_train,
          examples_eval, eval_set, skipped_rows ({rule: count} that data.skip_bad_rows left out, {} when
          none), long_examples ({mode, count} truncated or skipped by data.long_examples, else null),
          first_batches: {steps, tokens, trained, masked_share}} or null (text data; or `plan` without
@@ -66,6 +68,8 @@ def fine_tuning_lines(section: Optional[dict]) -> list:
     if d:
         fmt = f"{d['format']}" + (" (detected from the first row)" if d["detected"] else "")
         template = f", template {d['template']}" if d.get("template") else ""
+        if d.get("labelling"):  # how the assistant's text was found in the template's rendering
+            template += " (labels by " + ", ".join(f"{m}: {n} rows" for m, n in d["labelling"].items()) + ")"
         rows.append(
             (
                 "fine-tuning data",
