@@ -216,7 +216,7 @@ def test_sharegpt_and_alpaca_rows_are_the_chats_they_map_to():
     assert messages_of(sharegpt, "sharegpt") == SYSTEM == messages_of(alpaca, "alpaca")
     with_input = messages_of({"instruction": "Translate.", "input": "chat", "output": "cat"}, "alpaca")
     assert with_input[0] == {"role": "user", "content": "Translate.\n\nchat"}
-    with pytest.raises(ChatRowError, match="from 'robot'"):
+    with pytest.raises(ChatRowError, match="has role 'robot'.*data.roles=\\{robot:assistant\\}"):
         messages_of({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt")
     with pytest.raises(ChatRowError, match="'output' is empty"):
         messages_of({"instruction": "x", "output": ""}, "alpaca")
@@ -269,3 +269,75 @@ def test_a_template_that_refuses_a_conversation_cut_short_is_labelled_by_search(
     example = chat_example(ChatRenderer(strict), ByteTokenizer(), MULTI)
     plain = chat_example(ChatRenderer(BUILTIN_CHATML), ByteTokenizer(), MULTI)
     assert (example.input_ids, example.labels, example.method) == (plain.input_ids, plain.labels, "search")
+
+
+def test_a_chat_layout_of_its_own_is_read_by_mapping_fields_and_roles():
+    """data.messages_field, role_field, content_field and roles: a layout no format names, read as it is."""
+    from partrain.data.row_layouts import RowMapping
+
+    row = {"dialog": [{"speaker": "human", "text": "Capital of France?"}, {"speaker": "bot", "text": "Paris."}]}
+    mapping = RowMapping("dialog", "speaker", "text", {"human": "user", "bot": "assistant"})
+    assert messages_of(row, "chat", mapping) == SINGLE
+    with pytest.raises(ChatRowError, match="has role 'bot'.*data.roles=\\{bot:assistant\\}"):
+        messages_of(row, "chat", RowMapping("dialog", "speaker", "text", {"human": "user"}))
+    with pytest.raises(ChatRowError, match="no 'messages' list .*data.messages_field"):
+        messages_of(row, "chat", RowMapping(role_field="speaker"))
+
+
+def test_train_on_eos_false_leaves_every_end_of_turn_marker_untrained(tokenizer_folder):
+    tok = HFTokenizer(tokenizer_folder)
+    for template in (CHATML_MARKED, reasoning_template(marked=False), BUILTIN_CHATML):
+        renderer = ChatRenderer(template, tok.bos_token, tok.eos_token)
+        example = chat_example(renderer, tok, MULTI, train_on_eos=False)
+        trained = tok.decode([label for label in example.labels if label != IGNORE_INDEX])
+        assert "Paris." in trained and "Rome, of course." in trained and "<|im_end|>" not in trained, trained
+
+
+def test_mapped_rows_train_through_the_cache_with_the_mapping_in_its_identity(tmp_path):
+    """The data path end to end (prepare_examples, as the launch): a layout of its own under data.format=auto,
+    and the mapping keys are part of what a resume checks."""
+    import json
+
+    from partrain.blueprint.config.compose import compose
+    from partrain.data.examples import prepare_examples, rendering_identity
+
+    rows = [
+        {"dialog": [{"speaker": "human", "text": f"{i}+{i}?"}, {"speaker": "bot", "text": str(2 * i)}]}
+        for i in range(8)
+    ]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [f"data.source={source}", "data.format=auto", "data.chat_template=chatml", "data.messages_field=dialog"]
+    overrides += ["data.role_field=speaker", "data.content_field=text", "data.roles={human:user,bot:assistant}"]
+    cfg = compose(overrides + [f"data.cache_dir={tmp_path / 'cache'}"]).data
+    examples = prepare_examples(cfg)
+    assert examples.n_examples == 8 and examples.labelling == {"prefix": 8}
+    tok = ByteTokenizer()
+    first = examples.ids[examples.offsets[0] : examples.offsets[1]].tolist()
+    assert tok.decode(first) == "<|im_start|>user\n0+0?<|im_end|>\n<|im_start|>assistant\n0<|im_end|>\n"
+    assert {"data.roles", "data.messages_field", "data.train_on_eos"} <= set(rendering_identity(cfg, "chat", "byte"))
+
+
+def test_the_mapping_command_of_data_formats_md_runs_as_written(cli, tmp_path):
+    """docs/data-formats.md's command for a layout of its own, as a dry run on rows of that layout."""
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "data-formats.md").read_text()
+    block = re.search(r"For rows like.*?```bash\n(.*?)```", page, re.S).group(1)
+    args = shlex.split(block.replace("\\\n", " "))
+    assert args[:2] == ["partrain", "train"]
+    question = "Please add these two numbers and answer with the sum only: {0} plus {0}, thank you kindly."
+    turns = [[("human", question.format(i)), ("bot", f"The sum is {2 * i}, as asked.")] for i in range(1000)]
+    rows = [{"dialog": [{"speaker": who, "text": text} for who, text in chat]} for chat in turns]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"data.source={source}" if a == "data.source=rows.jsonl" else a for a in args[2:]]
+    ran = cli("train", "--dry-run", "--json", *args)
+    assert ran.code == 0, ran.stdout + ran.stderr
+    data = json.loads(ran.stdout)["fine_tuning"]["data"]
+    assert (
+        data["format"] == "chat" and sum(data["labelling"].values()) == data["examples_train"] + data["examples_eval"]
+    )

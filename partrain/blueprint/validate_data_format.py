@@ -18,6 +18,9 @@ from partrain.blueprint.config.schema import RunConfig
 EXAMPLE_FORMATS = ("chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
 """data.format values read one example per row (everything but text)."""
 
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+"""The roles of a chat message (partrain.data.chat.ROLES); data.roles maps a data set's names onto them."""
+
 CHAT_FORMATS = ("chat", "sharegpt", "alpaca")
 """data.format values rendered as chat messages with the chat template (sharegpt and alpaca mapped to
 messages by partrain.data.row_layouts)."""
@@ -93,3 +96,11 @@ def data_format_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
         "has no {prompt} placeholder, so the row's prompt would be dropped",
         'e.g. data.prompt_template="### Question\\n{prompt}\\n### Answer\\n"',
     )
+    for name, role in dict(d.roles).items():
+        c.check(
+            role in MESSAGE_ROLES,
+            f"data.roles.{name}",
+            role,
+            f"maps the data's role {name!r} to a role chat templates do not know",
+            f"map it to one of {', '.join(MESSAGE_ROLES)}, e.g. data.roles={{{name}:user}}",
+        )

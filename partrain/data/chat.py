@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from partrain.blueprint.validate_data_format import MESSAGE_ROLES
+
 IGNORE_INDEX = -100
 """Label of a token that takes no loss (the value torch's cross_entropy and Hugging Face ignore)."""
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = MESSAGE_ROLES
 """The roles a chat row may use; a system turn may only come first. Only assistant turns are trained
 (a tool turn is the result a tool call returned, which the model reads)."""
 

@@ -208,13 +208,34 @@ def _pieces(labelled: Labelled) -> List[Tuple[str, bool]]:
     return [(text, trained) for text, trained in out if text]
 
 
-def chat_example(renderer: ChatRenderer, tokenizer, messages: Any, train_on: str = "completion", tools=None) -> Example:
+def chat_example(
+    renderer: ChatRenderer,
+    tokenizer,
+    messages: Any,
+    train_on: str = "completion",
+    tools=None,
+    train_on_eos: bool = True,
+) -> Example:
     """A chat row's example (``messages`` as read from the row; checked first): the whole rendering's
-    tokens, labelled where its trained spans are."""
+    tokens, labelled where its trained spans are (without each turn's end-of-turn marker when
+    ``train_on_eos`` is false)."""
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, not {train_on!r}")
     labelled = assistant_spans(renderer, check_messages(messages), train_on, tools)
+    if not train_on_eos:
+        labelled = without_end_of_turn(labelled, renderer.end_of_turn())
     return labelled_example(tokenizer, labelled, train_on)
+
+
+def without_end_of_turn(labelled: Labelled, end_of_turn: str) -> Labelled:
+    """The spans with the end-of-turn marker each ends with left out (data.train_on_eos=false)."""
+    spans = []
+    for start, end in labelled.spans:
+        text = labelled.text[start:end].rstrip()
+        if end_of_turn and text.endswith(end_of_turn):
+            text = text[: -len(end_of_turn)].rstrip()
+        spans.append((start, start + len(text)))
+    return Labelled(labelled.text, [s for s in spans if s[1] > s[0]], labelled.method)
 
 
 def prompt_completion_example(
@@ -224,6 +245,7 @@ def prompt_completion_example(
     renderer: Optional[ChatRenderer] = None,
     prompt_template: str = "",
     train_on: str = "completion",
+    train_on_eos: bool = True,
 ) -> Example:
     """A prompt/completion row's example: through the chat template as one user and one assistant
     turn when a renderer is given, else ``prompt_template`` (``{prompt}`` replaced; the prompt alone
@@ -235,10 +257,11 @@ def prompt_completion_example(
         raise ChatRowError("field 'completion' is empty, so nothing in this row would be trained", "empty_completion")
     if renderer is not None:
         turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return chat_example(renderer, tokenizer, turns, train_on)
+        return chat_example(renderer, tokenizer, turns, train_on, None, train_on_eos)
     if prompt_template and "{prompt}" not in prompt_template:
         raise ChatRowError(f"data.prompt_template={prompt_template!r} has no {{prompt}} placeholder")
     head = prompt_template.replace("{prompt}", prompt) if prompt_template else prompt
     bos = [int(tokenizer.bos_id)] if getattr(tokenizer, "bos_id", None) is not None else []
-    pieces: List[Tuple[Piece, bool]] = [(bos, False), (head, False), (completion, True), ([tokenizer.eos_id], True)]
+    eos = [int(tokenizer.eos_id)]
+    pieces: List[Tuple[Piece, bool]] = [(bos, False), (head, False), (completion, True), (eos, train_on_eos)]
     return tokenize_pieces(tokenizer, [(p, t) for p, t in pieces if p], train_on)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.blueprint.validate_data_format import EXAMPLE_FORMATS, packing_problem, uses_template
+from partrain.blueprint.validate_data_format import CHAT_FORMATS, EXAMPLE_FORMATS, packing_problem, uses_template
 from partrain.data.atomic import fsync_dir, write_json
 from partrain.data.builtin_chat import BuiltinChat
 from partrain.data.chat import (
@@ -64,7 +64,7 @@ from partrain.data.packing import (
     reopen_entry,
     token_dtype,
 )
-from partrain.data.row_layouts import LAYOUT_FORMATS, messages_of
+from partrain.data.row_layouts import RowMapping, messages_of
 from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
 from partrain.data.tokenizer import load_tokenizer, tokenizer_name
 from partrain.errors import ConfigError, Problem
@@ -133,6 +133,8 @@ def resolve_format(cfg: DataConfig) -> str:
             return "text"
         first = next(iter(_first_row(cfg)), None)
         fmt = detect_format(first[2]) if first is not None else "text"
+        if first is not None and cfg.messages_field and isinstance(first[2], dict) and cfg.messages_field in first[2]:
+            fmt = "chat"  # the field data.messages_field names holds the turns
     problem = packing_problem(fmt, cfg.packing)
     if problem is not None:
         raise ConfigError(Problem("data.packing", cfg.packing, f"{problem[0]} (data.format=auto read it)", problem[1]))
@@ -171,19 +173,23 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
                 )
             ) from None
 
+    mapping = RowMapping.from_config(cfg)
+
     def render(row: Any) -> Example:
         if isinstance(row, InvalidJsonLine):
             raise ChatRowError(row.message, "invalid_json")
         if not isinstance(row, dict):
             raise ChatRowError(f"the row is a {type(row).__name__}, not an object", "not_an_object")
-        if fmt == "chat":
+        if fmt == "chat" and mapping.is_default:
             if "messages" not in row:
                 raise ChatRowError(
                     f"the row has no 'messages' field (fields: {list(row)}){_layout_hint(row, fmt)}", "missing_field"
                 )
-            return chat_example(template, tokenizer, row["messages"], cfg.train_on, row.get("tools"))
-        if fmt in LAYOUT_FORMATS:
-            return chat_example(template, tokenizer, messages_of(row, fmt), cfg.train_on, row.get("tools"))
+            messages = row["messages"]
+        elif fmt in CHAT_FORMATS:
+            messages = messages_of(row, fmt, mapping)
+        if fmt in CHAT_FORMATS:
+            return chat_example(template, tokenizer, messages, cfg.train_on, row.get("tools"), cfg.train_on_eos)
         if fmt == "prompt_completion":
             missing = [k for k in ("prompt", "completion") if k not in row]
             if missing:
@@ -193,7 +199,13 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
                     "missing_field",
                 )
             return prompt_completion_example(
-                tokenizer, row["prompt"], row["completion"], template, cfg.prompt_template, cfg.train_on
+                tokenizer,
+                row["prompt"],
+                row["completion"],
+                template,
+                cfg.prompt_template,
+                cfg.train_on,
+                cfg.train_on_eos,
             )
         return tokenized_example(row, tokenizer.vocab_size)
 
@@ -242,6 +254,11 @@ def rendering(cfg: DataConfig, fmt: str) -> dict:
         "chat_template": template,
         "prompt_template": cfg.prompt_template,
         "train_on": cfg.train_on,
+        "train_on_eos": cfg.train_on_eos,
+        "messages_field": cfg.messages_field,
+        "role_field": cfg.role_field,
+        "content_field": cfg.content_field,
+        "roles": dict(cfg.roles),
     }
 
 

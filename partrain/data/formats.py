@@ -192,8 +192,9 @@ def _field_error(path: Path, text_field: str, rule: str) -> ConfigError:
             rule=f"{path}: {rule}",
             fix="set data.text_field to the field that holds the text; fine-tuning rows are read with data.format="
             "chat ('messages'), sharegpt ('conversations' of from/value), alpaca ('instruction', 'input', "
-            "'output'), prompt_completion ('prompt', 'completion') or tokenized ('input_ids'; see "
-            "docs/data-formats.md)",
+            "'output'), prompt_completion ('prompt', 'completion') or tokenized ('input_ids'); turns under other "
+            "names: data.format=chat with data.messages_field, data.role_field, data.content_field and "
+            "data.roles (docs/data-formats.md)",
         )
     )
 

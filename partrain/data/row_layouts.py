@@ -1,5 +1,9 @@
 """Public data sets' row layouts read as chat messages, by mapping (no file is rewritten).
 
+- Any chat layout (``data.format=chat`` or ``sharegpt``) with its own names: ``data.messages_field``
+  (the list of turns), ``data.role_field`` and ``data.content_field`` (a turn's keys) and ``data.roles``
+  (the data's role names -> system, user, assistant, tool): `RowMapping`.
+
 - ShareGPT (``data.format=sharegpt``): ``{"conversations": [{"from": "human", "value": ...}, ...]}``,
   roles human/gpt (and user/assistant, system, tool/function/observation), an optional row-level
   ``system`` string and ``tools`` list.
@@ -12,9 +16,10 @@ Both are then chat rows: rendered with the chat template and labelled as any cha
 
 from __future__ import annotations
 
-from typing import Any, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
 
-from partrain.data.chat import ChatRowError
+from partrain.data.chat import ROLES, ChatRowError
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -36,10 +41,31 @@ LAYOUT_FORMATS = ("sharegpt", "alpaca")
 """data.format values read through this module (as chat rows)."""
 
 
-def messages_of(row: dict, fmt: str) -> List[dict]:
-    """The chat messages of a row in one of LAYOUT_FORMATS; ChatRowError naming the rule broken."""
+@dataclass(frozen=True)
+class RowMapping:
+    """Where a chat row keeps its turns and what it calls their parts (data.messages_field, role_field,
+    content_field, roles); "" = the format's own name."""
+
+    messages_field: str = ""
+    role_field: str = ""
+    content_field: str = ""
+    roles: Dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, d) -> "RowMapping":
+        return cls(d.messages_field, d.role_field, d.content_field, dict(d.roles))
+
+    @property
+    def is_default(self) -> bool:
+        return not (self.messages_field or self.role_field or self.content_field or self.roles)
+
+
+def messages_of(row: dict, fmt: str, mapping: RowMapping = RowMapping()) -> List[dict]:
+    """The chat messages of a chat, sharegpt or alpaca row; ChatRowError naming the rule broken."""
     if fmt == "sharegpt":
-        return _sharegpt(row)
+        return _mapped(row, mapping, ("conversations", "from", "value"), {**SHAREGPT_ROLES, **mapping.roles})
+    if fmt == "chat":
+        return _mapped(row, mapping, ("messages", "role", "content"), mapping.roles)
     if fmt == "alpaca":
         return _alpaca(row)
     raise ValueError(f"not a row layout: {fmt!r}")
@@ -54,22 +80,43 @@ def _system(row: dict) -> List[dict]:
     return [{"role": "system", "content": system}]
 
 
-def _sharegpt(row: dict) -> List[dict]:
-    turns = row.get("conversations")
+def _mapped(row: dict, mapping: RowMapping, defaults: tuple, roles: Dict[str, str]) -> List[dict]:
+    """A chat layout's turns as {role, content, ...}: the mapping's names, else the layout's own; a role
+    the mapping does not name is kept as it is (check_messages refuses an unknown one)."""
+    field_name = mapping.messages_field or defaults[0]
+    role_key, content_key = mapping.role_field or defaults[1], mapping.content_field or defaults[2]
+    turns = row.get(field_name)
     if not isinstance(turns, list):
-        raise ChatRowError(f"the row has no 'conversations' list (fields: {list(row)})", "missing_field")
-    messages = _system(row)
+        raise ChatRowError(
+            f"the row has no {field_name!r} list (fields: {list(row)}); data.messages_field names the field "
+            "that holds the turns",
+            "missing_field",
+        )
+    messages = _system(row) if defaults[0] == "conversations" else []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+        if not isinstance(turn, dict) or role_key not in turn:
             keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
-            raise ChatRowError(f"conversations[{i}] has no 'from' or 'value' (keys: {keys})", "no_role_or_content")
-        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
-        if role is None:
             raise ChatRowError(
-                f"conversations[{i}] is from {turn['from']!r}; ShareGPT roles are {', '.join(SHAREGPT_ROLES)}",
+                f"{field_name}[{i}] has no {role_key!r} (keys: {keys}); data.role_field and data.content_field "
+                "name a turn's keys",
+                "no_role_or_content",
+            )
+        role = turn[role_key]
+        mapped = roles.get(str(role), roles.get(str(role).lower(), role))
+        if mapped not in ROLES:
+            raise ChatRowError(
+                f"{field_name}[{i}] has role {role!r}; roles are {', '.join(ROLES)} (and {', '.join(roles)} mapped "
+                f"to them); map it with data.roles={{{role}:assistant}} (or user, system, tool)"
+                if roles
+                else f"{field_name}[{i}] has role {role!r}; roles are {', '.join(ROLES)}; map it with "
+                f"data.roles={{{role}:assistant}} (or user, system, tool)",
                 "unknown_role",
             )
-        messages.append({"role": role, "content": turn["value"]})
+        rest = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
+        message = {**rest, "role": mapped}
+        if content_key in turn:
+            message["content"] = turn[content_key]
+        messages.append(message)
     return messages
 
 
