@@ -7,19 +7,16 @@ turns only: their content and the template's end-of-turn token, every assistant 
 chat; system and user turns and the template's scaffolding (role headers, BOS) are not trained.
 ``train_on="all"`` trains every token.
 
-How the assistant's tokens are found: the conversation is rendered turn by turn with its Jinja chat
-template. The text of the first i messages rendered with the generation prompt ends where assistant
-turn i starts; the first i+1 messages rendered without it end where that turn ends. Each of those
-renders must be a prefix of the whole conversation's text (a template that rewrites earlier turns,
-such as one dropping past reasoning, is refused with the turn named). The text is then cut into
-trained and untrained segments and each segment is tokenized on its own (without special tokens
-added: the template writes BOS and the turn markers itself), so a label never straddles a boundary.
-Segments end at turn markers, where BPE merges do not cross, so the ids equal those of the whole text.
+Which tokens are the assistant's: partrain.data.chat_labels renders the conversation once, whole,
+finds its trained character spans (generation markers, prefix renderings, or a search of the whole
+rendering) and labels the whole text's tokens by their offsets. ``train_on="last_turn"`` trains the
+last assistant turn only.
 
 Templates: the tokenizer's own ``chat_template``, or ``data.chat_template`` = a built-in name
 (BUILTIN_TEMPLATES) or a file holding a Jinja template. They are rendered here in a sandboxed Jinja
 environment with the same conventions as ``transformers``' ``apply_chat_template`` (``messages``,
-``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``), so a template
+``add_generation_prompt``, ``bos_token``, ``eos_token``, ``tools``, ``raise_exception``, and the
+``{% generation %}`` tag), so a template
 written for transformers renders the same text, also for partrain's byte tokenizer, which has none.
 
 Rows are checked before anything is rendered (``check_messages``): each problem names the rule, and
