@@ -192,10 +192,15 @@ def labelled_example(tokenizer, labelled: Labelled, train_on: str = "completion"
     if train_on == "all":
         return Example(list(ids), list(ids), labelled.method)
     trained = [False] * len(ids)
+    k = 0  # one pass: spans are in order, and so are the tokens' offsets
     for start, end in labelled.spans:
-        inside = [k for k, (a, b) in enumerate(offsets) if a < end and b > start]
-        for k in range(inside[0], inside[-1] + 1) if inside else ():
+        while k < len(offsets) and offsets[k][1] <= start:
+            k += 1
+        first = k
+        while k < len(offsets) and offsets[k][0] < end:
             trained[k] = True
+            k += 1
+        k = max(first, k - 1)  # a token straddling two spans belongs to both
     return Example(list(ids), [t if on else IGNORE_INDEX for t, on in zip(ids, trained)], labelled.method)
 
 
