@@ -51,7 +51,7 @@ from partrain.parallel import float8_tp
 from partrain.parallel.local_tensors import local
 from partrain.parallel.lora_sp import adapt_sequence_column
 from partrain.parallel.megatron_sp import SequenceColumn
-from partrain.parallel.tp_layers import _row_output, copy_to_tp, shard_param
+from partrain.parallel.tp_layers import _row_output, copy_to_tp, gather_from_tp, shard_param, split_to_tp
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
 
@@ -91,6 +91,10 @@ class LoraProjection(nn.Module):
             # Column projections read x whole on every rank: f (copy_to_tp) enters the block once, in
             # the projection itself (GPT-2, copies_input) or before it (copy_block_input).
             self.copies_input = getattr(base, "copies_input", True)
+            # transformers' colwise_gather_output / rowwise_split_input: the sum is gathered, the
+            # whole input sliced, as the base alone does.
+            self.gather_output = getattr(base, "gather_output", False)
+            self.split_input = getattr(base, "split_input", False)
         elif not isinstance(base, nn.Linear) and not self.conv:
             raise NotImplementedError(f"LoRA on {type(base).__name__}")
         # float8: the base's own float8 matmuls (its TP module's, or made here for a plain Float8Linear).
@@ -118,6 +122,8 @@ class LoraProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == COLUMN and self.copies_input:
             x = copy_to_tp(x, self.group)
+        if self.kind == ROW and self.split_input:
+            x = split_to_tp(x, self.group)
         a, b = local(self.lora_A.weight), local(self.lora_B.weight)
         if self.kind == COLUMN:
             a = copy_to_tp(a, self.group)  # replicated A: each rank's gradient covers its B columns only
@@ -125,7 +131,8 @@ class LoraProjection(nn.Module):
             b = copy_to_tp(b, self.group)  # replicated B: each rank's gradient covers its partial sum only
         delta = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
         if self.kind != ROW:
-            return self._base(x, None if self.bias is None else local(self.bias)) + delta
+            out = self._base(x, None if self.bias is None else local(self.bias)) + delta
+            return gather_from_tp(out, self.group) if self.kind == COLUMN and self.gather_output else out
         return _row_output(self._base(x, None) + delta, self.bias, self.mesh, self.group, self.to_sequence)
 
 

@@ -97,10 +97,14 @@ def _style(name: str, key: str, sequence_parallel: bool, model_type: str):
     leaf = key.rsplit(".", 1)[-1]
     if name == "colwise":
         return ColwiseParallel()
+    if name == "colwise_gather_output":  # what follows needs the whole output (see tp_layers)
+        return ColwiseParallel(output_layouts=Replicate())
     if name == "rowwise":
         if sequence_parallel and leaf in BLOCK_OUTPUTS:
             return RowwiseParallel(output_layouts=Shard(1))
         return RowwiseParallel()
+    if name == "rowwise_split_input":  # its input is whole on every rank: each takes its slice
+        return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce" and leaf in HEAD_NORMS:
         # A per-head norm after a column-parallel q/k projection sees [batch, seq, local heads,
         # head_dim]: its weight stays whole on every rank, and each rank's gradient covers only its
@@ -212,16 +216,25 @@ def _install_projections(
         parent, _, leaf = key.rpartition(".")
         if isinstance(style, ColwiseParallel):
             new: nn.Module = tp_layers.ColumnParallelLinear(
-                layer.get_submodule(key), mesh, copies_input=parent not in hooked
+                layer.get_submodule(key), mesh, copies_input=parent not in hooked, gather_output=_gathers(style)
             )
         elif isinstance(style, RowwiseParallel):
             new = tp_layers.RowParallelLinear(
-                layer.get_submodule(key), mesh, to_sequence=sequence_parallel and leaf in BLOCK_OUTPUTS
+                layer.get_submodule(key),
+                mesh,
+                to_sequence=sequence_parallel and leaf in BLOCK_OUTPUTS,
+                split_input=_gathers(style),
             )
         else:
             continue
         _replace(layer, key, new)
         del plan[key]
+
+
+def _gathers(style: object) -> bool:
+    """A column style whose output, or a row style whose input, is whole on every rank (Replicate)."""
+    layouts = style.output_layouts if isinstance(style, ColwiseParallel) else style.input_layouts
+    return isinstance(layouts[0], Replicate)
 
 
 def shard_embedding_gradient(module: nn.Module, adapter: Adapter) -> None:

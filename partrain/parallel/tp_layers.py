@@ -72,6 +72,46 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather of the last dimension forward; this rank's slice of the gradient backward (what
+    follows runs whole and alike on every rank, so the full gradient is the same everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group), None
+
+
+class _SplitToTensorParallel(torch.autograd.Function):
+    """This rank's slice of the last dimension forward (the input is whole and alike on every rank);
+    all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    with record_function("partrain/tp/all_gather"):
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _own_slice(x: torch.Tensor, group) -> torch.Tensor:
+    width = x.shape[-1] // dist.get_world_size(group)
+    return x.narrow(-1, dist.get_rank(group) * width, width).contiguous()
+
+
 def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
     """Replace `module.name` by a DTensor parameter of `mesh` with `placement` (meta or real data)."""
     module.register_parameter(name, megatron_sp.sharded_parameter(getattr(module, name), mesh, placement))
@@ -84,14 +124,18 @@ def _local(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class ColumnParallelLinear(nn.Module):
     """nn.Linear (W [out, in]) with the output features split over the TP group.
 
-    `copies_input=False` when the enclosing block already applied f to its input (`copy_block_input`)."""
+    `copies_input=False` when the enclosing block already applied f to its input (`copy_block_input`).
+    `gather_output`: the output features are all-gathered, so what follows runs whole on every rank
+    (transformers' `colwise_gather_output`: OLMo 2's norm over all of q and k; Phi-3's fused qkv_proj
+    and gate_up_proj, whose parts are cut from the whole output)."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copies_input: bool) -> None:
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copies_input: bool, gather_output: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.group = mesh.get_group()
         self.copies_input = copies_input
+        self.gather_output = gather_output
         self.float8 = float8_tp.for_projection(linear, mesh, float8_tp.COLUMN)  # None unless train.float8
         shard_param(self, "weight", mesh, Shard(0))
         if self.bias is not None:
@@ -101,27 +145,33 @@ class ColumnParallelLinear(nn.Module):
         if self.copies_input:
             x = copy_to_tp(x, self.group)
         if self.float8 is not None:
-            return self.float8.linear(x, self.weight.to_local(), _local(self.bias))
-        return F.linear(x, self.weight.to_local(), _local(self.bias))
+            out = self.float8.linear(x, self.weight.to_local(), _local(self.bias))
+        else:
+            out = F.linear(x, self.weight.to_local(), _local(self.bias))
+        return gather_from_tp(out, self.group) if self.gather_output else out
 
 
 class RowParallelLinear(nn.Module):
     """nn.Linear with the input features split over the TP group: partial sums all-reduced, or under
     Megatron-SP (`to_sequence`) reduce-scattered to this rank's sequence shard; the bias (replicated)
-    is added once, after the sum."""
+    is added once, after the sum. `split_input`: the input is whole on every rank (after a gathered
+    column projection: transformers' `rowwise_split_input`) and each rank takes its slice."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, to_sequence: bool) -> None:
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, to_sequence: bool, split_input: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.mesh, self.group = mesh, mesh.get_group()
         self.to_sequence = to_sequence
+        self.split_input = split_input
         self.float8 = float8_tp.for_projection(linear, mesh, float8_tp.ROW)  # None unless train.float8
         shard_param(self, "weight", mesh, Shard(1))
         if self.bias is not None:
             shard_param(self, "bias", mesh, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = split_to_tp(x, self.group)
         if self.float8 is not None:
             partial = self.float8.linear(x, self.weight.to_local(), None)
         else:
@@ -222,4 +272,6 @@ class _SequenceNormForward:
 # Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
 copy_to_tp = eager(_CopyToTensorParallel.apply)
 reduce_from_tp = eager(_ReduceFromTensorParallel.apply)
+gather_from_tp = eager(_GatherFromTensorParallel.apply)
+split_to_tp = eager(_SplitToTensorParallel.apply)
 _add_replicated_bias = eager(_add_replicated_bias_impl)
