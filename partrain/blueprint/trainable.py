@@ -26,6 +26,7 @@ IMPLEMENTED = {
     "master-weights-ep": False,
     "tp-sp-learned-positions": True,
     "sp-sliding-window": False,
+    "tp-sp-gathered-attention": False,
     "sp-ring-dropout": False,
 }
 
@@ -56,6 +57,11 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         "tp-sp-learned-positions": (
             p.tp_sequence_parallel and layout.tp > 1 and v.facts.learned_positions,
             f"parallel.tp_sequence_parallel=true (Megatron-SP for {v.facts.arch}'s learned position embeddings)",
+        ),
+        "tp-sp-gathered-attention": (
+            p.tp_sequence_parallel and layout.tp > 1 and family(v.run.model.arch).tp_plan_gathers,
+            f"parallel.tp_sequence_parallel=true (Megatron-SP where {v.run.model.arch}'s tensor-parallel plan "
+            "gathers column projections' outputs)",
         ),
         **_sp_limits(v),
         "checkpoint": (

@@ -253,7 +253,9 @@ def _check_supported(config, mode: str, seq_len: int) -> None:
     sequence (the ops are plain causal) and attention dropout under ring attention."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or []
-    windowed = "sliding_attention" in types or (config.model_type in ("mistral", "mixtral", "qwen3_moe") and window)
+    windowed = "sliding_attention" in types or (
+        config.model_type in ("mistral", "mixtral", "phi3", "qwen3_moe") and window
+    )
     if windowed and window and window < seq_len:
         raise NotImplementedError(
             f"sequence parallelism runs full causal attention; this {config.model_type} model uses "

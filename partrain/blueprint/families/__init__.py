@@ -12,17 +12,20 @@ import difflib
 from typing import Dict
 
 from partrain.blueprint.families.base import Family
+from partrain.blueprint.families.cohere2 import COHERE2
 from partrain.blueprint.families.gemma3 import GEMMA3
+from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
 from partrain.blueprint.families.llama import GRANITE, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from partrain.blueprint.families.mixtral import MIXTRAL
+from partrain.blueprint.families.olmo2 import OLMO2
+from partrain.blueprint.families.phi3 import PHI3
 from partrain.blueprint.families.qwen2_moe import QWEN2_MOE
 from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
 from partrain.errors import ConfigError, Problem
 
-FAMILIES: Dict[str, Family] = {
-    f.arch: f for f in (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-}
+DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
+FAMILIES: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
 """HF model_type -> its planner family, in the order reports list the supported architectures."""
 
 

@@ -128,6 +128,10 @@ class Family:
     undeclared_fields: Mapping[str, Any] = field(default_factory=dict)
     """Config keys the HF modeling code reads (getattr with a default) that the config class does not
     declare, with their defaults: model.config may set them."""
+    tp_plan_gathers: bool = False
+    """transformers' tp plan gathers some column projections' outputs (`colwise_gather_output`: OLMo 2's
+    norms over the whole q and k, Phi-3's and GLM-4's fused projections): what follows them runs whole
+    on every rank, and Megatron-SP, which keeps each block's input as a sequence shard, is not derived."""
     window_always: bool = False
     """The HF class applies config.sliding_window whenever it is set (Mistral, Mixtral); the others
     only with use_sliding_window or "sliding_attention" layer_types."""

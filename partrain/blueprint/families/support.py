@@ -34,17 +34,32 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     "smollm3": ("model=smollm3-tiny",),
     "granite": ("model=granite-tiny",),
     "gemma3_text": ("model=gemma3-tiny",),
+    "olmo2": ("model=olmo2-tiny",),
+    "phi3": ("model=phi3-tiny", "model.config.sliding_window=32"),
+    "glm4": ("model=glm4-tiny",),
+    "cohere2": ("model=cohere2-tiny",),
     "gpt2": ("model=gpt2-tiny",),
 }
 """HF model_type -> the overrides of its tiny model (conf/model/); Mistral with a sliding window shorter
 than the test's sequence, so its window masks are exercised."""
 
 SP_WINDOW = "sequence parallelism needs a sliding window of at least train.seq_len (model.config.sliding_window)"
+TP_GATHERED = (
+    "Megatron-SP is not derived where transformers' tp plan gathers column projections' outputs "
+    "(parallel.tp_sequence_parallel)"
+)
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
     ("gemma3_text", "sp2-ulysses"): SP_WINDOW,
     ("gemma3_text", "sp2-ring"): SP_WINDOW,
+    ("olmo2", "tp2-megatron-sp"): TP_GATHERED,
+    ("phi3", "sp2-ulysses"): SP_WINDOW,
+    ("phi3", "sp2-ring"): SP_WINDOW,
+    ("phi3", "tp2-megatron-sp"): TP_GATHERED,
+    ("glm4", "tp2-megatron-sp"): TP_GATHERED,
+    ("cohere2", "sp2-ulysses"): SP_WINDOW,
+    ("cohere2", "sp2-ring"): SP_WINDOW,
 }
 """(family, layout) cells refused before launch (exit 2), with the reason; the test checks each is."""
 
@@ -56,6 +71,10 @@ FAMILY_NOTES: Dict[str, str] = {
     "smollm3": "rotary skipped on every 4th layer; tied embeddings",
     "granite": "embedding, residual, attention and logits multipliers",
     "gemma3_text": "q/k norms, four norms a layer, scaled tied embeddings, local and global layers (own rotary bases)",
+    "olmo2": "q/k norms over the whole projections (tp gathers q, k and v: transformers' plan); post-norms",
+    "phi3": "fused qkv_proj and gate_up_proj (tp gathers their outputs: transformers' plan); sliding window",
+    "glm4": "fused gate_up_proj (tp gathers its output); four norms a layer; partial rotary; q/k/v biases",
+    "cohere2": "parallel attention and MLP on one LayerNorm; logit scale; tied embeddings; local and global layers",
     "gpt2": "fused q/k/v (Conv1D, partrain's own tp plan); learned positions; tied embeddings",
 }
 """What each family's row exercises beyond Llama."""

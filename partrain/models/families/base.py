@@ -118,6 +118,9 @@ class Adapter:
     """Config key of a divisor the HF causal-LM forward applies to the head's logits (Granite:
     "logits_scaling"); the pipeline's last stage applies it. The head is linear without bias, so dividing
     its input is the same: the chunked loss, whose passthrough head gets HF's division, needs nothing."""
+    logits_multiplier_key: Optional[str] = None
+    """Config key of a factor the HF causal-LM forward multiplies the head's logits by (Cohere 2:
+    "logit_scale"); the pipeline's last stage applies it, as it does logits_divisor_key."""
 
     # ---- lookups -------------------------------------------------------------------------------
 

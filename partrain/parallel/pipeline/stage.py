@@ -142,6 +142,8 @@ class PipelineStageModule(nn.Module):
                 # What HF's causal-LM forward does to the logits; with the head in the loss (chunked),
                 # dividing its input is the same: the head is linear without bias.
                 h = h / getattr(self.config, adapter.logits_divisor_key)
+            if adapter.logits_multiplier_key:
+                h = h * getattr(self.config, adapter.logits_multiplier_key)
         return h
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
@@ -165,8 +167,9 @@ def _mask_kind(config: Any, layer_index: int) -> str:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return layer_types[layer_index]
-    # Qwen3-MoE: HF keeps sliding_window only under use_sliding_window, and then masks every layer.
-    if getattr(config, "model_type", "") in ("mistral", "mixtral", "qwen3_moe") and getattr(
+    # Mistral, Mixtral, Phi-3: every layer whenever sliding_window is set. Qwen3-MoE: HF keeps
+    # sliding_window only under use_sliding_window, and then masks every layer.
+    if getattr(config, "model_type", "") in ("mistral", "mixtral", "phi3", "qwen3_moe") and getattr(
         config, "sliding_window", None
     ):
         return "sliding_attention"
