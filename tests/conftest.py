@@ -173,24 +173,66 @@ SINGLE_PROCESS_FILES = frozenset(
 validator, dry runs, at most one one-rank training run)."""
 
 
+LAUNCHER_FILES = frozenset(
+    f"test_{name}.py"
+    for name in (
+        "auto_layout",
+        "bench_comm",
+        "benchmark_gpu",
+        "checkpoint_nodes",
+        "device_script",
+        "dp_sync_planner",
+        "elastic",
+        "faults_checkpoint",
+        "faults_lifecycle",
+        "hub",
+        "multinode",
+        "node_watch",
+        "plan_vs_measured",
+        "progress_output",
+        "resume",
+        "sft_recipe",
+        "slurm",
+        "streaming",
+    )
+)
+"""Multi-process files about the launch itself (torchrun, SIGTERM, killed and hung nodes, resume,
+elastic re-layout, SLURM): they run one at a time, apart from the parity files, whose training
+processes come from one fork server."""
+
+PROCESS_GROUPS = ("launchers", "parallel-layouts")
+"""The two work units of the files that start training processes (every other file is a unit of its own)."""
+
+
 def xdist_work_unit(nodeid: str) -> str:
-    """The xdist work unit of a test: its file if that file is single-process, else one shared group."""
+    """The xdist work unit of a test: its file if that file is single-process, else one of two
+    groups of the files that start training processes (LAUNCHER_FILES, or the rest)."""
     name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return name if name in SINGLE_PROCESS_FILES else "training-processes"
+    if name in SINGLE_PROCESS_FILES:
+        return name
+    return PROCESS_GROUPS[0] if name in LAUNCHER_FILES else PROCESS_GROUPS[1]
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook is never called
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (`-n 2`, the README's command) the tests that start training processes
-    run one at a time on one worker: each already keeps both cores busy, and two at once were
-    measured no faster (gloo's latency grows with every process sharing a core). The single-process
-    files run on the other worker beside them, each file on one worker so that its module fixtures
-    run once. A file not listed in SINGLE_PROCESS_FILES counts as multi-process."""
+    """Under pytest-xdist (`-n 3`, the README's command) each group of the files that start training
+    processes runs one test at a time on a worker of its own, and the single-process files on the
+    third, each file on one worker so that its module fixtures run once. One group alone left a
+    third of the two cores idle (sleeps, timeouts, one-process references, the parent's preparation
+    between launches); a file not listed in SINGLE_PROCESS_FILES counts as multi-process."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ProcessGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The process groups first, one to each of the first two workers: xdist would order the
+            # units by test count, and a large single-process file could take a group's place.
+            for group in reversed(PROCESS_GROUPS):
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
+            super()._assign_work_unit(node)
 
     return ProcessGroupScheduling(config, log)
 
@@ -201,5 +243,5 @@ def pytest_collection_modifyitems(config, items):
     (planner, validator, dry runs, CLI, data, config), a few minutes where the whole suite takes ~14."""
     slow = pytest.mark.slow
     for item in items:
-        if xdist_work_unit(item.nodeid) == "training-processes":
+        if xdist_work_unit(item.nodeid) in PROCESS_GROUPS:
             item.add_marker(slow)

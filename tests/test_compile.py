@@ -1,5 +1,5 @@
 """`train.compile` (per-block torch.compile) and `train.loss_chunk_tokens` (chunked head + loss)
-in real gloo processes: one shared 4-process launch trains several layouts for 5 fp32 steps (eager
+in real gloo processes: one shared 4-process launch trains several layouts for 3 fp32 steps (eager
 with the plain head; eager with the chunked loss; compiled, with or without the chunked loss; see
 VARIANTS) and compares the per-rank losses and gradient norms (chunked vs plain and compiled vs
 eager: 1e-5 relative). The compiled runs use `train.compile_backend=aot_eager`: the same dynamo
@@ -15,7 +15,7 @@ import pytest
 
 from partrain.testing.multiproc import run_spawned
 
-STEPS = 5
+STEPS = 3
 SMALL = ["train.seq_len=32", "train.micro_batch_size=2", "model.config.num_hidden_layers=2"]
 LAYOUTS = {
     # name: overrides (4 processes each); chunk 16 tokens -> 8 positions -> 4 chunks per microbatch
@@ -67,7 +67,7 @@ def _batch(step: int, rows: int, seq: int):
 
 
 def _train(overrides, steps: int):
-    """5 steps of the real engine (build_engine: shard, materialize, wrap, optimizer); the losses this
+    """STEPS steps of the real engine (build_engine: shard, materialize, wrap, optimizer); the losses this
     rank sees, gradient norms, and dynamo's compiled-graph count after the first and the last step."""
     import torch
     from torch._dynamo.utils import counters

@@ -3,9 +3,10 @@
 Parity: per-step losses and global gradient norms within 1e-5 relative (fp32) for dp=2 and dp=4
 with every zero stage, and hybrid sharding 2 x 2. Memory: per-rank model-state bytes (parameters
 + gradients + optimizer state, summed over local shards) within 5% of the ZeRO formulas.
-`THROUGH_CLI` layouts run as `partrain train` (torchrun, the worker); the others share one launch
-per process count (`partrain.testing.in_process.train_cases`: the same mesh, engine and trainer
-step, without paying process start-up per layout).
+The one-process reference runs as `partrain train` (torchrun, the worker); the layouts share one
+launch per process count (`partrain.testing.in_process.train_cases`: the same mesh, engine and
+trainer step, without paying process start-up per layout; `partrain train` itself under several
+processes is what tests/test_resume.py and tests/test_multinode.py check).
 """
 
 from __future__ import annotations
@@ -72,20 +73,16 @@ def ideal_model_state_bytes(psi: int, zero_stage: int, dp: int, dp_shard: int) -
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 16 * psi / n, 3: 16 * psi / n}[zero_stage]
 
 
-THROUGH_CLI = ("dp2-zero3", "hybrid-2x2")
-"""Layouts trained by `partrain train` itself; the rest share a launch per process count."""
-
-
 def _processes(name: str) -> int:
     return int(dict(o.split("=", 1) for o in LAYOUTS[name])["parallel.dp"])
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, reference):
-    """{layout: (RunRecord of rank 0, each rank's model-state bytes)} for the layouts not in THROUGH_CLI."""
+    """{layout: (RunRecord of rank 0, each rank's model-state bytes)}."""
     out = {}
     for world in (2, 4):
-        names = [n for n in LAYOUTS if n not in THROUGH_CLI and _processes(n) == world]
+        names = [n for n in LAYOUTS if _processes(n) == world]
         cases = [BASE + LAYOUTS[n] for n in names]
         folder = tmp_path_factory.mktemp(f"spawn{world}")
         per_rank = run_spawned(train_cases, world, folder, str(reference.run_dir), cases, STEPS, timeout_s=600)
@@ -97,12 +94,8 @@ def shared(tmp_path_factory, reference):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, reference, shared, tmp_path, data_cache):
-    if name in THROUGH_CLI:
-        got = run_training(BASE + [f"data.cache_dir={data_cache}"] + LAYOUTS[name], tmp_path / "run", STEPS)
-        state_bytes = [rank["model_state_bytes"] for rank in got.summary["ranks"]]
-    else:
-        got, state_bytes = shared[name]
+def test_layout_matches_single_process(name, reference, shared):
+    got, state_bytes = shared[name]
     diffs = check_parity(reference, got)
     print(f"{name}: {diffs}")
     assert got.losses[-1] < got.losses[0]  # it trains

@@ -14,7 +14,7 @@ from partrain.blueprint.epochs import steps_for_epochs
 from partrain.blueprint.validate import validate
 from partrain.errors import ConfigError
 
-TEXT = ["recipe=gpt-dp", "data.max_bytes=40000", "train.seq_len=64", "train.eval_every=0", "train.eval_batches=0"]
+TEXT = ["recipe=gpt-dp", "data.max_bytes=12000", "train.seq_len=64", "train.eval_every=0", "train.eval_batches=0"]
 
 
 @pytest.mark.parametrize("epochs,per_epoch,steps", [(1, 7, 7), (3, 7, 21), (0.5, 7, 4), (0.01, 7, 1), (2.2, 10, 22)])

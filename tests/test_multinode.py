@@ -52,12 +52,21 @@ def start_node(node: int, overrides, run_dir: Path, endpoint: str, procs: int = 
     )
 
 
-def run_two_nodes(overrides, tmp: Path, overrides_node1=None, timeout_s: int = 240, procs: int = 2):
-    """Both nodes to the end; [(exit code, stdout, stderr), ...] and the run folders."""
+def run_two_nodes(
+    overrides, tmp: Path, overrides_node1=None, timeout_s: int = 240, procs: int = 2, node1_first: bool = False
+):
+    """Both nodes to the end; [(exit code, stdout, stderr), ...] and the run folders. node1_first: node 1's
+    launcher starts 3 s before node 0's (it waits at the endpoint before node 0 exists)."""
     endpoint = f"127.0.0.1:{free_port()}"
     dirs = [tmp / "node0", tmp / "node1"]
     per_node = [overrides, overrides_node1 or overrides]
-    launchers = [start_node(k, per_node[k], dirs[k], endpoint, procs) for k in (0, 1)]
+    order = (1, 0) if node1_first else (0, 1)
+    started = {}
+    for k in order:
+        started[k] = start_node(k, per_node[k], dirs[k], endpoint, procs)
+        if node1_first and k == 1:
+            time.sleep(3)
+    launchers = [started[0], started[1]]
     outs = []
     for p in launchers:
         out, err = p.communicate(timeout=timeout_s)
@@ -77,26 +86,32 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
-def one_and_two_nodes(layout, tmp: Path, cache: Path, steps: int, procs: int = 2):
-    """The same run on one node of 2 x procs processes and on two nodes of procs; (losses, losses)."""
+def one_and_two_nodes(layout, tmp: Path, cache: Path, steps: int, procs: int = 2, two_nodes_extra=(), **launch):
+    """The same run on one node of 2 x procs processes and on two nodes of procs (`two_nodes_extra`
+    overrides: what does not change the losses); (losses, losses, the nodes' outputs, run folders)."""
     common = [*layout, *BASE, f"data.cache_dir={cache}"]
     # The one-node run in real processes through the worker's code (a forked launch, testing.in_process).
     one = train_all({"one": parity_args([*common, f"cluster.devices_per_node={2 * procs}"], steps)}, tmp)["one"]
-    outs, dirs = run_two_nodes([*common, f"train.steps={steps}"], tmp / "two", procs=procs)
+    two = [*common, f"train.steps={steps}", *two_nodes_extra]
+    outs, dirs = run_two_nodes(two, tmp / "two", procs=procs, **launch)
     for code, out, err in outs:
         assert code == 0, (out[-3000:], err[-3000:])
     assert f"(node 0 of 2: {procs} here)" in outs[0][1] and f"(node 1 of 2: {procs} here)" in outs[1][1]
-    return one.losses, losses_of(dirs)
+    return one.losses, losses_of(dirs), outs, dirs
 
 
 @pytest.fixture(scope="module")
 def dp4_runs(tmp_path_factory, cache):
-    """gpt-dp over dp4, shared by the parity test and the SIGTERM test (its uninterrupted run)."""
-    return one_and_two_nodes(DP4, tmp_path_factory.mktemp("dp4"), cache, STEPS)
+    """gpt-dp over dp4, shared by the parity test, the SIGTERM test (its uninterrupted run) and the
+    static rendezvous test: node 1's launcher starts first, and every 20 steps both nodes save into a
+    shared checkpoint.dir (saving does not change the losses)."""
+    tmp = tmp_path_factory.mktemp("dp4")
+    saves = [f"checkpoint.dir={tmp / 'ckpt'}", "checkpoint.every_steps=20"]
+    return (*one_and_two_nodes(DP4, tmp, cache, STEPS, two_nodes_extra=saves, node1_first=True), tmp / "ckpt")
 
 
 def test_gpt_dp_two_nodes_match_one_node(dp4_runs):
-    one, two = dp4_runs
+    one, two = dp4_runs[:2]
     diff = max(abs(a - b) for a, b in zip(one, two))
     print(f"gpt-dp dp4: max |loss difference| two nodes vs one node {diff:.2e}")
     assert len(two) == STEPS and diff <= 1e-6, (one, two)
@@ -109,7 +124,7 @@ def test_dp_sync_strategies_on_two_launchers_match_one_node(sync, dp4_runs, tmp_
     """Issue 19 over real nodes: hierarchical (reduce-scatter inside a node, all-reduce across, all-gather
     inside) and the parameter server (2 co-located servers) on 2 launchers x 2 processes give the
     one-node DDP run's losses over the first 5 steps (fp32, 1e-5: the sums are ordered differently)."""
-    one, _ = dp4_runs
+    one = dp4_runs[0]
     common = [*DP4, *BASE, f"data.cache_dir={cache}", f"train.steps={STEPS}", *sync]
     outs, dirs = run_two_nodes(common, tmp_path)
     for code, out, err in outs:
@@ -127,7 +142,7 @@ def test_gpt_3d_two_nodes_match_one_node(tmp_path, cache):
     axis over nodes is the gpt-dp test's; the shipped dp2 x tp2 x pp2 on 2 x 4 was checked by hand
     with the same result, at twice the processes)."""
     tp_pp = ["recipe=gpt-3d", "parallel.dp=1", "train.global_batch_size=4"]
-    one, two = one_and_two_nodes(tp_pp, tmp_path, cache, 2, procs=2)
+    one, two = one_and_two_nodes(tp_pp, tmp_path, cache, 2, procs=2)[:2]
     diff = max(abs(a - b) for a, b in zip(one, two))
     print(f"gpt-3d tp2 x pp2: max |loss difference| two nodes vs one node {diff:.2e}")
     assert len(two) == 2 and diff <= 1e-6, (one, two)
@@ -318,21 +333,13 @@ def test_node_that_hangs_stops_the_other_within_timeout(tmp_path, cache):
     assert verdicts and all(v.ok for v in verdicts), verdicts
 
 
-def test_node_rank_0_runs_global_rank_0_whichever_node_starts_first(tmp_path, cache):
-    """Issue 38 item 4: the static rendezvous. Node 1's launcher starts first; global rank 0 (metrics,
-    summary) is still on node 0, and every checkpoint in the shared checkpoint.dir is complete."""
-    ckpt = tmp_path / "ckpt"
-    common = [*DP4, *BASE, f"data.cache_dir={cache}", "train.steps=4", "checkpoint.every_steps=2"]
-    common.append(f"checkpoint.dir={ckpt}")
-    endpoint = f"127.0.0.1:{free_port()}"
-    dirs = [tmp_path / "node0", tmp_path / "node1"]
-    first = start_node(1, common, dirs[1], endpoint)
-    time.sleep(3)  # node 1 is waiting at the endpoint before node 0 exists
-    procs = [start_node(0, common, dirs[0], endpoint), first]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [(out[-2000:], err[-2000:]) for out, err in outs]
+def test_node_rank_0_runs_global_rank_0_whichever_node_starts_first(dp4_runs):
+    """Issue 38 item 4: the static rendezvous. In the shared dp4 run node 1's launcher starts first;
+    global rank 0 (metrics, summary) is still on node 0, and every checkpoint in the shared
+    checkpoint.dir is complete."""
+    _, _, outs, dirs, ckpt = dp4_runs
     assert (dirs[0] / "metrics.jsonl").exists() and not (dirs[1] / "metrics.jsonl").exists()
-    assert "loss" in outs[0][0] and "node 1: its workers ended cleanly" in outs[1][0]
-    assert "folder of node 0" in outs[1][0], outs[1][0]
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step-00000002", "step-00000004"]
-    assert all((ckpt / name / "partrain.json").is_file() for name in ("step-00000002", "step-00000004"))
+    assert "loss" in outs[0][1] and "node 1: its workers ended cleanly" in outs[1][1]
+    assert "folder of node 0" in outs[1][1], outs[1][1]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step-00000020", "step-00000040"]
+    assert all((ckpt / name / "partrain.json").is_file() for name in ("step-00000020", "step-00000040"))
