@@ -27,4 +27,6 @@ COHERE2 = replace(
     extras=partial(llama.extras, attention_bias=True),
     layer_tensors=layer_tensors,
     residual_norms=1,
+    # HF derives layer_types from sliding_window (three sliding layers of four) whenever it is set.
+    window_always=True,
 )
