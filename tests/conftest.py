@@ -240,7 +240,7 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """The fast tier, `pytest -m "not slow"`: every test of a file that starts training processes
     (one not in SINGLE_PROCESS_FILES) counts as slow, so the fast tier is the single-process files
-    (planner, validator, dry runs, CLI, data, config), a few minutes where the whole suite takes ~14."""
+    (planner, validator, dry runs, CLI, data, config): minutes, where the whole suite takes 20 and more."""
     slow = pytest.mark.slow
     for item in items:
         if xdist_work_unit(item.nodeid) in PROCESS_GROUPS:
