@@ -61,6 +61,7 @@ def test_a_one_process_run_trains_the_steps_its_epochs_come_to(tmp_path):
     from partrain.preflight import check_before_launch
 
     overrides = [*TEXT, "cluster.devices_per_node=1", "parallel.dp=1", "train.epochs=1.5"]
+    overrides.append("train.threads_per_process=1")  # beside the suite's other workers (209 s with two threads)
     overrides.append("checkpoint.save_final=false")
     overrides.append(f"data.cache_dir={tmp_path / 'cache'}")
     facts: dict = {}

@@ -24,6 +24,7 @@ ONE_PROCESS_LORA = [
     "train.micro_batch_size=4",
     "train.eval_every=0",
     "train.eval_batches=0",
+    "train.threads_per_process=1",  # beside the suite's other workers: two spinning OpenMP threads crawl
 ]
 
 
