@@ -170,14 +170,16 @@ def test_svg_is_well_formed(tmp_path):
 
 
 def test_no_torch_and_fast_enough_for_the_dry_run():
+    """Asserted on the child's CPU time, which other load on the machine does not inflate (its wall time
+    was 4.2 s beside the suite's other workers)."""
     code = (
-        "import sys, time; t = time.perf_counter();"
+        "import sys, time; t = time.process_time();"
         "from partrain.blueprint.schedule_sim import schedule_grid; from partrain.blueprint.report.schedule import "
         "render_text, to_svg;"
         "g = schedule_grid('interleaved-1f1b', 16, 4, 128); render_text(g); to_svg(g);"
         "g = schedule_grid('zbv', 16, 2, 128); render_text(g);"
         "assert 'torch' not in sys.modules, 'torch imported';"
-        "print(time.perf_counter() - t)"
+        "print(time.process_time() - t)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout.strip()) < 2.0
