@@ -88,5 +88,29 @@ def test_family_tables_derived_from_the_files():
     assert LORA_TARGETS["mixtral"] == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert LORA_TARGETS["gpt2"] == ("c_attn", "c_proj", "c_fc")
     assert UNDECLARED_FIELDS["qwen3_moe"] == {"head_dim": None}
-    windowed = ["mistral", "gemma3_text", "phi3", "cohere2", "mixtral"]
+    windowed = ["mistral", "gemma2", "gemma3_text", "phi3", "cohere2", "mixtral"]
     assert [a for a in SUPPORTED_ARCHS if FAMILIES[a].window_always] == windowed
+
+
+def test_the_attention_kernel_follows_the_model_and_sdpa_is_refused_where_scores_are_capped():
+    """SDPA by default; eager where the model caps its attention scores (Gemma 2), as the planner and
+    the built HF config both say; model.config.attn_implementation is a kernel choice, not a config
+    field, and naming SDPA for capped scores is refused naming the key (SDPA would ignore the cap)."""
+    from partrain.blueprint.config.compose import compose
+    from partrain.blueprint.planner.spec import model_extras
+    from partrain.blueprint.validate import validate
+    from partrain.models.build import hf_config
+
+    def kernels(*overrides: str):
+        v = validate(compose(["recipe=gpt-dp", *overrides]))
+        m = v.run.model
+        return model_extras(m.arch, m.config, m.pretrained, v.facts).attn_impl, hf_config(m)._attn_implementation
+
+    assert kernels("model=llama-tiny") == ("sdpa", "sdpa")
+    assert kernels("model=gemma2-tiny") == ("eager", "eager")
+    assert kernels("model=gemma2-tiny", "model.config.attn_logit_softcapping=null") == ("sdpa", "sdpa")
+    assert kernels("model=llama-tiny", "+model.config.attn_implementation=eager") == ("eager", "eager")
+    with pytest.raises(ConfigError) as refused:
+        validate(compose(["recipe=gpt-dp", "model=gemma2-tiny", "+model.config.attn_implementation=sdpa"]))
+    text = str(refused.value)
+    assert "model.config.attn_implementation" in text and "attn_logit_softcapping=50.0" in text, text

@@ -13,7 +13,9 @@ HF's base and causal-LM forwards, which a pipeline stage does not run (models/fa
 GRANITE, applied in parallel/pipeline/stage.py). OLMo 2 (norms over the whole q and k) and Phi-3 (fused
 qkv_proj, gate_up_proj): transformers' plans gather those column projections' outputs and slice the
 next row projection's input (`colwise_gather_output` / `rowwise_split_input`: tp_layers' gather_output
-and split_input, LoRA included); Megatron-SP is refused for them."""
+and split_input, LoRA included); Megatron-SP is refused for them. Gemma 2: attention scores capped by
+tanh (eager attention; partrain's Ulysses attention caps them too, ring refuses) and logits capped by
+tanh, which the pipeline's last stage and the chunked loss apply after the head (models/logits.py)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,21 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from partrain.blueprint.families.support import PARITY_FAMILIES, PARITY_LAYOUTS, PARITY_REFUSED, SP_WINDOW
+from partrain.blueprint.families.support import (
+    PARITY_FAMILIES,
+    PARITY_LAYOUTS,
+    PARITY_REFUSED,
+    PARITY_STEPS,
+    RING_SOFTCAP,
+    SP_WINDOW,
+    TP_GATHERED,
+)
 from partrain.testing.in_process import train_with_references
 from partrain.testing.parity import FP32_RTOL, check_parity
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = PARITY_STEPS
 COMMON = [
     "recipe=llama-fsdp-tp",
     "train.precision=fp32",
@@ -40,11 +50,14 @@ COMMON = [
     "parallel.zero_stage=0",
     "parallel.tp_sequence_parallel=false",
     "cluster.devices_per_node=2",
+    "train.loss_chunk_tokens=0",
 ]
 """Two processes, two one-row microbatches a step (one per rank under dp2; both through the two stages
-under pp2; accumulated in the one-process reference), fp32 (FP32_RTOL)."""
+under pp2; accumulated in the one-process reference), fp32 (FP32_RTOL). The head and its logits as HF's
+causal-LM forward computes them (the chunked loss off): the reference is transformers' own function,
+and the chunked layouts turn it back on."""
 EXPORTED_LAYOUT = "tp2"
-EXPORT = ["checkpoint.every_steps=3", "checkpoint.export_hf=true"]
+EXPORT = [f"checkpoint.every_steps={STEPS}", "checkpoint.export_hf=true"]
 """The tp2 run of every family also saves its last step and exports it as an HF folder from its own
 ranks (the sharded weights gathered): what a user keeps of a run."""
 
@@ -75,7 +88,7 @@ def test_family_layout_matches_one_process(name, runs):
     reference, _ = REFERENCES[name]
     got = runs[name]
     print(name, check_parity(runs[reference], got, rtol=FP32_RTOL))
-    assert len(set(got.losses)) == STEPS  # it trained (3 steps of LoRA may not lower the loss yet)
+    assert len(set(got.losses)) == STEPS  # it trained (a LoRA step may not lower the loss yet)
 
 
 @pytest.mark.parametrize("family, layout", list(PARITY_REFUSED))
@@ -86,9 +99,9 @@ def test_refused_cells_are_refused_before_launch(family, layout):
     from partrain.blueprint.validate import validate
 
     missing = unsupported_features(validate(compose([*COMMON, *PARITY_FAMILIES[family], *PARITY_LAYOUTS[layout]])))
-    window = PARITY_REFUSED[family, layout] == SP_WINDOW
-    expected = "sliding attention window" if window else "gathers column projections"
-    assert len(missing) == 1 and expected in missing[0], missing
+    expected = {SP_WINDOW: "sliding attention window", TP_GATHERED: "gathers column projections"}
+    expected[RING_SOFTCAP] = "attention scores capped by model.config.attn_logit_softcapping"
+    assert len(missing) == 1 and expected[PARITY_REFUSED[family, layout]] in missing[0], missing
 
 
 @pytest.mark.parametrize("family", list(PARITY_FAMILIES))
@@ -98,4 +111,4 @@ def test_every_family_exports_a_folder_transformers_loads_with_the_checkpoint_s_
     from partrain.testing.hf_check import logits_difference
 
     run_dir = runs[f"{family}-{EXPORTED_LAYOUT}"].run_dir
-    assert logits_difference(run_dir / "hf", run_dir / "checkpoints" / "step-00000003") == 0.0
+    assert logits_difference(run_dir / "hf", run_dir / "checkpoints" / f"step-{STEPS:08d}") == 0.0

@@ -24,6 +24,9 @@ from partrain.errors import ConfigError, Problem
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
 SUPPORTED_ARCHS = tuple(FAMILIES)
 """One entry per blueprint/families/ family (gpt2, llama, qwen2, qwen3, mistral, smollm3, mixtral, qwen2_moe, ...)."""
+IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation")
+"""model.config keys that pick transformers' kernels (HF configs take them as constructor kwargs, not
+fields): they change no fact of the model, and merged_kwargs leaves them out of its values."""
 UNDECLARED_FIELDS: Dict[str, Dict[str, Any]] = {a: dict(f.undeclared_fields) for a, f in FAMILIES.items()}
 """Keys the HF modeling code reads (getattr with a default) that the config class does not declare
 (each family's `undeclared_fields`)."""
@@ -126,7 +129,7 @@ def merged_kwargs(
                 )
             )
         layers.append(({k: v for k, v in stored.items() if k in fields or k in aliases}, None))
-    layers.append((dict(config), "model.config"))
+    layers.append(({k: v for k, v in config.items() if k not in IMPLEMENTATION_KEYS}, "model.config"))
     for source, key_prefix in layers:
         for key, value in source.items():
             # An alias whose target is no field (Qwen3-MoE maps num_experts to num_local_experts but
@@ -141,7 +144,33 @@ def merged_kwargs(
                     Problem(f"{key_prefix}.{key}", value, f"not a field of transformers.{entry['class']}", hint)
                 )
             values[name] = value
+    _check_attention_kernel(arch, config.get("attn_implementation"), values)
     return values
+
+
+def attention_implementation(named: Optional[str], values: Mapping[str, Any]) -> str:
+    """The attention kernel a run uses: model.config.attn_implementation when named, else SDPA, or
+    transformers' eager attention where the model caps its attention scores (attn_logit_softcapping:
+    Gemma 2), which SDPA cannot do."""
+    if named:
+        return str(named)
+    return "eager" if values.get("attn_logit_softcapping") else "sdpa"
+
+
+def _check_attention_kernel(arch: str, named: Any, values: Mapping[str, Any]) -> None:
+    """SDPA named for a model that caps its attention scores would train another function (SDPA
+    ignores the cap): refused, naming both keys."""
+    cap = values.get("attn_logit_softcapping")
+    if named == "sdpa" and cap:
+        raise ConfigError(
+            Problem(
+                "model.config.attn_implementation",
+                named,
+                f"this {arch} model caps its attention scores (attn_logit_softcapping={cap}) and SDPA cannot",
+                "drop model.config.attn_implementation (eager attention is then used) or set "
+                "model.config.attn_logit_softcapping=null",
+            )
+        )
 
 
 def facts_from_kwargs(arch: str, values: Dict[str, Any], class_name: str) -> ModelFacts:

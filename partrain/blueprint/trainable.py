@@ -28,6 +28,7 @@ IMPLEMENTED = {
     "sp-sliding-window": False,
     "tp-sp-gathered-attention": False,
     "sp-ring-dropout": False,
+    "sp-ring-softcap": False,
 }
 
 
@@ -74,7 +75,8 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
 
 def _sp_limits(v: ValidatedRun) -> dict:
     """What partrain's sp attention (parallel.context_parallel) does not do: sliding windows shorter
-    than the sequence (it runs full causal attention) and attention dropout inside ring attention."""
+    than the sequence (it runs full causal attention), and attention dropout or capped attention scores
+    inside ring attention."""
     layout, seq = v.layout, v.run.train.seq_len
     if layout.sp == 1:
         return {}
@@ -98,5 +100,10 @@ def _sp_limits(v: ValidatedRun) -> dict:
         "sp-ring-dropout": (
             v.run.parallel.sp_mode == "ring" and dropout > 0,
             f"parallel.sp_mode=ring (attention dropout {dropout} inside ring attention; Ulysses supports it)",
+        ),
+        "sp-ring-softcap": (
+            v.run.parallel.sp_mode == "ring" and bool(cfg.get("attn_logit_softcapping")),
+            f"parallel.sp_mode=ring (attention scores capped by model.config.attn_logit_softcapping="
+            f"{cfg.get('attn_logit_softcapping')} inside ring attention; Ulysses supports it)",
         ),
     }

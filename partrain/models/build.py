@@ -12,22 +12,20 @@ import torch
 from torch import nn
 
 from partrain.blueprint.config.schema import ModelConfig
-from partrain.blueprint.model_facts import load_snapshot, merged_kwargs
+from partrain.blueprint.model_facts import IMPLEMENTATION_KEYS, attention_implementation, load_snapshot, merged_kwargs
 from partrain.errors import ConfigError, Problem
 
-ATTN_IMPLEMENTATION = "sdpa"
-"""Default attention kernel. SDPA runs on CPU and GPU, its CPU kernels are deterministic (no atomics,
-fixed reduction order for a given thread count), it never materialises the S x S score matrix, and
-with attention_mask=None it runs causal, which pipeline stages rely on. "eager" is the slower
-reference; a user may still pick any HF implementation with model.config.attn_implementation."""
+# The default attention kernel (model_facts.attention_implementation) is SDPA: it runs on CPU and GPU,
+# its CPU kernels are deterministic (no atomics,
+# fixed reduction order for a given thread count), it never materialises the S x S score matrix, and
+# with attention_mask=None it runs causal, which pipeline stages rely on. "eager" is the slower
+# reference, and the default where the model caps its attention scores (Gemma 2), which SDPA cannot;
+# a user may still pick any HF implementation with model.config.attn_implementation.
 
 EXPERTS_IMPLEMENTATION = "eager"
 """Default MoE experts kernel: HF's plain per-expert loop of F.linear calls. It works for meta,
 DTensor and CPU tensors alike and keeps expert-parallel code simple; transformers would otherwise
 pick "grouped_mm". Override with model.config.experts_implementation."""
-
-# Keys that HF configs accept as constructor kwargs without being dataclass fields.
-_IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation")
 
 
 def hf_config(model_cfg: ModelConfig) -> Any:
@@ -41,7 +39,7 @@ def hf_config(model_cfg: ModelConfig) -> Any:
     archs or keys, an arch that differs from the pretrained folder's, or values HF rejects.
     """
     kwargs: Dict[str, Any] = dict(model_cfg.config or {})
-    implementations = {k: kwargs.pop(k) for k in _IMPLEMENTATION_KEYS if k in kwargs}
+    implementations = {k: kwargs.pop(k) for k in IMPLEMENTATION_KEYS if k in kwargs}
     if kwargs.get("use_cache"):
         raise ConfigError(
             Problem(
@@ -53,7 +51,7 @@ def hf_config(model_cfg: ModelConfig) -> Any:
         )
     kwargs.pop("use_cache", None)
     # One validator for unknown archs, unknown keys and arch/pretrained mismatch: the facts layer.
-    merged_kwargs(model_cfg.arch, kwargs, model_cfg.pretrained, load_snapshot())
+    merged_kwargs(model_cfg.arch, {**kwargs, **implementations}, model_cfg.pretrained, load_snapshot())
 
     try:
         if model_cfg.pretrained:
@@ -75,7 +73,8 @@ def hf_config(model_cfg: ModelConfig) -> Any:
         ) from exc
 
     config.use_cache = False
-    config._attn_implementation = implementations.get("attn_implementation", ATTN_IMPLEMENTATION)
+    softcap = {"attn_logit_softcapping": getattr(config, "attn_logit_softcapping", None)}
+    config._attn_implementation = attention_implementation(implementations.get("attn_implementation"), softcap)
     config._experts_implementation = implementations.get("experts_implementation", EXPERTS_IMPLEMENTATION)
     return config
 

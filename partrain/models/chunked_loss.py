@@ -16,12 +16,14 @@ and the head belongs to the root unit, so the head's weight is the gathered one 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from partrain.models.logits import cap_lifted, softcapped
 
 IGNORE_INDEX = -100
 """Label value that contributes nothing to the loss (padding, document ends)."""
@@ -47,8 +49,8 @@ def head_detached(model: nn.Module, head_path: str) -> Iterator[nn.Module]:
         parent._modules[name] = head
 
 
-def _chunk_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
+def _chunk_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    logits = softcapped(head(hidden), cap)
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -62,8 +64,11 @@ def _replicated(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.redistribute(placements=[Replicate()] * len(placements))
 
 
-def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Summed fp32 cross-entropy of `head(hidden)` [B, S, V] against labels [B, S] (-100 ignored).
+def head_loss_sum(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, cap: Optional[float] = None
+) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `head(hidden)` [B, S, V] (capped at `cap`: models/logits.py) against
+    labels [B, S] (-100 ignored).
 
     The sequence is cut into chunks of about `chunk_tokens` tokens (chunk_tokens // B positions);
     with one chunk the head runs plainly (nothing to bound, no recompute).
@@ -72,11 +77,11 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, c
     positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
     seq = hidden.shape[1]
     if seq <= positions:
-        return _chunk_sum(head, hidden, labels)
+        return _chunk_sum(head, hidden, labels, cap)
     total = None
     for start in range(0, seq, positions):
         end = min(seq, start + positions)
-        part = checkpoint(_chunk_sum, head, hidden[:, start:end], labels[:, start:end], use_reentrant=False)
+        part = checkpoint(_chunk_sum, head, hidden[:, start:end], labels[:, start:end], cap, use_reentrant=False)
         total = part if total is None else total + part
     return total
 
@@ -92,6 +97,6 @@ def chunked_model_loss(
     """(summed loss, labelled tokens) of `model(**inputs)` with the head applied in chunks.
     `model` may be a DDP wrapper: the head is found on the module it wraps."""
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    with head_detached(inner, head_path) as head:
+    with head_detached(inner, head_path) as head, cap_lifted(inner.config) as cap:
         hidden = model(**inputs).logits
-    return head_loss_sum(head, hidden, labels, chunk_tokens), labelled_count(labels)
+    return head_loss_sum(head, hidden, labels, chunk_tokens, cap), labelled_count(labels)

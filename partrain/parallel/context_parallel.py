@@ -220,7 +220,11 @@ def _sp_attention(
         # Each rank sees whole rows after the all-to-all: the document mask of the whole row.
         mask = split.document_mask(split.gather_sequence(starts, shard.group)) if starts is not None else None
 
+        cap = kwargs.get("softcap")
+
         def full_sequence(q, k, v):
+            if cap:  # scores capped by tanh (Gemma 2): SDPA cannot, so the math of HF's eager attention
+                return capped_attention(q, k, v, mask, dropout, causal, scaling, cap)
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -234,6 +238,34 @@ def _sp_attention(
 
         out = ops.ulysses_attention(query, key, value, shard.group, full_sequence)
     return out.transpose(1, 2).contiguous(), None
+
+
+def capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout: float,
+    causal: bool,
+    scaling: Optional[float],
+    cap: float,
+) -> torch.Tensor:
+    """Attention with its scores capped at cap * tanh(scores / cap), in the order of transformers' eager
+    attention (scale, cap, mask, fp32 softmax); q [B, H, S, D], k and v [B, KV, S, D] (KV divides H),
+    mask a boolean [B, 1, S, S] of visible keys or None."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    visible = mask
+    if visible is None and causal:
+        n = q.shape[2]
+        visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if visible is not None:
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
 
 
 def _document_starts(shard: SequenceShard, position_ids: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
@@ -261,6 +293,11 @@ def _check_supported(config, mode: str, seq_len: int) -> None:
             f"sequence parallelism runs full causal attention; this {config.model_type} model uses "
             f"a sliding window of {window} < train.seq_len={seq_len}: set "
             "model.config.sliding_window=null or parallel.sp=1"
+        )
+    if mode == "ring" and getattr(config, "attn_logit_softcapping", None):
+        raise NotImplementedError(
+            "ring attention does not cap attention scores (model.config.attn_logit_softcapping): use "
+            "parallel.sp_mode=ulysses"
         )
     dropout = max(float(getattr(config, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop"))
     if mode == "ring" and dropout > 0:

@@ -15,6 +15,7 @@ import torch
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 from partrain.models.chunked_loss import head_loss_sum, labelled_count
+from partrain.models.logits import final_softcap
 from partrain.models.loss import forward_loss, token_loss
 from partrain.models.materialize import materialize
 from partrain.parallel import data_parallel, expert_parallel, master_weights
@@ -143,7 +144,7 @@ def _stage_loss(stages, adapter, shard, chunk_tokens: int):
     head = last[0].get_submodule(adapter.lm_head_path)
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = head_loss_sum(head, hidden, labels, chunk_tokens)
+        total = head_loss_sum(head, hidden, labels, chunk_tokens, final_softcap(last[0].config))
         return shard.scale_sum(total, labels) if shard else total / labelled_count(labels)
 
     return loss_fn

@@ -401,10 +401,10 @@ class PeftConfig:
     """Dropout on the adapter's input (0 = none; the base projection never sees it)."""
     target_modules: List[str] = field(default_factory=list)
     """Projection names (the last part of their module path) that get adapters; empty = every attention
-    and MLP projection of the family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, Granite, Gemma 3, OLMo 2, Cohere 2:
-    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Phi-3: qkv_proj, o_proj, gate_up_proj,
-    down_proj; GLM-4: q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj; GPT-2: c_attn, c_proj
-    (attention's and the MLP's), c_fc). MoE
+    and MLP projection of the family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, Granite, Gemma 2, Gemma 3,
+    OLMo 2, Cohere 2: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Phi-3: qkv_proj,
+    o_proj, gate_up_proj, down_proj; GLM-4: q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj;
+    GPT-2: c_attn, c_proj (attention's and the MLP's), c_fc). MoE
     families: attention and the dense MLP projections (Qwen2-MoE's shared expert, Qwen3-MoE's mlp_only_layers);
     the routed experts (stacked 3-D tensors) and the router get no adapters and stay frozen."""
 

@@ -13,6 +13,7 @@ from typing import Dict
 
 from partrain.blueprint.families.base import Family
 from partrain.blueprint.families.cohere2 import COHERE2
+from partrain.blueprint.families.gemma2 import GEMMA2
 from partrain.blueprint.families.gemma3 import GEMMA3
 from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
@@ -24,7 +25,7 @@ from partrain.blueprint.families.qwen2_moe import QWEN2_MOE
 from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
 from partrain.errors import ConfigError, Problem
 
-DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
+DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
 FAMILIES: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
 """HF model_type -> its planner family, in the order reports list the supported architectures."""
 

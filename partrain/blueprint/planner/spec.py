@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from partrain.blueprint.families import family
 from partrain.blueprint.families.base import ModelExtras
-from partrain.blueprint.model_facts import ModelFacts, load_snapshot, merged_kwargs
+from partrain.blueprint.model_facts import ModelFacts, attention_implementation, load_snapshot, merged_kwargs
 from partrain.blueprint.precision_mode import uses_master_weights
 
 GIB = float(1 << 30)
@@ -54,11 +54,9 @@ def model_extras(arch: str, config: Dict[str, Any], pretrained: Optional[str], f
 @functools.lru_cache(maxsize=256)
 def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts: ModelFacts) -> ModelExtras:
     config = json.loads(config_json)
-    impl = config.pop("attn_implementation", None) or "sdpa"
-    config.pop("experts_implementation", None)
     config.pop("use_cache", None)
     values = merged_kwargs(arch, config, pretrained, _snapshot())
-    return family(arch).extras(values, facts, impl)
+    return family(arch).extras(values, facts, attention_implementation(config.get("attn_implementation"), values))
 
 
 def default_extras(facts: ModelFacts) -> ModelExtras:

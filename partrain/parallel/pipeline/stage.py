@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from partrain.models.adapters import Adapter
+from partrain.models.logits import final_softcap, softcapped
 
 
 class PipelineStageModule(nn.Module):
@@ -144,6 +145,8 @@ class PipelineStageModule(nn.Module):
                 h = h / getattr(self.config, adapter.logits_divisor_key)
             if adapter.logits_multiplier_key:
                 h = h * getattr(self.config, adapter.logits_multiplier_key)
+            if not self.head_in_loss:  # with the head in the loss, the loss caps each chunk's logits
+                h = softcapped(h, final_softcap(self.config))
         return h
 
     def _masks(self, h: torch.Tensor, position_ids: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
