@@ -237,6 +237,19 @@ def pytest_xdist_make_scheduler(config, log):
     return ProcessGroupScheduling(config, log)
 
 
+def pytest_configure(config):
+    """Once, in pytest's own process (not in each xdist worker): the package's bytecode written beside its
+    sources. The suite starts hundreds of interpreters (launchers, torchrun, workers); where
+    PYTHONDONTWRITEBYTECODE is set (as on the CI machines) each would compile partrain's sources again,
+    about half a CPU second apiece. An unwritable checkout just compiles as before."""
+    import compileall
+
+    import partrain
+
+    if not hasattr(config, "workerinput"):
+        compileall.compile_dir(Path(partrain.__file__).parent, quiet=2)
+
+
 def pytest_collection_modifyitems(config, items):
     """The fast tier, `pytest -m "not slow"`: every test of a file that starts training processes
     (one not in SINGLE_PROCESS_FILES) counts as slow, so the fast tier is the single-process files

@@ -48,7 +48,6 @@ VARIANTS = {
     ("gpt-dp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("llama-fsdp-tp", "eager"): EAGER,
     ("llama-fsdp-tp", "chunked"): CHUNKED,
-    ("llama-fsdp-tp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=0"],
     ("llama-fsdp-tp-sp", "chunked"): CHUNKED,
     ("llama-fsdp-tp-sp", "compiled"): [*COMPILED, "train.loss_chunk_tokens=16"],
     ("moe-sp-tp-ep", "eager"): EAGER,
@@ -128,7 +127,6 @@ def test_chunked_loss_matches_plain_under_fsdp_and_loss_parallel(results, chunke
 # layout: (the eager run it is compared with, the compiled run)
 COMPILED_PAIRS = {
     "gpt-dp": ("gpt-dp/eager", "gpt-dp/compiled"),
-    "llama-fsdp-tp": ("llama-fsdp-tp/eager", "llama-fsdp-tp/compiled"),
     "llama-fsdp-tp-sp": ("llama-fsdp-tp-sp/chunked", "llama-fsdp-tp-sp/compiled"),
     "moe-sp-tp-ep": ("moe-sp-tp-ep/eager", "moe-sp-tp-ep/compiled"),
     "gpt-tp-pp": ("gpt-tp-pp/eager", "gpt-tp-pp/compiled"),
@@ -137,9 +135,11 @@ COMPILED_PAIRS = {
 
 @pytest.mark.parametrize("layout", list(COMPILED_PAIRS))
 def test_compiled_blocks_match_eager(results, layout):
-    """Every TP flavour compiles: partrain's own TP modules for Llama (FSDP x TP, with and without
-    Megatron-SP) and GPT-2 (tp x pp); gpt-tp-pp compiles with the chunked loss on and is compared
-    with the plain eager run, so chunking (pipeline last stage included) is checked there too."""
+    """Every TP flavour compiles: partrain's own TP modules for Llama (FSDP x TP with Megatron-SP) and
+    GPT-2 (tp x pp, without it); gpt-tp-pp compiles with the chunked loss on and is compared with the
+    plain eager run, so chunking (pipeline last stage included) is checked there too. (Llama's FSDP x
+    TP without Megatron-SP is not compiled apart: its blocks are those of the -sp run less the sequence
+    redistributions, and gpt-tp-pp compiles TP without them; one trace fewer on the 2-core machine.)"""
     eager_key, compiled_key = COMPILED_PAIRS[layout]
     for rank_result in results:
         eager, compiled = rank_result[eager_key], rank_result[compiled_key]

@@ -23,7 +23,7 @@ from partrain.testing.parity import RunRecord, check_parity, reference_overrides
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 3
 BASE = [
     "recipe=gpt-dp",
     "train.global_batch_size=16",

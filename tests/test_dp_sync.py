@@ -3,7 +3,7 @@ processes, real send/recv and collectives.
 
 Parity: per-step losses and gradient norms of every strategy at dp=4 (and hierarchical and the
 parameter server on 2 nodes x 2 devices, the node structure simulated by the layout; ring with
-tp=2, hierarchical with pp=2) within 1e-5 relative of the one-process run (fp32, 5 steps). All
+tp=2, hierarchical with pp=2) within 1e-5 relative of the one-process run (fp32, 3 steps). All
 cases share one 4-process launch (`partrain.testing.in_process.train_cases`). Bytes: what the
 counters saw against the algorithms' arithmetic. The ring itself: odd world size and buffer
 lengths against a plain sum.
@@ -17,7 +17,7 @@ from partrain.testing.in_process import train_cases
 from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import check_parity, reference_overrides, run_training
 
-STEPS = 5
+STEPS = 3
 BASE = [
     "recipe=gpt-dp",
     "train.global_batch_size=16",

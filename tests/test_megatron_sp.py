@@ -16,7 +16,7 @@ from partrain.testing.in_process import train_all
 from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
-STEPS = 5
+STEPS = 3
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
 GPT3D = ["recipe=gpt-3d", "parallel.tp_sequence_parallel=true"]
 GPT_TP2 = GPT3D + ["parallel.dp=1", "parallel.pp=1", "cluster.devices_per_node=2"]

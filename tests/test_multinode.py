@@ -123,18 +123,17 @@ def test_gpt_dp_two_nodes_match_one_node(dp4_runs):
 def test_dp_sync_strategies_on_two_launchers_match_one_node(sync, dp4_runs, tmp_path, cache):
     """Issue 19 over real nodes: hierarchical (reduce-scatter inside a node, all-reduce across, all-gather
     inside) and the parameter server (2 co-located servers) on 2 launchers x 2 processes give the
-    one-node DDP run's losses over the first 5 steps (fp32, 1e-5: the sums are ordered differently)."""
-    one = dp4_runs[0]
-    common = [*DP4, *BASE, f"data.cache_dir={cache}", f"train.steps={STEPS}", *sync]
+    one-node DDP run's losses over 5 steps (fp32, 1e-5: the sums are ordered differently), the steps the
+    issue's parity names (the dp4 run's other 35 are there for the SIGTERM test)."""
+    one, steps = dp4_runs[0], 5
+    common = [*DP4, *BASE, f"data.cache_dir={cache}", f"train.steps={steps}", *sync]
     outs, dirs = run_two_nodes(common, tmp_path)
     for code, out, err in outs:
         assert code == 0, (out[-3000:], err[-3000:])
     two = losses_of(dirs)
-    first = max(abs(a - b) / abs(a) for a, b in zip(one[:5], two[:5]))
-    whole = max(abs(a - b) / abs(a) for a, b in zip(one, two))
-    print(f"{sync[0]} on 2 nodes x 2 vs one node (DDP): max relative loss difference {first:.2e} over the first")
-    print(f"  5 steps, {whole:.2e} over all {STEPS}")
-    assert len(two) == STEPS and first <= 1e-5, (one, two)  # the issue's parity: 5 steps, 1e-5
+    first = max(abs(a - b) / abs(a) for a, b in zip(one[:steps], two))
+    print(f"{sync[0]} on 2 nodes x 2 vs one node (DDP): max relative loss difference {first:.2e} over {steps} steps")
+    assert len(two) == steps and first <= 1e-5, (one, two)  # the issue's parity: 5 steps, 1e-5
 
 
 def test_gpt_3d_two_nodes_match_one_node(tmp_path, cache):

@@ -14,7 +14,7 @@ from partrain.testing.parity import check_parity
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 3
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
 GPT_PP = ["recipe=gpt-3d", "parallel.dp=1", "parallel.tp=1", "train.micro_batch_size=2", "train.global_batch_size=8"]
 LLAMA_PP = [

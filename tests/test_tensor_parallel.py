@@ -18,7 +18,7 @@ from partrain.testing.parity import check_parity
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 3
 COMMON = ["train.seq_len=64", "data.max_bytes=1000000", "train.global_batch_size=8", "train.micro_batch_size=2"]
 GPT = ["recipe=gpt-dp", "parallel.zero_stage=0"]
 LLAMA = ["recipe=llama-fsdp-tp", "parallel.tp_sequence_parallel=false"]

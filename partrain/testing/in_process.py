@@ -71,7 +71,9 @@ def prepare_run(overrides: Sequence[str], run_dir: Path) -> int:
     from partrain.launch import prepare_run_dir
     from partrain.preflight import check_before_launch
 
-    v = validate(compose([*overrides, f"train.run_dir={run_dir}"]))
+    # One thread a process unless the case names more: the suite runs its launches beside each other on
+    # a few cores, where a second OpenMP thread spins in its barriers on a core another process needs.
+    v = validate(compose(["train.threads_per_process=1", *overrides, f"train.run_dir={run_dir}"]))
     missing = unsupported_features(v)
     if missing:
         raise ConfigError([Problem("parallel", "layout", text, "see partrain.blueprint.trainable") for text in missing])
