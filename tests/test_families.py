@@ -114,3 +114,6 @@ def test_the_attention_kernel_follows_the_model_and_sdpa_is_refused_where_scores
         validate(compose(["recipe=gpt-dp", "model=gemma2-tiny", "+model.config.attn_implementation=sdpa"]))
     text = str(refused.value)
     assert "model.config.attn_implementation" in text and "attn_logit_softcapping=50.0" in text, text
+    with pytest.raises(ConfigError) as typo:
+        validate(compose(["recipe=gpt-dp", "model=llama-tiny", "+model.config.attn_implementation=sdpaa"]))
+    assert "model.config.attn_implementation" in str(typo.value) and "did you mean sdpa?" in str(typo.value)

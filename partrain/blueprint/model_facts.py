@@ -157,9 +157,26 @@ def attention_implementation(named: Optional[str], values: Mapping[str, Any]) ->
     return "eager" if values.get("attn_logit_softcapping") else "sdpa"
 
 
+ATTENTION_KERNELS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+"""model.config.attn_implementation values transformers knows (a Hub kernel, "org/name", is taken as named)."""
+
+
 def _check_attention_kernel(arch: str, named: Any, values: Mapping[str, Any]) -> None:
-    """SDPA named for a model that caps its attention scores would train another function (SDPA
-    ignores the cap): refused, naming both keys."""
+    """An unknown kernel name is refused before launch (transformers would refuse it in every worker);
+    SDPA named for a model that caps its attention scores would train another function (SDPA ignores
+    the cap): refused, naming both keys."""
+    if named is not None and not (isinstance(named, str) and (named in ATTENTION_KERNELS or "/" in named)):
+        close = difflib.get_close_matches(str(named), ATTENTION_KERNELS, n=1)
+        raise ConfigError(
+            Problem(
+                "model.config.attn_implementation",
+                named,
+                "not an attention kernel transformers knows ("
+                + ", ".join(ATTENTION_KERNELS)
+                + ", or a Hub kernel org/name)",
+                f"did you mean {close[0]}?" if close else "drop it (sdpa, or eager where the model caps its scores)",
+            )
+        )
     cap = values.get("attn_logit_softcapping")
     if named == "sdpa" and cap:
         raise ConfigError(
