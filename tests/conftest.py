@@ -167,6 +167,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "no_silent_fallbacks",
         "quickstarts",
         "epochs",
+        "doc_commands",
     )
 )
 """Test files whose tests run in pytest's process or start one short process at a time (planner,

@@ -73,7 +73,11 @@ def test_plan_uses_the_profile_and_predicts_the_step(cli, bench):
     assert any("compute timed from the profile" in n for n in est["notes"])
     model = est["assumptions"]["compute_model"]
     assert model["source"] == str(path) and model["device"] == "cpu" and model["dtype"] == "fp32"
-    assert model["layer_fit_worst_error"] < 0.01  # one layer row: the host cost fits it exactly
+    # One layer row: the host cost alone fits it exactly (0.0) when the matmul sweep's device time is below
+    # the row. Measured beside two other test workers on 2 cores, the sweep and the layer can run under
+    # different contention and the row then falls outside that fit: the grid fit was 1.09% off on a clean CI
+    # run. The bound is the report's own: above 20% the plan warns that the profile is not reproduced.
+    assert model["layer_fit_worst_error"] < 0.2
     # The saturating fit extrapolates past the largest measured shape, and on 2 shared cores the
     # small shapes' times are noisy: its peak was seen at 1.27x the best measured rate. A wrong fit
     # (units, a sign) would be off by orders of magnitude.
