@@ -168,6 +168,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "quickstarts",
         "epochs",
         "doc_commands",
+        "local_gpus",
     )
 )
 """Test files whose tests run in pytest's process or start one short process at a time (planner,

@@ -8,19 +8,23 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
+from partrain.blueprint.config.local_gpus import NO_GPUS, LocalGpus
 from partrain.blueprint.planner.spec import PlanSpec, spec_from_validated
 from partrain.errors import ConfigError, Problem
 
 
-def bench_spec(overrides: Sequence[str], recipe_dirs: Sequence[str], iters: int) -> Tuple[object, PlanSpec]:
-    """(the composed run, its PlanSpec) after the checks plan and train make; ConfigError otherwise.
+def bench_spec(
+    overrides: Sequence[str], recipe_dirs: Sequence[str], iters: int, gpus: LocalGpus = NO_GPUS
+) -> Tuple[object, PlanSpec]:
+    """(the composed run on a machine with `gpus`, its PlanSpec) after the checks plan and train make;
+    ConfigError otherwise.
     cluster.compute_profile is ignored: it names the kind of file this command writes."""
     from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
 
     if iters < 1:
         raise ConfigError(Problem("--iters", iters, "must be at least 1", "pass --iters 5 (the default)"))
-    run = compose(list(overrides), recipe_dirs)
+    run = compose(list(overrides), recipe_dirs, gpus)
     run = dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, compute_profile=""))
     spec = spec_from_validated(validate(run))
     if run.cluster.device == "cuda":

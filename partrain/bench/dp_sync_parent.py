@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 from partrain.blueprint.comm_profile import human_bytes
+from partrain.blueprint.config.local_gpus import NO_GPUS
 from partrain.blueprint.planner.dp_sync_cost import sync_cost
 from partrain.blueprint.planner.spec import cluster_spec
 from partrain.blueprint.validate_dp_sync import DEDICATED_RULE
@@ -22,12 +23,13 @@ MAX_GRAD_BYTES = 1 << 30
 """Largest gradient a bench rank allocates (fp32); bigger models are refused (the bench holds real tensors)."""
 
 
-def validated(overrides: Sequence[str], recipe_dirs: Sequence[str]):
-    """The composed run, checked as train checks it, except the rule only this bench lifts."""
+def validated(overrides: Sequence[str], recipe_dirs: Sequence[str], gpus=NO_GPUS):
+    """The composed run (on a machine with `gpus`), checked as train checks it, except the rule only this
+    bench lifts."""
     from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
 
-    run = compose(list(overrides), recipe_dirs)
+    run = compose(list(overrides), recipe_dirs, gpus)
     try:
         validate(run)
     except ConfigError as err:

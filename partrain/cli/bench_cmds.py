@@ -10,7 +10,16 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.common import (
+    JSON,
+    OVERRIDES,
+    RECIPES,
+    compose_on_this_machine,
+    fail,
+    local_gpus,
+    recipe_dirs,
+    stdout_console,
+)
 from partrain.errors import ConfigError, Problem
 
 bench_app = typer.Typer(help="Measure the cluster for the planner.", no_args_is_help=True)
@@ -41,12 +50,11 @@ def bench_comm_cmd(
         render_profile,
     )
     from partrain.bench.comm_parent import launch as bench_launch
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.validate import validate
     from partrain.runtime.context import cpu_count, from_environ
 
     try:  # composed as plan/train do; only problems of the cluster (and timeouts) stop a measurement
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        run = compose_on_this_machine(overrides or [], recipes)
         try:
             validate(run)
         except ConfigError as err:
@@ -105,7 +113,7 @@ def bench_compute_cmd(
     from partrain.bench.compute_parent import bench_spec, default_out, render_profile
 
     try:
-        run, spec = bench_spec(overrides or [], recipe_dirs(recipes, dict(os.environ)), iters)
+        run, spec = bench_spec(overrides or [], recipe_dirs(recipes, dict(os.environ)), iters, local_gpus())
     except ConfigError as err:
         fail(err, as_json)
     from partrain.bench.compute import measure
@@ -142,7 +150,7 @@ def bench_dp_sync_cmd(
             raise ConfigError(
                 Problem("--iters", iters, "must be at least 1 (and --warmup at least 0)", "e.g. --iters 10")
             )
-        run = bench.validated(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        run = bench.validated(overrides or [], recipe_dirs(recipes, dict(os.environ)), local_gpus())
         numels = bench.parameter_numels(run)
     except ConfigError as err:
         fail(err, as_json)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional, Sequence
 
@@ -63,14 +65,34 @@ def recipe_dirs(cli_dirs: Optional[List[Path]], environ: dict) -> List[str]:
     return [d for _, d in given]
 
 
+def local_gpus(which: Callable = shutil.which, run: Callable = subprocess.run):
+    """This machine's GPUs as nvidia-smi lists them (blueprint.config.local_gpus); none where it is not
+    installed, fails, or takes over 10 s. Composing with them turns the default CPU cluster into them."""
+    from partrain.blueprint.config.local_gpus import NO_GPUS, NVIDIA_SMI_QUERY, parse_nvidia_smi
+
+    if which(NVIDIA_SMI_QUERY[0]) is None:
+        return NO_GPUS
+    try:
+        done = run(list(NVIDIA_SMI_QUERY), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return NO_GPUS
+    return parse_nvidia_smi(done.stdout) if done.returncode == 0 else NO_GPUS
+
+
+def compose_on_this_machine(overrides: List[str], recipes: Optional[List[Path]]):
+    """compose() with the recipe folders of --recipes and $PARTRAIN_RECIPES and this machine's GPUs."""
+    from partrain.blueprint.config.compose import compose
+
+    return compose(overrides or [], recipe_dirs(recipes, dict(os.environ)), local_gpus())
+
+
 def compose_run(overrides: List[str], recipes: Optional[List[Path]], fetch_data: bool = True):
     """Compose the config, then resolve Hub ids (model.pretrained, data.tokenizer, data.source) to
     local snapshot folders, as every command must before validating (partrain.preflight.hub).
     fetch_data=False (dry run, plan): a Hub dataset only from the local Hub cache, never downloaded."""
-    from partrain.blueprint.config.compose import compose
     from partrain.preflight.hub import resolve_hub_ids
 
-    return resolve_hub_ids(compose(overrides or [], recipe_dirs(recipes, dict(os.environ))), fetch_data)
+    return resolve_hub_ids(compose_on_this_machine(overrides, recipes), fetch_data)
 
 
 def fail(err: ConfigError, as_json: bool) -> None:

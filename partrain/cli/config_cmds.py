@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, recipe_dirs, stdout_console
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, compose_on_this_machine, fail, recipe_dirs, stdout_console
 from partrain.errors import ConfigError, Problem
 
 
@@ -28,10 +28,10 @@ def show(
     ),
 ) -> None:
     """Print the composed, resolved config (YAML), as a worker would read it."""
-    from partrain.blueprint.config.compose import compose, to_yaml
+    from partrain.blueprint.config.compose import to_yaml
 
     try:
-        run = compose(overrides or [], recipe_dirs(recipes, dict(os.environ)))
+        run = compose_on_this_machine(overrides or [], recipes)
     except ConfigError as err:
         fail(err, as_json)
     choice = None
@@ -100,11 +100,10 @@ def _choice_comment(record: dict) -> str:
 
 def _show_diff(run, against: Optional[str], recipes, as_json: bool) -> None:
     """`show --diff`: one line per key that differs from the defaults or from a recipe."""
-    from partrain.blueprint.config.compose import compose
     from partrain.blueprint.config.docs import config_diff
 
     try:
-        base = compose([f"recipe={against}"] if against else [], recipe_dirs(recipes, dict(os.environ)))
+        base = compose_on_this_machine([f"recipe={against}"] if against else [], recipes)
     except ConfigError as err:
         if against:  # the recipe is named by --against, not by an override
             err = ConfigError([Problem("--against", against, p.rule, p.fix) for p in err.problems])

@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from partrain.blueprint.config.local_gpus import NO_GPUS, LocalGpus, local_gpu_cluster
 from partrain.blueprint.config.names import nearest_key, nearest_name
 from partrain.blueprint.config.paths import conf_dir
 from partrain.blueprint.config.pretrained import take_pretrained_as_is
@@ -117,8 +118,11 @@ def _load_recipe(name: str, recipe_dirs: Sequence[str | Path]) -> Tuple[dict, Pa
     return body, recipe.path
 
 
-def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) -> RunConfig:
-    """Compose and type-check. Raises ConfigError; never another exception for bad input."""
+def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = (), gpus: LocalGpus = NO_GPUS) -> RunConfig:
+    """Compose and type-check. Raises ConfigError; never another exception for bad input.
+
+    `gpus`: the GPUs of the machine the command runs on (the CLI asks nvidia-smi); with any, the default
+    CPU cluster becomes those GPUs (config/local_gpus.py). NO_GPUS composes what the files say."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -156,7 +160,8 @@ def compose(overrides: Sequence[str], recipe_dirs: Sequence[str | Path] = ()) ->
     finally:
         if recipe_name:
             store.repo.get(RECIPE_GROUP, {}).pop(f"{recipe_name}.yaml", None)
-    _backend_follows_device(cfg, parsed)
+    _backend_follows_device(cfg, parsed, body)
+    _default_cluster_on_gpus(cfg, parsed, body, gpus)
     return take_pretrained_as_is(_typed(cfg, recipe_name), _explicit_model_keys(parsed, body))
 
 
@@ -174,15 +179,47 @@ def _without_machine_pins(body: dict, parsed) -> dict:
     return {k: v for k, v in body.items() if k != "cluster"}
 
 
-def _backend_follows_device(cfg: DictConfig, parsed) -> None:
-    """`cluster.device=cuda` on the command line means nccl, `cluster.device=cpu` gloo, unless
-    `cluster.backend` is named there too: a CPU cluster's gloo silently kept for GPUs would move every
-    collective through host memory."""
+def _backend_follows_device(cfg: DictConfig, parsed, recipe_body: dict) -> None:
+    """`cluster.device=cuda` on the command line or in a recipe means nccl, `cluster.device=cpu` gloo,
+    unless `cluster.backend` is named there too: a CPU cluster's gloo silently kept for GPUs would move
+    every collective through host memory. cuda with gloo happens only where both are named."""
     typed = {ov.key_or_group.lstrip("+"): ov.value() for ov in parsed}
-    device = typed.get("cluster.device")
-    if device in DEVICE_BACKENDS and "cluster.backend" not in typed and OmegaConf.select(cfg, "cluster") is not None:
+    pinned = recipe_body.get("cluster") if isinstance(recipe_body.get("cluster"), dict) else {}
+    device = typed.get("cluster.device", pinned.get("device"))
+    backend_named = "cluster.backend" in typed or ("backend" in pinned and "cluster.device" not in typed)
+    if device in DEVICE_BACKENDS and not backend_named and OmegaConf.select(cfg, "cluster") is not None:
         with open_dict(cfg):
             cfg.cluster.backend = DEVICE_BACKENDS[device]
+
+
+def _default_cluster_on_gpus(cfg: DictConfig, parsed, recipe_body: dict, gpus: LocalGpus) -> None:
+    """On a machine with GPUs, the default cluster (local-cpu, from config.yaml or a recipe built on it)
+    becomes them: local_gpus.local_gpu_cluster, and where neither the recipe nor the command line gives the
+    process count or the batch, the global batch scales with the process count. Left as composed when a
+    cluster group, `cluster.device` or `cluster.backend` is named on the command line (the user chose), or
+    the recipe names a device."""
+    named = {ov.key_or_group.lstrip("+") for ov in parsed}
+    pinned = recipe_body.get("cluster") if isinstance(recipe_body.get("cluster"), dict) else {}
+    cluster = OmegaConf.select(cfg, "cluster")
+    if gpus.count == 0 or cluster is None or named & {"cluster", "cluster.device", "cluster.backend"}:
+        return
+    if cluster.get("name") != "local-cpu" or cluster.get("device") != "cpu" or "device" in pinned:
+        return
+    count_given = "cluster.devices_per_node" in named or "devices_per_node" in pinned
+    cpu_processes = cluster.get("devices_per_node")
+    with open_dict(cfg):
+        for key, value in local_gpu_cluster(dict(cluster), gpus, count_given).items():
+            if f"cluster.{key}" not in named:  # a key the command line sets keeps its value
+                cfg.cluster[key] = value
+        batch_given = named & {"train.global_batch_size", "train.micro_batch_size"} or {
+            "global_batch_size",
+            "micro_batch_size",
+        } & set(recipe_body.get("train") or {})
+        processes = cfg.cluster.devices_per_node
+        if not count_given and not batch_given and cfg.train.global_batch_size % cpu_processes == 0:
+            # The default batch is per process as much as global: one process per GPU keeps each
+            # process's share, so the default run is valid on any number of GPUs.
+            cfg.train.global_batch_size = cfg.train.global_batch_size // cpu_processes * processes
 
 
 def _check_overrides(parsed) -> str:
