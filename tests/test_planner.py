@@ -92,6 +92,22 @@ def test_param_tensors_match_the_meta_built_hf_model(path):
     assert param_count(facts, extras) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_generic_paths_families_match_their_meta_built_hf_model(tied):
+    """Every family of the generic path (families/generic.py), built from its own config class: the planner's
+    tensors are transformers' exactly, tied head or not."""
+    from partrain.blueprint.families.generic import GENERIC_ARCHS
+    from partrain.models.build import build_meta_model
+
+    base = yaml.safe_load((ROOT / "conf" / "model" / "llama-tiny.yaml").read_text())["config"]
+    for arch in GENERIC_ARCHS:
+        cfg = ModelConfig(arch=arch, config={**base, "head_dim": 32, "tie_word_embeddings": tied}, name=arch)
+        facts = model_facts(cfg.arch, cfg.config)
+        extras = model_extras(cfg.arch, cfg.config, None, facts)
+        real = [(name, tuple(p.shape)) for name, p in build_meta_model(cfg).named_parameters()]
+        assert param_tensors(facts, extras) == real, arch
+
+
 QWEN_MOE_VARIANTS = {
     "qwen2-moe-tiny": {},
     # Qwen3-MoE: head_dim apart from hidden / heads (q_norm / k_norm follow it), biases on q/k/v and o.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import List
 
 from partrain.blueprint.families import family
+from partrain.blueprint.families.generic import GENERIC_REFUSED
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 
@@ -29,6 +30,8 @@ IMPLEMENTED = {
     "tp-sp-gathered-attention": False,
     "sp-ring-dropout": False,
     "sp-ring-softcap": False,
+    "pp-generic": False,
+    "sp-generic": False,
 }
 
 
@@ -65,12 +68,25 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
             "gathers column projections' outputs)",
         ),
         **_sp_limits(v),
+        **_generic_limits(v),
         "checkpoint": (
             v.run.checkpoint.every_steps > 0 or v.run.checkpoint.resume != "none",
             "checkpoint.every_steps / checkpoint.resume (distributed checkpoints)",
         ),
     }
     return [text for key, (used, text) in wanted.items() if used and not IMPLEMENTED[key]]
+
+
+def _generic_limits(v: ValidatedRun) -> dict:
+    """The degrees a family on the generic path cannot take (families/generic.py)."""
+    arch, layout = v.run.model.arch, v.layout
+    if not family(arch).generic:
+        return {}
+    why = {key: text.format(arch=arch) for key, text in GENERIC_REFUSED.items()}
+    return {
+        "pp-generic": (layout.pp > 1, f"parallel.pp={layout.pp} ({why['parallel.pp'].rstrip(',')})"),
+        "sp-generic": (layout.sp > 1, f"parallel.sp={layout.sp} ({why['parallel.sp'].rstrip(',')})"),
+    }
 
 
 def _sp_limits(v: ValidatedRun) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from partrain.blueprint.model_facts import SNAPSHOT_PATH, SUPPORTED_ARCHS
+from partrain.blueprint.model_facts import SNAPSHOT_PATH
 
 
 def live_class_fields(arch: str) -> dict:
@@ -38,10 +38,17 @@ def live_class_fields(arch: str) -> dict:
 
 
 def write_snapshot() -> None:
+    """hf_facts.json: the config classes of the verified families and of those the generic-path survey
+    finds (models/generic_survey.py), and the list of the latter."""
     import transformers
 
-    data = {"transformers_version": transformers.__version__}
-    data.update({arch: live_class_fields(arch) for arch in SUPPORTED_ARCHS})
+    from partrain.blueprint.families import VERIFIED
+    from partrain.blueprint.families.generic import GENERIC_KEY
+    from partrain.models.generic_survey import survey
+
+    generic = survey(tuple(VERIFIED))
+    data: Dict[str, Any] = {"transformers_version": transformers.__version__, GENERIC_KEY: generic}
+    data.update({arch: live_class_fields(arch) for arch in (*VERIFIED, *generic)})
     SNAPSHOT_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

@@ -132,6 +132,9 @@ class Family:
     """transformers' tp plan gathers some column projections' outputs (`colwise_gather_output`: OLMo 2's
     norms over the whole q and k, Phi-3's and GLM-4's fused projections): what follows them runs whole
     on every rank, and Megatron-SP, which keeps each block's input as a sequence shard, is not derived."""
+    generic: bool = False
+    """A family on the generic path (families/generic.py): Llama's tensors found by building it, not a
+    family file; dp, ZeRO/FSDP, tp and LoRA only."""
     window_always: bool = False
     """The HF class applies config.sliding_window whenever it is set (Mistral, Mixtral); the others
     only with use_sliding_window or "sliding_attention" layer_types."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
+from partrain.blueprint.families.generic import GENERIC_ARCHS, SNAPSHOT
+
 PARITY_STEPS = 2
 """Steps of every cell: the first compares the forward and the backward, the second the update that
 followed (optimizer state included); more steps on the 2-core CI machine buy no other check."""
@@ -49,6 +51,13 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     "glm4": ("model=glm4-tiny",),
     "cohere2": ("model=cohere2-tiny",),
     "gpt2": ("model=gpt2-tiny",),
+    "helium": ("model=llama-tiny", "model.arch=helium", "model.config.head_dim=32"),
+    "gemma": (
+        "model=llama-tiny",
+        "model.arch=gemma",
+        "model.config.head_dim=32",
+        "model.config.tie_word_embeddings=true",
+    ),
 }
 """HF model_type -> the overrides of its tiny model (conf/model/); Mistral with a sliding window shorter
 than the test's sequence, so its window masks are exercised; Gemma 2 with one as long as the sequence,
@@ -61,7 +70,17 @@ TP_GATHERED = (
     "Megatron-SP is not derived where transformers' tp plan gathers column projections' outputs "
     "(parallel.tp_sequence_parallel)"
 )
+GENERIC_PP = "pipeline stages run partrain's own loop over the decoder layers, verified family by family"
+GENERIC_SP = "sequence parallelism replaces the attention call, verified family by family"
+GENERIC_REFUSALS = {
+    "pp2-1f1b": GENERIC_PP,
+    "pp2-chunked-loss": GENERIC_PP,
+    "sp2-ulysses": GENERIC_SP,
+    "sp2-ring": GENERIC_SP,
+}
+"""The cells a family on the generic path (families/generic.py) is refused."""
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
+    **{(arch, cell): why for arch in ("helium", "gemma") for cell, why in GENERIC_REFUSALS.items()},
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
     ("gemma2", "sp2-ring"): RING_SOFTCAP,
@@ -91,6 +110,8 @@ FAMILY_NOTES: Dict[str, str] = {
     "glm4": "fused gate_up_proj (tp gathers its output); four norms a layer; partial rotary; q/k/v biases",
     "cohere2": "parallel attention and MLP on one LayerNorm; logit scale; tied embeddings; local and global layers",
     "gpt2": "fused q/k/v (Conv1D, partrain's own tp plan); learned positions; tied embeddings",
+    "helium": "generic path: a Llama-shaped family with no family file",
+    "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
 """What each family's row exercises beyond Llama."""
 
@@ -134,12 +155,31 @@ def render() -> str:
             *layouts,
             "",
             "The mixture-of-experts families (`mixtral`, `qwen2_moe`, `qwen3_moe`) are verified under expert"
-            " parallelism and its combinations in [Expert parallelism](parallel/expert.md). Any other"
-            " `model_type` is refused before launch (exit 2, naming `model.arch` and the supported"
-            " families).",
+            " parallelism and its combinations in [Expert parallelism](parallel/expert.md).",
+            "",
+            "## The generic path",
+            "",
+            "A family without a file of its own is trained when transformers builds it exactly as Llama:"
+            " partrain built every causal-LM family of transformers " + _transformers_version() + " and kept"
+            " those whose parameters are Llama's (names and shapes), whose logits are the head applied to the"
+            " base model's output, and which ship a tensor-parallel plan. Each runs transformers' own forward"
+            " under dp, ZeRO/FSDP, tp (transformers' plan, with Megatron-SP) and LoRA; pipeline and sequence"
+            " parallelism replace parts of that forward with partrain's own and are refused (exit 2). `helium`"
+            " and `gemma` above are checked as every family is. The families on this path:",
+            "",
+            ", ".join(f"`{arch}`" for arch in GENERIC_ARCHS) + ".",
+            "",
+            "Any other `model_type` is refused before launch (exit 2, naming `model.arch`, or the pretrained"
+            " folder's `config.json`, and the supported families).",
             "",
         ]
     )
+
+
+def _transformers_version() -> str:
+    import json
+
+    return str(json.loads(SNAPSHOT.read_text()).get("transformers_version", ""))
 
 
 if __name__ == "__main__":

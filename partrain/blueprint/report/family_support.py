@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from partrain.blueprint.families import family
+from partrain.blueprint.families.generic import GENERIC_NOTE
 from partrain.blueprint.families.support import PARITY_FAMILIES, PARITY_LAYOUTS, PARITY_REFUSED
 from partrain.blueprint.validate import ValidatedRun
 
@@ -35,10 +37,11 @@ def matrix_cells(v: ValidatedRun) -> List[str]:
 def family_support(v: ValidatedRun) -> Dict[str, object]:
     """{"arch", "matrix": whether the family has a row, "cells": {layout: verified | refused}, "note"}."""
     arch = v.run.model.arch
+    generic = GENERIC_NOTE if family(arch).generic else ""
     if arch not in PARITY_FAMILIES:
-        return {"arch": arch, "matrix": False, "cells": {}, "note": MOE_VERIFIED if v.facts.is_moe else ""}
+        return {"arch": arch, "matrix": False, "cells": {}, "note": MOE_VERIFIED if v.facts.is_moe else generic}
     cells = {c: "refused" if (arch, c) in PARITY_REFUSED else "verified" for c in matrix_cells(v)}
-    return {"arch": arch, "matrix": True, "cells": cells, "note": ""}
+    return {"arch": arch, "matrix": True, "cells": cells, "note": generic}
 
 
 def family_line(support: Dict[str, object]) -> str:
@@ -49,4 +52,8 @@ def family_line(support: Dict[str, object]) -> str:
     if not cells:
         return f"{support['arch']}: verified against one process (docs/families.md); this layout uses no parallel axis"
     listed = ", ".join(f"{cell} {status}" for cell, status in cells.items())  # type: ignore[union-attr]
-    return f"{support['arch']}: each axis of this layout checked alone against one process: {listed} (docs/families.md)"
+    path = f" ({support['note']})" if support["note"] else ""
+    return (
+        f"{support['arch']}{path}: each axis of this layout checked alone against one process: {listed} "
+        "(docs/families.md)"
+    )

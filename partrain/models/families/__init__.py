@@ -18,7 +18,7 @@ from partrain.models.families.gemma2 import GEMMA2
 from partrain.models.families.gemma3 import GEMMA3
 from partrain.models.families.glm4 import GLM4
 from partrain.models.families.gpt2 import GPT2
-from partrain.models.families.llama import GRANITE, LLAMA
+from partrain.models.families.llama import GENERIC, GRANITE, LLAMA
 from partrain.models.families.mixtral import MIXTRAL
 from partrain.models.families.olmo2 import OLMO2
 from partrain.models.families.phi3 import PHI3
@@ -27,7 +27,7 @@ from partrain.models.families.qwen3_moe import QWEN3_MOE
 
 ADAPTERS: Dict[str, Adapter] = {
     arch: a
-    for a in (GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    for a in (GENERIC, GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
     for arch in a.archs
 }
 """model_type -> adapter, for every supported architecture (a new family: add its module here)."""

@@ -1,0 +1,84 @@
+"""Which of transformers' causal-LM families partrain can train by the generic path, found by building them.
+
+A family qualifies when a tiny model built from its config class (transformers' defaults, small sizes):
+1. holds exactly Llama's parameter tensors, names and shapes (embedding, q/k/v/o, gate/up/down, two
+   RMSNorms a layer, final norm, untied head), so the planner's Llama tensor list and LoRA targets are
+   its own, and
+2. computes its logits as the head applied to the base model's output, nothing after (no scale, cap or
+   divisor), so partrain's chunked loss, which calls the head itself, gives transformers' loss; and
+3. ships a `base_model_tp_plan`, which tensor parallelism applies as it does for Llama.
+
+`python -m partrain.models.facts_snapshot` runs `survey()` and records the families in
+partrain/blueprint/hf_facts.json (`generic_llama`), which the torch-free planner reads; a test re-checks
+the recorded ones against the installed transformers. What the generic path runs (and refuses) is in
+partrain/blueprint/families/generic.py.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import List, Sequence, Set, Tuple
+
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    tie_word_embeddings=False,
+)
+"""Sizes every surveyed config gets (keys a config class does not have are kept as attributes, unused)."""
+
+
+def _build(arch: str, device: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, **TINY_SIZES)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def tensor_shapes(model) -> Set[Tuple[str, Tuple[int, ...]]]:
+    """(name with layer indices as N, shape) of every parameter."""
+    return {(re.sub(r"\.\d+\.", ".N.", name), tuple(p.shape)) for name, p in model.named_parameters()}
+
+
+def head_is_plain(model) -> bool:
+    """Whether the causal LM's logits equal its head applied to the base model's last hidden state."""
+    import torch
+
+    ids = torch.randint(0, TINY_SIZES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        hidden = model.model(input_ids=ids).last_hidden_state
+        return bool(torch.allclose(logits, model.lm_head(hidden), rtol=1e-5, atol=1e-6))
+
+
+def qualifies(arch: str, llama_shapes: Set[Tuple[str, Tuple[int, ...]]]) -> bool:
+    """The three rules of this module's docstring for one model_type."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            meta = _build(arch, "meta")
+            if tensor_shapes(meta) != llama_shapes or not getattr(meta.config, "base_model_tp_plan", None):
+                return False
+            return head_is_plain(_build(arch, "cpu"))
+    except Exception:  # a family whose config or model cannot be built this way does not qualify
+        return False
+
+
+def survey(exclude: Sequence[str]) -> List[str]:
+    """Every causal-LM model_type of the installed transformers that qualifies, but those in `exclude`
+    (the families partrain verifies one by one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llama_shapes = tensor_shapes(_build("llama", "meta"))
+    return [a for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if a not in exclude and qualifies(a, llama_shapes)]
