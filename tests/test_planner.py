@@ -94,14 +94,17 @@ def test_param_tensors_match_the_meta_built_hf_model(path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_generic_paths_families_match_their_meta_built_hf_model(tied):
-    """Every family of the generic path (families/generic.py), built from its own config class: the planner's
-    tensors are transformers' exactly, tied head or not."""
-    from partrain.blueprint.families.generic import GENERIC_ARCHS
+    """Every family of the generic path (families/generic.py), built from its own config class at its base's
+    tiny sizes: the planner's tensors are transformers' exactly, tied head or not."""
+    from partrain.blueprint.families.generic import GENERIC_BASES
     from partrain.models.build import build_meta_model
 
-    base = yaml.safe_load((ROOT / "conf" / "model" / "llama-tiny.yaml").read_text())["config"]
-    for arch in GENERIC_ARCHS:
-        cfg = ModelConfig(arch=arch, config={**base, "head_dim": 32, "tie_word_embeddings": tied}, name=arch)
+    for arch, base in GENERIC_BASES.items():
+        tiny = "qwen2-tiny" if base == "qwen2" else "qwen3-tiny" if base == "qwen3" else f"{base}-tiny"
+        sizes = yaml.safe_load((ROOT / "conf" / "model" / f"{tiny}.yaml").read_text())["config"]
+        head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+        dims = {"head_dim": head_dim} if base != "olmo2" else {}  # Olmo2Config has no head_dim field
+        cfg = ModelConfig(arch=arch, config={**sizes, **dims, "tie_word_embeddings": tied}, name=arch)
         facts = model_facts(cfg.arch, cfg.config)
         extras = model_extras(cfg.arch, cfg.config, None, facts)
         real = [(name, tuple(p.shape)) for name, p in build_meta_model(cfg).named_parameters()]

@@ -1,15 +1,15 @@
 """Which of transformers' causal-LM families partrain can train by the generic path, found by building them.
 
 A family qualifies when a tiny model built from its config class (transformers' defaults, small sizes):
-1. holds exactly Llama's parameter tensors, names and shapes (embedding, q/k/v/o, gate/up/down, two
-   RMSNorms a layer, final norm, untied head), so the planner's Llama tensor list and LoRA targets are
-   its own, and
+1. holds exactly the parameter tensors, names and shapes, of one of the verified families it may stand
+   on (BASES: Llama; Qwen2's q/k/v biases; Qwen3's per-head q/k norms; OLMo 2's whole-width q/k norms
+   and post-norms), so that family's planner tensor list, module paths and LoRA targets are its own, and
 2. computes its logits as the head applied to the base model's output, nothing after (no scale, cap or
    divisor), so partrain's chunked loss, which calls the head itself, gives transformers' loss; and
 3. ships a `base_model_tp_plan`, which tensor parallelism applies as it does for Llama.
 
-`python -m partrain.models.facts_snapshot` runs `survey()` and records the families in
-partrain/blueprint/hf_facts.json (`generic_llama`), which the torch-free planner reads; a test re-checks
+`python -m partrain.models.facts_snapshot` runs `survey()` and records the families with their base in
+partrain/blueprint/hf_facts.json (`generic_families`), which the torch-free planner reads; a test re-checks
 the recorded ones against the installed transformers. What the generic path runs (and refuses) is in
 partrain/blueprint/families/generic.py.
 """
@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import List, Sequence, Set, Tuple
+from typing import Dict, Optional, Sequence, Set, Tuple
+
+BASES = ("llama", "qwen2", "qwen3", "olmo2")
+"""The verified families a generic one may stand on, in the order they are tried."""
 
 TINY_SIZES = dict(
     hidden_size=64,
@@ -60,25 +63,33 @@ def head_is_plain(model) -> bool:
         return bool(torch.allclose(logits, model.lm_head(hidden), rtol=1e-5, atol=1e-6))
 
 
-def qualifies(arch: str, llama_shapes: Set[Tuple[str, Tuple[int, ...]]]) -> bool:
-    """The three rules of this module's docstring for one model_type."""
+def base_of(arch: str, bases: Dict[str, Set[Tuple[str, Tuple[int, ...]]]]) -> Optional[str]:
+    """The base (of `bases`: name -> tensor_shapes) `arch` stands on by the rules of this module's
+    docstring, or None."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             meta = _build(arch, "meta")
-            if tensor_shapes(meta) != llama_shapes or not getattr(meta.config, "base_model_tp_plan", None):
-                return False
-            return head_is_plain(_build(arch, "cpu"))
+            shapes = tensor_shapes(meta)
+            base = next((name for name, known in bases.items() if known == shapes), None)
+            if base is None or not getattr(meta.config, "base_model_tp_plan", None):
+                return None
+            return base if head_is_plain(_build(arch, "cpu")) else None
     except Exception:  # a family whose config or model cannot be built this way does not qualify
-        return False
+        return None
 
 
-def survey(exclude: Sequence[str]) -> List[str]:
-    """Every causal-LM model_type of the installed transformers that qualifies, but those in `exclude`
-    (the families partrain verifies one by one)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+def base_shapes() -> Dict[str, Set[Tuple[str, Tuple[int, ...]]]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llama_shapes = tensor_shapes(_build("llama", "meta"))
-    return [a for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if a not in exclude and qualifies(a, llama_shapes)]
+        return {name: tensor_shapes(_build(name, "meta")) for name in BASES}
+
+
+def survey(exclude: Sequence[str]) -> Dict[str, str]:
+    """Every causal-LM model_type of the installed transformers that qualifies, with its base, but those
+    in `exclude` (the families partrain verifies one by one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    bases = base_shapes()
+    found = {a: base_of(a, bases) for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if a not in exclude}
+    return {a: base for a, base in found.items() if base is not None}

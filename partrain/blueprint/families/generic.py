@@ -1,9 +1,10 @@
-"""The generic path: transformers' causal-LM families built exactly as Llama, trained without a family file.
+"""The generic path: transformers' causal-LM families built exactly as a verified one, trained without a file.
 
 partrain/models/generic_survey.py builds every causal-LM family of the installed transformers and keeps
-those that hold Llama's parameter tensors, compute their logits with a plain head and ship a tp plan;
-`python -m partrain.models.facts_snapshot` records them in hf_facts.json (`generic_llama`), read here.
-Each becomes a planner family with Llama's tensors and formulas (`generic=True`). Whatever a family
+those that hold the parameter tensors of a verified family (their base: Llama, Qwen2, Qwen3, OLMo 2),
+compute their logits with a plain head and ship a tp plan; `python -m partrain.models.facts_snapshot`
+records them in hf_facts.json (`generic_families`, model_type -> base), read here. Each becomes a planner
+family with its base's tensors and formulas (`generic=True`). Whatever a family
 changes inside its decoder layers (norm offsets, activations, window masks) runs in transformers' own
 forward under dp, ZeRO/FSDP, tp (with Megatron-SP) and LoRA, and the suite checks one of them against one
 process on each. Pipeline stages and sequence parallelism replace parts of that forward with partrain's
@@ -18,22 +19,22 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 from partrain.blueprint.families.base import Family
-from partrain.blueprint.families.llama import LLAMA
+from partrain.blueprint.families.llama import LLAMA, QWEN2, QWEN3
+from partrain.blueprint.families.olmo2 import OLMO2
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "hf_facts.json"
-GENERIC_KEY = "generic_llama"
-"""hf_facts.json's list of the families the survey found."""
+GENERIC_KEY = "generic_families"
+"""hf_facts.json's map of the families the survey found to their base."""
 
+GENERIC_BASES: Dict[str, str] = dict(json.loads(SNAPSHOT.read_text()).get(GENERIC_KEY, {}))
+"""model_type on the generic path -> the verified family it is built as (as recorded by the last snapshot)."""
 
-def _recorded() -> Tuple[str, ...]:
-    return tuple(json.loads(SNAPSHOT.read_text()).get(GENERIC_KEY, ()))
+GENERIC_ARCHS: Tuple[str, ...] = tuple(GENERIC_BASES)
 
-
-GENERIC_ARCHS: Tuple[str, ...] = _recorded()
-"""model_types on the generic path (as recorded by the last snapshot)."""
+_BASE_FAMILIES: Dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN2, QWEN3, OLMO2)}
 
 GENERIC_FAMILIES: Dict[str, Family] = {
-    arch: replace(LLAMA, name="generic", arch=arch, generic=True) for arch in GENERIC_ARCHS
+    arch: replace(_BASE_FAMILIES[base], name="generic", arch=arch, generic=True) for arch, base in GENERIC_BASES.items()
 }
 
 GENERIC_REFUSED = {
@@ -49,5 +50,5 @@ GENERIC_REFUSED = {
 """Degree key -> why a generic family cannot take it (blueprint.trainable refuses it, exit 2: the text is
 followed by "is not implemented in this version of partrain")."""
 
-GENERIC_NOTE = "generic path: Llama's tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, LoRA"
+GENERIC_NOTE = "generic path: {base}'s tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, LoRA"
 """What the dry run and docs/families.md say of a family on the generic path."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from partrain.blueprint.families.generic import GENERIC_ARCHS, SNAPSHOT
+from partrain.blueprint.families.generic import GENERIC_BASES, SNAPSHOT
 
 PARITY_STEPS = 2
 """Steps of every cell: the first compares the forward and the backward, the second the update that
@@ -51,7 +51,14 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     "glm4": ("model=glm4-tiny",),
     "cohere2": ("model=cohere2-tiny",),
     "gpt2": ("model=gpt2-tiny",),
-    "helium": ("model=llama-tiny", "model.arch=helium", "model.config.head_dim=32"),
+    "olmo3": ("model=olmo2-tiny", "model.arch=olmo3"),
+    "seed_oss": (
+        "model=qwen2-tiny",
+        "model.arch=seed_oss",
+        "model.config.head_dim=32",
+        "model.config.attention_dropout=0.0",
+        "model.config.residual_dropout=0.0",
+    ),
     "gemma": (
         "model=llama-tiny",
         "model.arch=gemma",
@@ -80,13 +87,14 @@ GENERIC_REFUSALS = {
 }
 """The cells a family on the generic path (families/generic.py) is refused."""
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
-    **{(arch, cell): why for arch in ("helium", "gemma") for cell, why in GENERIC_REFUSALS.items()},
+    **{(arch, cell): why for arch in ("gemma", "olmo3", "seed_oss") for cell, why in GENERIC_REFUSALS.items()},
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
     ("gemma2", "sp2-ring"): RING_SOFTCAP,
     ("gemma3_text", "sp2-ulysses"): SP_WINDOW,
     ("gemma3_text", "sp2-ring"): SP_WINDOW,
     ("olmo2", "tp2-megatron-sp"): TP_GATHERED,
+    ("olmo3", "tp2-megatron-sp"): TP_GATHERED,
     ("phi3", "sp2-ulysses"): SP_WINDOW,
     ("phi3", "sp2-ring"): SP_WINDOW,
     ("phi3", "tp2-megatron-sp"): TP_GATHERED,
@@ -110,7 +118,8 @@ FAMILY_NOTES: Dict[str, str] = {
     "glm4": "fused gate_up_proj (tp gathers its output); four norms a layer; partial rotary; q/k/v biases",
     "cohere2": "parallel attention and MLP on one LayerNorm; logit scale; tied embeddings; local and global layers",
     "gpt2": "fused q/k/v (Conv1D, partrain's own tp plan); learned positions; tied embeddings",
-    "helium": "generic path: a Llama-shaped family with no family file",
+    "olmo3": "generic path on OLMo 2's tensors: local and global layers inside transformers' forward",
+    "seed_oss": "generic path on Qwen2's tensors (q/k/v biases)",
     "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
 """What each family's row exercises beyond Llama."""
@@ -159,15 +168,16 @@ def render() -> str:
             "",
             "## The generic path",
             "",
-            "A family without a file of its own is trained when transformers builds it exactly as Llama:"
-            " partrain built every causal-LM family of transformers " + _transformers_version() + " and kept"
-            " those whose parameters are Llama's (names and shapes), whose logits are the head applied to the"
-            " base model's output, and which ship a tensor-parallel plan. Each runs transformers' own forward"
-            " under dp, ZeRO/FSDP, tp (transformers' plan, with Megatron-SP) and LoRA; pipeline and sequence"
-            " parallelism replace parts of that forward with partrain's own and are refused (exit 2). `helium`"
-            " and `gemma` above are checked as every family is. The families on this path:",
+            "A family without a file of its own is trained when transformers builds it exactly as a verified"
+            " family (its base: `llama`, `qwen2`, `qwen3` or `olmo2`): partrain built every causal-LM family of"
+            " transformers " + _transformers_version() + " and kept those whose parameters are their base's"
+            " (names and shapes), whose logits are the head applied to the base model's output, and which ship"
+            " a tensor-parallel plan. Each runs transformers' own forward under dp, ZeRO/FSDP, tp (transformers'"
+            " plan; Megatron-SP where its base has it) and LoRA; pipeline and sequence parallelism replace parts"
+            " of that forward with partrain's own and are refused (exit 2). `gemma`, `olmo3` and `seed_oss`"
+            " above are checked as every family is. The families on this path, with their base:",
             "",
-            ", ".join(f"`{arch}`" for arch in GENERIC_ARCHS) + ".",
+            ", ".join(f"`{arch}` ({base})" for arch, base in GENERIC_BASES.items()) + ".",
             "",
             "Any other `model_type` is refused before launch (exit 2, naming `model.arch`, or the pretrained"
             " folder's `config.json`, and the supported families).",

@@ -9,8 +9,10 @@ one adapter, listing every HF `model_type` it serves in `archs`.
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 from typing import Any, Dict
 
+from partrain.blueprint.families.generic import GENERIC_BASES
 from partrain.errors import ConfigError, Problem
 from partrain.models.families.base import Adapter
 from partrain.models.families.cohere2 import COHERE2
@@ -18,19 +20,30 @@ from partrain.models.families.gemma2 import GEMMA2
 from partrain.models.families.gemma3 import GEMMA3
 from partrain.models.families.glm4 import GLM4
 from partrain.models.families.gpt2 import GPT2
-from partrain.models.families.llama import GENERIC, GRANITE, LLAMA
+from partrain.models.families.llama import GRANITE, LLAMA
 from partrain.models.families.mixtral import MIXTRAL
 from partrain.models.families.olmo2 import OLMO2
 from partrain.models.families.phi3 import PHI3
 from partrain.models.families.qwen2_moe import QWEN2_MOE
 from partrain.models.families.qwen3_moe import QWEN3_MOE
 
-ADAPTERS: Dict[str, Adapter] = {
+VERIFIED_ADAPTERS: Dict[str, Adapter] = {
     arch: a
-    for a in (GENERIC, GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    for a in (GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
     for arch in a.archs
 }
-"""model_type -> adapter, for every supported architecture (a new family: add its module here)."""
+"""model_type -> adapter of its own family file (a new family: add its module here)."""
+
+ADAPTERS: Dict[str, Adapter] = {
+    **VERIFIED_ADAPTERS,
+    **{
+        arch: replace(VERIFIED_ADAPTERS[base], family="generic", archs=(arch,))
+        for arch, base in GENERIC_BASES.items()
+        if arch not in VERIFIED_ADAPTERS
+    },
+}
+"""model_type -> adapter, for every supported architecture: the generic path's families
+(blueprint/families/generic.py) take their base family's module paths."""
 
 
 def get_adapter(model_or_arch: Any) -> Adapter:

@@ -8,7 +8,6 @@ blueprint/families/llama.py.
 
 from __future__ import annotations
 
-from partrain.blueprint.families.generic import GENERIC_ARCHS
 from partrain.models.families.base import Adapter
 
 LLAMA_PATHS = dict(
@@ -32,7 +31,3 @@ GRANITE = Adapter(
 """Granite: Llama's modules; its residual and attention multipliers live inside the decoder layer (HF's
 code), the embedding multiplier and the logits' divisor in the base and causal-LM forwards, which a
 pipeline stage does not run (stage.py applies them from these keys)."""
-
-GENERIC = Adapter(family="generic", archs=GENERIC_ARCHS, **LLAMA_PATHS)
-"""The families of the generic path (blueprint/families/generic.py): Llama's module paths, found by
-building each; tensor parallelism from transformers' own plan."""
