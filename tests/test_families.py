@@ -127,8 +127,15 @@ def test_the_generic_paths_families_still_build_as_their_base_in_the_installed_t
 
     assert {"helium": "llama", "olmo3": "olmo2", "seed_oss": "qwen2"}.items() <= GENERIC_BASES.items()
     bases = base_shapes()
-    assert {a: base_of(a, bases) for a in GENERIC_BASES} == GENERIC_BASES
-    assert base_of("stablelm", bases) is None and base_of("gpt_oss", bases) is None  # LayerNorm biases; sinks
+    assert {a: base_of(a, bases)[0] for a in GENERIC_BASES} == GENERIC_BASES
+    assert base_of("stablelm", bases)[0] is None and base_of("gpt_oss", bases)[0] is None  # LayerNorm biases; sinks
+
+
+def test_a_family_off_the_generic_path_is_refused_saying_why(cli):
+    ran = cli("train", "model=llama-tiny", "model.arch=stablelm", "--dry-run")
+    assert ran.code == 2 and "model.arch='stablelm'" in ran.stderr, ran.stderr
+    assert "the generic path does not take it: its parameters are none of" in ran.stderr
+    assert "input_layernorm.bias" in ran.stderr
 
 
 def test_a_generic_family_is_refused_pipeline_and_sequence_parallelism_by_name(cli):

@@ -43,11 +43,12 @@ def write_snapshot() -> None:
     import transformers
 
     from partrain.blueprint.families import VERIFIED
-    from partrain.blueprint.families.generic import GENERIC_KEY
+    from partrain.blueprint.families.generic import GENERIC_KEY, NOT_GENERIC_KEY
     from partrain.models.generic_survey import survey
 
-    generic = survey(tuple(VERIFIED))
+    generic, not_generic = survey(tuple(VERIFIED))
     data: Dict[str, Any] = {"transformers_version": transformers.__version__, GENERIC_KEY: generic}
+    data[NOT_GENERIC_KEY] = not_generic
     data.update({arch: live_class_fields(arch) for arch in (*VERIFIED, *generic)})
     SNAPSHOT_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 

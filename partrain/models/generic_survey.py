@@ -46,7 +46,10 @@ def _build(arch: str, device: str):
         return AutoModelForCausalLM.from_config(config)
 
 
-def tensor_shapes(model) -> Set[Tuple[str, Tuple[int, ...]]]:
+Shapes = Set[Tuple[str, Tuple[int, ...]]]
+
+
+def tensor_shapes(model) -> Shapes:
     """(name with layer indices as N, shape) of every parameter."""
     return {(re.sub(r"\.\d+\.", ".N.", name), tuple(p.shape)) for name, p in model.named_parameters()}
 
@@ -63,33 +66,47 @@ def head_is_plain(model) -> bool:
         return bool(torch.allclose(logits, model.lm_head(hidden), rtol=1e-5, atol=1e-6))
 
 
-def base_of(arch: str, bases: Dict[str, Set[Tuple[str, Tuple[int, ...]]]]) -> Optional[str]:
-    """The base (of `bases`: name -> tensor_shapes) `arch` stands on by the rules of this module's
-    docstring, or None."""
+def base_of(arch: str, bases: Dict[str, Shapes]) -> Tuple[Optional[str], str]:
+    """(the base of `bases` that `arch` stands on by the rules of this module's docstring, "") or (None,
+    why not)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             meta = _build(arch, "meta")
             shapes = tensor_shapes(meta)
             base = next((name for name, known in bases.items() if known == shapes), None)
-            if base is None or not getattr(meta.config, "base_model_tp_plan", None):
-                return None
-            return base if head_is_plain(_build(arch, "cpu")) else None
-    except Exception:  # a family whose config or model cannot be built this way does not qualify
-        return None
+            if base is None:
+                return None, _closest_difference(shapes, bases)
+            if not getattr(meta.config, "base_model_tp_plan", None):
+                return None, "transformers ships no tensor-parallel plan for it"
+            if not head_is_plain(_build(arch, "cpu")):
+                return None, "its logits are not the head applied to the base model's output"
+            return base, ""
+    except Exception as exc:  # a family whose config or model cannot be built this way does not qualify
+        return None, f"a small model of it could not be built from its config class ({type(exc).__name__})"
 
 
-def base_shapes() -> Dict[str, Set[Tuple[str, Tuple[int, ...]]]]:
+def _closest_difference(shapes: Shapes, bases: Dict[str, Shapes]) -> str:
+    name, known = min(bases.items(), key=lambda item: len(item[1] ^ shapes))
+    extra = sorted(n for n, _ in shapes - known)
+    missing = sorted(n for n, _ in known - shapes)
+    parts = [f"has {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"] if extra else []
+    parts += [f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"] if missing else []
+    against = "; ".join(parts) or "differs in shapes"
+    return f"its parameters are none of {', '.join(bases)}'s (against {name}'s it {against})"
+
+
+def base_shapes() -> Dict[str, Shapes]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return {name: tensor_shapes(_build(name, "meta")) for name in BASES}
 
 
-def survey(exclude: Sequence[str]) -> Dict[str, str]:
-    """Every causal-LM model_type of the installed transformers that qualifies, with its base, but those
-    in `exclude` (the families partrain verifies one by one)."""
+def survey(exclude: Sequence[str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """Every causal-LM model_type of the installed transformers but those in `exclude` (the families
+    partrain verifies one by one): ({the qualifying ones: their base}, {the others: why not})."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     bases = base_shapes()
     found = {a: base_of(a, bases) for a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if a not in exclude}
-    return {a: base for a, base in found.items() if base is not None}
+    return {a: b for a, (b, _) in found.items() if b}, {a: why for a, (b, why) in found.items() if not b}

@@ -15,7 +15,7 @@ from partrain.blueprint.families.base import Family
 from partrain.blueprint.families.cohere2 import COHERE2
 from partrain.blueprint.families.gemma2 import GEMMA2
 from partrain.blueprint.families.gemma3 import GEMMA3
-from partrain.blueprint.families.generic import GENERIC_FAMILIES
+from partrain.blueprint.families.generic import GENERIC_FAMILIES, NOT_GENERIC
 from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
 from partrain.blueprint.families.llama import GRANITE, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
@@ -38,10 +38,11 @@ def unknown_arch(arch: str) -> Problem:
     names = tuple(FAMILIES)
     close = difflib.get_close_matches(arch, names, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
+    why = f"; the generic path does not take it: {NOT_GENERIC[arch]}" if arch in NOT_GENERIC else ""
     return Problem(
         "model.arch",
         arch,
-        f"not a supported HF architecture family ({', '.join(names)})",
+        f"not a supported HF architecture family ({', '.join(names)}){why}",
         f"{hint}set model.arch to one of them",
     )
 

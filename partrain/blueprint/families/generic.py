@@ -26,10 +26,16 @@ SNAPSHOT = Path(__file__).resolve().parents[1] / "hf_facts.json"
 GENERIC_KEY = "generic_families"
 """hf_facts.json's map of the families the survey found to their base."""
 
-GENERIC_BASES: Dict[str, str] = dict(json.loads(SNAPSHOT.read_text()).get(GENERIC_KEY, {}))
+_RECORDED = json.loads(SNAPSHOT.read_text())
+GENERIC_BASES: Dict[str, str] = dict(_RECORDED.get(GENERIC_KEY, {}))
 """model_type on the generic path -> the verified family it is built as (as recorded by the last snapshot)."""
 
 GENERIC_ARCHS: Tuple[str, ...] = tuple(GENERIC_BASES)
+
+NOT_GENERIC_KEY = "not_generic"
+"""hf_facts.json's map of transformers' other causal-LM families to why the survey left them out."""
+
+NOT_GENERIC: Dict[str, str] = dict(_RECORDED.get(NOT_GENERIC_KEY, {}))
 
 _BASE_FAMILIES: Dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN2, QWEN3, OLMO2)}
 
