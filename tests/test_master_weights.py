@@ -29,6 +29,10 @@ from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import max_relative_difference, parity_args
 
 RTOL = 2e-3
+"""bf16 with 16-bit parameters (fp32 master weights) vs the autocast runtime, every step's loss and
+gradient norm: the forward runs on weights rounded to bf16 once per step instead of per use, so the two
+differ by bf16 rounding (2^-8) averaged over many elements. Measured (2026-12-07): at most 5.6e-4 (dp2,
+gradient norm), a margin of 3.6x; the losses at most 6.9e-5."""
 STEPS = 3
 SMALL = ["train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=32", "train.precision=bf16"]
 TWO = ["recipe=gpt-dp", "cluster.devices_per_node=2", *SMALL]

@@ -80,6 +80,12 @@ DP_RUNS = [
     ("gpt2", "1f1b", 1, "ddp"),
 ]
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4
+"""fp32 pipeline runs vs one process: every rank's losses, gradient norms and step-0 eval loss relative
+(partrain.testing.parity.FP32_RTOL's reasoning: the same sums in another order), and every parameter
+after the steps, absolute (weights of order 0.02-1 after a few Adam steps of lr 1e-3, so fp32 rounding
+of the updates, not a fault, is what separates them). Measured (2026-12-07, every schedule, pp2 and pp4,
+pp2 x dp2): losses at most 6.4e-8 and gradient norms 1.6e-7 (a margin of 62x), parameters at most 4.2e-6
+(looped-bfs; 24x)."""
 
 
 # ---- fast, single-process -------------------------------------------------------------------------
@@ -537,14 +543,15 @@ def test_pipeline_matches_single_process(arch, schedule, pp, world, references, 
         got = res[key]
         rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
         assert max(rel) <= LOSS_RTOL, f"rank {rank} losses {got['losses']} vs {ref['losses']}"
-        rel = [abs(a - b) / abs(b) for a, b in zip(got["grad_norms"], ref["grad_norms"])]
-        assert max(rel) <= LOSS_RTOL, f"rank {rank} grad norms {got['grad_norms']} vs {ref['grad_norms']}"
+        norm_rel = [abs(a - b) / abs(b) for a, b in zip(got["grad_norms"], ref["grad_norms"])]
+        assert max(norm_rel) <= LOSS_RTOL, f"rank {rank} grad norms {got['grad_norms']} vs {ref['grad_norms']}"
+        print(key, f"rank {rank}: loss rel diff {max(rel):.1e}, grad-norm rel diff {max(norm_rel):.1e}")
         assert abs(got["eval0"] - ref["losses"][0]) <= LOSS_RTOL * ref["losses"][0], (got["eval0"], ref["losses"][0])
         for timing in got["timings"]:
             assert 0 < timing["busy_s"] <= timing["wall_s"] * 1.05
     if pp is None:  # pp x dp: parameters are FSDP shards; losses and global grad norms were checked
         return
-    seen = set()
+    seen, worst = set(), 0.0
     for rank, res in enumerate(results):
         params = torch.load(res[key]["params_file"])
         for name, value in params.items():
@@ -552,6 +559,8 @@ def test_pipeline_matches_single_process(arch, schedule, pp, world, references, 
             seen.add(fqn)
             diff = (value - ref["params"][fqn]).abs().max().item()
             assert diff <= PARAM_ATOL, f"{name} on rank {rank} differs by {diff:.2e}"
+            worst = max(worst, diff)
+    print(key, f"parameters: largest difference {worst:.1e}")
     assert seen == set(ref["params"])  # every parameter lives on some stage
     if arch == "gpt2":  # the tied weight has two copies (first and last chunk) and they agree
         copies = [
