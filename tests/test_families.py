@@ -89,7 +89,8 @@ def test_family_tables_derived_from_the_files():
     assert LORA_TARGETS["gpt2"] == ("c_attn", "c_proj", "c_fc")
     assert UNDECLARED_FIELDS["qwen3_moe"] == {"head_dim": None}
     windowed = ["mistral", "gemma2", "gemma3_text", "phi3", "cohere2", "mixtral"]
-    assert [a for a in SUPPORTED_ARCHS if FAMILIES[a].window_always] == windowed
+    generic = [a for a in SUPPORTED_ARCHS if FAMILIES[a].generic]  # a window counts whatever layers it names
+    assert [a for a in SUPPORTED_ARCHS if FAMILIES[a].window_always] == windowed + generic
 
 
 def test_the_attention_kernel_follows_the_model_and_sdpa_is_refused_where_scores_are_capped():
@@ -138,12 +139,17 @@ def test_a_family_off_the_generic_path_is_refused_saying_why(cli):
     assert "input_layernorm.bias" in ran.stderr
 
 
-def test_a_generic_family_is_refused_pipeline_and_sequence_parallelism_by_name(cli):
+def test_a_generic_family_is_refused_pipeline_parallelism_and_short_windows_by_name(cli):
     base = ["model=llama-tiny", "model.arch=helium", "cluster.devices_per_node=2"]
-    for degree in ("parallel.pp=2", "parallel.sp=2"):
-        ran = cli("train", *base, degree)
-        key = degree.split("=")[0]
-        assert ran.code == 2 and f"{key}=" in ran.stderr and "helium, a family on the generic path" in ran.stderr
-    ran = cli("train", *base, "parallel.tp=2", "--dry-run")
-    assert ran.code == 0, ran.stderr
-    assert "helium: generic path: llama's tensors" in ran.stdout
+    ran = cli("train", *base, "parallel.pp=2")
+    assert ran.code == 2 and "parallel.pp=" in ran.stderr and "helium, a family on the generic path" in ran.stderr
+    for degree in ("parallel.tp=2", "parallel.sp=2"):
+        ran = cli("train", *base, degree, "--dry-run")
+        assert ran.code == 0, ran.stderr
+        assert "helium: generic path: llama's tensors" in ran.stdout
+    # Ministral derives which layers slide from sliding_window itself: any window shorter than the sequence
+    # is refused under sp, not only one that layer_types names.
+    windowed = ["model=llama-tiny", "model.arch=ministral", "cluster.devices_per_node=2", "parallel.sp=2"]
+    ran = cli("train", *windowed, "model.config.sliding_window=32")
+    assert ran.code == 2 and "sliding attention window of 32 tokens" in ran.stderr, ran.stderr
+    assert cli("train", *windowed, "model.config.sliding_window=4096", "--dry-run").code == 0

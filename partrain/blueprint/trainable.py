@@ -31,7 +31,6 @@ IMPLEMENTED = {
     "sp-ring-dropout": False,
     "sp-ring-softcap": False,
     "pp-generic": False,
-    "sp-generic": False,
 }
 
 
@@ -78,14 +77,13 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
 
 
 def _generic_limits(v: ValidatedRun) -> dict:
-    """The degrees a family on the generic path cannot take (families/generic.py)."""
+    """The degree a family on the generic path cannot take (families/generic.py)."""
     arch, layout = v.run.model.arch, v.layout
     if not family(arch).generic:
         return {}
     why = {key: text.format(arch=arch) for key, text in GENERIC_REFUSED.items()}
     return {
         "pp-generic": (layout.pp > 1, f"parallel.pp={layout.pp} ({why['parallel.pp'].rstrip(',')})"),
-        "sp-generic": (layout.sp > 1, f"parallel.sp={layout.sp} ({why['parallel.sp'].rstrip(',')})"),
     }
 
 

@@ -6,9 +6,11 @@ compute their logits with a plain head and ship a tp plan; `python -m partrain.m
 records them in hf_facts.json (`generic_families`, model_type -> base), read here. Each becomes a planner
 family with its base's tensors and formulas (`generic=True`). Whatever a family
 changes inside its decoder layers (norm offsets, activations, window masks) runs in transformers' own
-forward under dp, ZeRO/FSDP, tp (with Megatron-SP) and LoRA, and the suite checks one of them against one
-process on each. Pipeline stages and sequence parallelism replace parts of that forward with partrain's
-own (the layer loop, the attention call) and stay with the verified families: exit 2 names the key.
+forward under dp, ZeRO/FSDP, tp (with Megatron-SP), sp (Ulysses and ring, through transformers' attention
+interface; a sliding window shorter than the sequence is refused, whichever layers the family applies it
+to) and LoRA, and the suite checks three of them against one process on each. Pipeline stages replace the
+base model's forward with partrain's own loop over the layers and stay with the verified families: exit 2
+names the key.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ NOT_GENERIC: Dict[str, str] = dict(_RECORDED.get(NOT_GENERIC_KEY, {}))
 _BASE_FAMILIES: Dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN2, QWEN3, OLMO2)}
 
 GENERIC_FAMILIES: Dict[str, Family] = {
-    arch: replace(_BASE_FAMILIES[base], name="generic", arch=arch, generic=True) for arch, base in GENERIC_BASES.items()
+    # window_always: whether a family applies config.sliding_window to some layers is its own code's rule
+    # (several derive layer_types from it), so any window shorter than the sequence counts.
+    arch: replace(_BASE_FAMILIES[base], name="generic", arch=arch, generic=True, window_always=True)
+    for arch, base in GENERIC_BASES.items()
 }
 
 GENERIC_REFUSED = {
@@ -48,13 +53,9 @@ GENERIC_REFUSED = {
         "pipeline parallelism for {arch}, a family on the generic path: pipeline stages run partrain's own "
         "loop over the decoder layers, verified family by family,"
     ),
-    "parallel.sp": (
-        "sequence parallelism for {arch}, a family on the generic path: it replaces the attention call, "
-        "verified family by family,"
-    ),
 }
 """Degree key -> why a generic family cannot take it (blueprint.trainable refuses it, exit 2: the text is
 followed by "is not implemented in this version of partrain")."""
 
-GENERIC_NOTE = "generic path: {base}'s tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, LoRA"
+GENERIC_NOTE = "generic path: {base}'s tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, sp, LoRA"
 """What the dry run and docs/families.md say of a family on the generic path."""

@@ -78,12 +78,9 @@ TP_GATHERED = (
     "(parallel.tp_sequence_parallel)"
 )
 GENERIC_PP = "pipeline stages run partrain's own loop over the decoder layers, verified family by family"
-GENERIC_SP = "sequence parallelism replaces the attention call, verified family by family"
 GENERIC_REFUSALS = {
     "pp2-1f1b": GENERIC_PP,
     "pp2-chunked-loss": GENERIC_PP,
-    "sp2-ulysses": GENERIC_SP,
-    "sp2-ring": GENERIC_SP,
 }
 """The cells a family on the generic path (families/generic.py) is refused."""
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
@@ -173,8 +170,10 @@ def render() -> str:
             " transformers " + _transformers_version() + " and kept those whose parameters are their base's"
             " (names and shapes), whose logits are the head applied to the base model's output, and which ship"
             " a tensor-parallel plan. Each runs transformers' own forward under dp, ZeRO/FSDP, tp (transformers'"
-            " plan; Megatron-SP where its base has it) and LoRA; pipeline and sequence parallelism replace parts"
-            " of that forward with partrain's own and are refused (exit 2). `gemma`, `olmo3` and `seed_oss`"
+            " plan; Megatron-SP where its base has it), sp (through transformers' attention interface; a sliding"
+            " window shorter than the sequence is refused) and LoRA; pipeline parallelism replaces the base"
+            " model's forward with partrain's own loop over the layers and is refused (exit 2). `gemma`, `olmo3`"
+            " and `seed_oss`"
             " above are checked as every family is. The families on this path, with their base:",
             "",
             ", ".join(f"`{arch}` ({base})" for arch, base in GENERIC_BASES.items()) + ".",
