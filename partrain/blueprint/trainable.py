@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List
 
 from partrain.blueprint.families import family
-from partrain.blueprint.families.generic import GENERIC_REFUSED
+from partrain.blueprint.families.generic import GENERIC_PIPELINE, GENERIC_REFUSED
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 
@@ -79,7 +79,7 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
 def _generic_limits(v: ValidatedRun) -> dict:
     """The degree a family on the generic path cannot take (families/generic.py)."""
     arch, layout = v.run.model.arch, v.layout
-    if not family(arch).generic:
+    if not family(arch).generic or arch in GENERIC_PIPELINE:
         return {}
     why = {key: text.format(arch=arch) for key, text in GENERIC_REFUSED.items()}
     return {

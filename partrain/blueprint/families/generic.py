@@ -9,8 +9,8 @@ changes inside its decoder layers (norm offsets, activations, window masks) runs
 forward under dp, ZeRO/FSDP, tp (with Megatron-SP), sp (Ulysses and ring, through transformers' attention
 interface; a sliding window shorter than the sequence is refused, whichever layers the family applies it
 to) and LoRA, and the suite checks three of them against one process on each. Pipeline stages replace the
-base model's forward with partrain's own loop over the layers and stay with the verified families: exit 2
-names the key.
+base model's forward with partrain's own loop over the layers: pp runs for the families whose forward that
+loop reproduces exactly (GENERIC_PIPELINE), and is refused for the others (exit 2 names the key).
 """
 
 from __future__ import annotations
@@ -48,14 +48,22 @@ GENERIC_FAMILIES: Dict[str, Family] = {
     for arch, base in GENERIC_BASES.items()
 }
 
+GENERIC_PIPELINE = frozenset(
+    ("cwm", "ernie4_5", "exaone", "gemma", "helium", "internlm3", "iquestcoder", "ministral", "ministral3", "seed_oss")
+)
+"""The generic families whose transformers forward partrain's pipeline stages reproduce: a tiny model split
+into two PipelineStageModule chunks gives transformers' logits exactly (tests/test_families.py checks this
+set against the installed transformers). olmo3 is not among them: its rotary module takes the layer's
+attention type, which only a verified family's adapter says (Gemma 3's)."""
+
 GENERIC_REFUSED = {
     "parallel.pp": (
-        "pipeline parallelism for {arch}, a family on the generic path: pipeline stages run partrain's own "
-        "loop over the decoder layers, verified family by family,"
+        "pipeline parallelism for {arch}, a family on the generic path whose forward partrain's pipeline "
+        "stages do not reproduce (they run their own loop over the decoder layers),"
     ),
 }
-"""Degree key -> why a generic family cannot take it (blueprint.trainable refuses it, exit 2: the text is
-followed by "is not implemented in this version of partrain")."""
+"""Degree key -> why a generic family outside GENERIC_PIPELINE cannot take it (blueprint.trainable refuses
+it, exit 2: the text is followed by "is not implemented in this version of partrain")."""
 
-GENERIC_NOTE = "generic path: {base}'s tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, sp, LoRA"
+GENERIC_NOTE = "generic path: {base}'s tensors, transformers' own forward and tp plan; dp, ZeRO/FSDP, tp, sp, LoRA{pp}"
 """What the dry run and docs/families.md say of a family on the generic path."""

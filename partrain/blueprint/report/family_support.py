@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from partrain.blueprint.families import family
-from partrain.blueprint.families.generic import GENERIC_BASES, GENERIC_NOTE
+from partrain.blueprint.families.generic import GENERIC_BASES, GENERIC_NOTE, GENERIC_PIPELINE
 from partrain.blueprint.families.support import PARITY_FAMILIES, PARITY_LAYOUTS, PARITY_REFUSED
 from partrain.blueprint.validate import ValidatedRun
 
@@ -37,7 +37,8 @@ def matrix_cells(v: ValidatedRun) -> List[str]:
 def family_support(v: ValidatedRun) -> Dict[str, object]:
     """{"arch", "matrix": whether the family has a row, "cells": {layout: verified | refused}, "note"}."""
     arch = v.run.model.arch
-    generic = GENERIC_NOTE.format(base=GENERIC_BASES[arch]) if family(arch).generic else ""
+    pp = ", pp" if arch in GENERIC_PIPELINE else ""
+    generic = GENERIC_NOTE.format(base=GENERIC_BASES[arch], pp=pp) if family(arch).generic else ""
     if arch not in PARITY_FAMILIES:
         return {"arch": arch, "matrix": False, "cells": {}, "note": MOE_VERIFIED if v.facts.is_moe else generic}
     cells = {c: "refused" if (arch, c) in PARITY_REFUSED else "verified" for c in matrix_cells(v)}
