@@ -114,9 +114,11 @@ def test_elastic_rendezvous_arguments():
 
 BASE = [*GPT_3D_SHORT, "optim.schedule=constant", "optim.warmup_steps=2"]
 """A learning rate that does not depend on train.steps, so each reference can stop at its change step."""
-STEPS = 120
+STEPS = 240
 """Enough that node 0 still trains when the new node has started: about 20 steps on an idle 2-core
-machine, but more than 76 once under CI's load (80 steps were too few there)."""
+machine, more than 76 once under CI's load (80 steps were too few there), and more than 117 on a clean
+clone's CI run of 2026-12-07 (120 were too few: node 0 finished before the new launcher joined). The
+steps after the grow-back cost about 0.2 s each here."""
 
 
 def elastic_overrides(tmp: Path, steps: int) -> list:
