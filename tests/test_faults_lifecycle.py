@@ -83,8 +83,9 @@ def runs():
     started.cleanup()
 
 
-def _wait_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> None:
-    """Until rank 0 recorded its first step (metrics.jsonl), so a signal lands mid-run."""
+def _wait_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> None:
+    """Until rank 0 recorded its first step (metrics.jsonl), so a signal lands mid-run. The deadline only
+    stops a hung launch: 120 s was too short once on a clean clone's loaded CI run (2026-12-07)."""
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
     while not (metrics.exists() and metrics.read_text().strip()):
         if proc.poll() is not None:
