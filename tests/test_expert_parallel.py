@@ -32,6 +32,8 @@ COMMON = ["train.seq_len=64", "data.max_bytes=1000000"]
 MIXTRAL = ["recipe=mixtral-ep", "parallel.moe_aux_loss_coef=0.1", "parallel.moe_z_loss_coef=0.01"]
 QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared expert; HF's aux weight
 QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]  # 4 experts top-2, q/k norms, no shared expert
+# 4 biased transposed experts top-2, attention sinks; a window as long as the sequence so Ulysses runs it.
+GPT_OSS = ["recipe=mixtral-ep", "model=gpt-oss-tiny", "model.config.sliding_window=64"]
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
@@ -55,6 +57,9 @@ LAYOUTS = {
     "mixtral-ep2-zero1": (MIXTRAL, FOUR + ["parallel.ep=2", "parallel.zero_stage=1"]),  # expert Adam state over edp=2
     "qwen2-moe-ep2": (QWEN, []),
     "qwen3-moe-ep2": (QWEN3, []),
+    "gpt-oss-ep2": (GPT_OSS, []),
+    # Each sp rank runs half of the heads after Ulysses' all-to-all, with those heads' sink logits.
+    "gpt-oss-ep2-sp2-ulysses": (GPT_OSS, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
     # Context parallel: the router losses gather their statistics over the sp ranks' shards, so they
     # are the whole sequence's (each sp rank holds half of every sequence; ep carved out of sp).
     "mixtral-ep2-sp2-ulysses": (MIXTRAL, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
@@ -71,7 +76,8 @@ def _base(model, data_cache):
 
 
 def _reference_name(model) -> str:
-    return "reference-" + {tuple(MIXTRAL): "mixtral", tuple(QWEN): "qwen2", tuple(QWEN3): "qwen3"}[tuple(model)]
+    names = {tuple(MIXTRAL): "mixtral", tuple(QWEN): "qwen2", tuple(QWEN3): "qwen3", tuple(GPT_OSS): "gpt-oss"}
+    return "reference-" + names[tuple(model)]
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +304,18 @@ def _tiny_moe(family: str, layers: int):
     }
     if family == "mixtral":
         return MixtralForCausalLM(MixtralConfig(**kw, num_local_experts=4)), MIXTRAL
+    if family == "gpt_oss":
+        import torch
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        from partrain.models.adapters import get_adapter
+
+        model = GptOssForCausalLM(GptOssConfig(**kw, num_local_experts=4, head_dim=8))
+        with torch.no_grad():  # transformers starts its biases and sinks at zero: make them count
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or name.endswith("sinks"):
+                    p.normal_(0.0, 0.5)
+        return model, get_adapter(model)
     if family == "qwen2_moe":
         return Qwen2MoeForCausalLM(
             Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
@@ -305,7 +323,7 @@ def _tiny_moe(family: str, layers: int):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), QWEN3_MOE
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_routed_experts_compute_what_hf_computes(family):
     """RoutedExperts (ep=1) gives HF's logits; on a one-layer model its aux loss is HF's
     load_balancing_loss_func (HF concatenates layers, partrain averages per-layer values)."""

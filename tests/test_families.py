@@ -88,7 +88,7 @@ def test_family_tables_derived_from_the_files():
     assert LORA_TARGETS["mixtral"] == ("q_proj", "k_proj", "v_proj", "o_proj")
     assert LORA_TARGETS["gpt2"] == ("c_attn", "c_proj", "c_fc")
     assert UNDECLARED_FIELDS["qwen3_moe"] == {"head_dim": None}
-    windowed = ["mistral", "gemma2", "gemma3_text", "phi3", "cohere2", "mixtral"]
+    windowed = ["mistral", "gemma2", "gemma3_text", "phi3", "cohere2", "mixtral", "gpt_oss"]
     generic = [a for a in SUPPORTED_ARCHS if FAMILIES[a].generic]  # a window counts whatever layers it names
     assert [a for a in SUPPORTED_ARCHS if FAMILIES[a].window_always] == windowed + generic
 
@@ -115,6 +115,11 @@ def test_the_attention_kernel_follows_the_model_and_sdpa_is_refused_where_scores
         validate(compose(["recipe=gpt-dp", "model=gemma2-tiny", "+model.config.attn_implementation=sdpa"]))
     text = str(refused.value)
     assert "model.config.attn_implementation" in text and "attn_logit_softcapping=50.0" in text, text
+    # gpt-oss' attention adds sink logits, which transformers runs only in eager (or flex/flash) attention.
+    assert kernels("model=gpt-oss-tiny") == ("eager", "eager")
+    with pytest.raises(ConfigError) as refused:
+        validate(compose(["recipe=gpt-dp", "model=gpt-oss-tiny", "+model.config.attn_implementation=sdpa"]))
+    assert "sink logits" in str(refused.value) and "model.config.attn_implementation" in str(refused.value)
     with pytest.raises(ConfigError) as typo:
         validate(compose(["recipe=gpt-dp", "model=llama-tiny", "+model.config.attn_implementation=sdpaa"]))
     assert "model.config.attn_implementation" in str(typo.value) and "did you mean sdpa?" in str(typo.value)

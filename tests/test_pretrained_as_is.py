@@ -144,11 +144,11 @@ def test_the_report_names_the_folder_and_the_keys_that_override_it(llama_folder)
 
 def test_a_folder_of_an_unsupported_family_is_named_as_that_folder(tmp_path):
     """Issue 45 item 7: the user gave a folder, not model.arch; the message names the folder's config.json."""
-    folder = tmp_path / "gpt_oss"
+    folder = tmp_path / "rwkv"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 32}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "rwkv", "vocab_size": 256, "hidden_size": 32}))
     with pytest.raises(ConfigError) as err:
         validate(compose([f"model.pretrained={folder}"]))
     (problem,) = err.value.problems
-    assert problem.key == "model.pretrained" and "config.json has model_type='gpt_oss'" in problem.rule
+    assert problem.key == "model.pretrained" and "config.json has model_type='rwkv'" in problem.rule
     assert "families.md" in problem.fix

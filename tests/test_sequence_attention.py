@@ -67,6 +67,8 @@ def _all_cases(rank, world):
     # bf16 inputs: the merge still accumulates in fp32, so the error is bf16 rounding, not worse
     for kernel in ("flash_cpu", "math"):
         results[f"bf16-ring-{kernel}-sp4"] = _case(4, rank, None, "zigzag", True, 1, torch.bfloat16, kernel)
+    results["sinks-ulysses-sp2"] = _sinks_case(2, rank % 2, pair, seed=11)
+    results["sinks-ulysses-sp4"] = _sinks_case(4, rank, None, seed=12)
     try:  # 3 heads over sp=2: refused before any collective
         ulysses_attention(*(torch.zeros(1, 3, 4, 2) for _ in range(3)), pair, lambda a, b, c: a)
         results["ulysses-refuses-3-heads"] = False
@@ -75,12 +77,57 @@ def _all_cases(rank, world):
     return results
 
 
+def _gpt_oss_eager(q, k, v, sinks):
+    """transformers' own eager attention of gpt-oss (causal mask, sink logits), q/k/v [B, H|KV, S, D]."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    n = q.shape[2]
+    mask = torch.zeros(n, n, dtype=q.dtype).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), torch.finfo(q.dtype).min
+    )
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False)
+    out, _ = eager_attention_forward(module, q, k, v, mask[None, None], scaling=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)  # [B, H, S, D]
+
+
+def _sinks_case(sp, sp_rank, group, seed):
+    """partrain's Ulysses attention of a module with sink logits (gpt-oss) against transformers' eager
+    attention of the whole sequence: each sp rank must add the sinks of the heads it runs."""
+    from types import SimpleNamespace
+
+    from partrain.parallel.context_parallel import SP_ATTR, SequenceShard, _sp_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    q, w = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, 2, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64) * 3  # large, and different per head
+    full = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    ref = _gpt_oss_eager(*full)
+    (ref * w).sum().backward()
+    pos = contiguous_positions(S, sp, sp_rank)
+    local = [t[:, :, pos].clone().requires_grad_(True) for t in (q, k, v)]
+    mine = sinks.clone().requires_grad_(True)
+    module = SimpleNamespace(is_causal=True, **{SP_ATTR: SequenceShard("ulysses", sp, sp_rank, group)})
+    out, _ = _sp_attention(module, *local, None, scaling=D**-0.5, s_aux=mine)  # [B, S, H, D]
+    (out.transpose(1, 2) * w[:, :, pos]).sum().backward()
+    # Each rank's sink gradient covers its own heads over the whole sequence: the sum over ranks is the whole.
+    import torch.distributed as dist
+
+    sink_grad = mine.grad.clone()
+    dist.all_reduce(sink_grad, group=group)
+    errs = [(out.transpose(1, 2) - ref[:, :, pos]).abs().max(), (sink_grad - full[3].grad).abs().max()]
+    errs += [(loc.grad - ref_t.grad[:, :, pos]).abs().max() for loc, ref_t in zip(local, full)]
+    return max(float(e.detach()) for e in errs)
+
+
 @pytest.mark.slow
 def test_ring_and_ulysses_match_full_attention(tmp_path):
     for rank, results in enumerate(run_spawned(_all_cases, 4, tmp_path)):
         assert results.pop("ulysses-refuses-3-heads") is True
         assert results.pop("bf16-ring-flash_cpu-sp4") < 0.05 and results.pop("bf16-ring-math-sp4") < 0.05
-        assert len(results) == 24
+        assert len(results) == 26
         for name, err in results.items():
             assert err < 1e-6, (rank, name, err)
 

@@ -148,13 +148,14 @@ def merged_kwargs(
     return values
 
 
-def attention_implementation(named: Optional[str], values: Mapping[str, Any]) -> str:
+def attention_implementation(named: Optional[str], values: Mapping[str, Any], arch: str) -> str:
     """The attention kernel a run uses: model.config.attn_implementation when named, else SDPA, or
     transformers' eager attention where the model caps its attention scores (attn_logit_softcapping:
-    Gemma 2), which SDPA cannot do."""
+    Gemma 2) or its family's attention has no SDPA path (gpt-oss' sinks)."""
     if named:
         return str(named)
-    return "eager" if values.get("attn_logit_softcapping") else "sdpa"
+    eager = values.get("attn_logit_softcapping") or family(arch).attention_sinks
+    return "eager" if eager else "sdpa"
 
 
 ATTENTION_KERNELS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -175,6 +176,15 @@ def _check_attention_kernel(arch: str, named: Any, values: Mapping[str, Any]) ->
                 + ", ".join(ATTENTION_KERNELS)
                 + ", or a Hub kernel org/name)",
                 f"did you mean {close[0]}?" if close else "drop it (sdpa, or eager where the model caps its scores)",
+            )
+        )
+    if named == "sdpa" and family(arch).attention_sinks:
+        raise ConfigError(
+            Problem(
+                "model.config.attn_implementation",
+                named,
+                f"transformers has no SDPA attention for {arch} (its attention adds per-head sink logits)",
+                "drop model.config.attn_implementation (eager attention is then used)",
             )
         )
     cap = values.get("attn_logit_softcapping")

@@ -28,8 +28,10 @@ IMPLEMENTED = {
     "tp-sp-learned-positions": True,
     "sp-sliding-window": False,
     "tp-sp-gathered-attention": False,
+    "tp-sp-whole-layers": False,
     "sp-ring-dropout": False,
     "sp-ring-softcap": False,
+    "sp-ring-sinks": False,
     "pp-generic": False,
 }
 
@@ -66,6 +68,11 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
             f"parallel.tp_sequence_parallel=true (Megatron-SP where {v.run.model.arch}'s tensor-parallel plan "
             "gathers column projections' outputs)",
         ),
+        "tp-sp-whole-layers": (
+            p.tp_sequence_parallel and layout.tp > 1 and not _tp_splits_layers(v),
+            f"parallel.tp_sequence_parallel=true (Megatron-SP where {v.run.model.arch}'s tensor-parallel plan "
+            "splits no decoder-layer projection)",
+        ),
         **_sp_limits(v),
         **_generic_limits(v),
         "checkpoint": (
@@ -74,6 +81,13 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
         ),
     }
     return [text for key, (used, text) in wanted.items() if used and not IMPLEMENTED[key]]
+
+
+def _tp_splits_layers(v: ValidatedRun) -> bool:
+    """Whether tensor parallelism splits any tensor of a decoder layer (transformers' plan for gpt-oss
+    splits only the embedding and the head: Megatron-SP then has no block to hand shards to)."""
+    fam = family(v.run.model.arch)
+    return any(t.tp_dim is not None for t in fam.layer_tensors(v.facts, fam.default_extras(v.facts), 0))
 
 
 def _generic_limits(v: ValidatedRun) -> dict:
@@ -89,8 +103,8 @@ def _generic_limits(v: ValidatedRun) -> dict:
 
 def _sp_limits(v: ValidatedRun) -> dict:
     """What partrain's sp attention (parallel.context_parallel) does not do: sliding windows shorter
-    than the sequence (it runs full causal attention), and attention dropout or capped attention scores
-    inside ring attention."""
+    than the sequence (it runs full causal attention), and attention dropout, capped attention scores or
+    attention sinks inside ring attention."""
     layout, seq = v.layout, v.run.train.seq_len
     if layout.sp == 1:
         return {}
@@ -119,5 +133,9 @@ def _sp_limits(v: ValidatedRun) -> dict:
             v.run.parallel.sp_mode == "ring" and bool(cfg.get("attn_logit_softcapping")),
             f"parallel.sp_mode=ring (attention scores capped by model.config.attn_logit_softcapping="
             f"{cfg.get('attn_logit_softcapping')} inside ring attention; Ulysses supports it)",
+        ),
+        "sp-ring-sinks": (
+            v.run.parallel.sp_mode == "ring" and family(m.arch).attention_sinks,
+            f"parallel.sp_mode=ring ({m.arch}'s attention sink logits inside ring attention; Ulysses supports them)",
         ),
     }

@@ -74,7 +74,9 @@ def hf_config(model_cfg: ModelConfig) -> Any:
 
     config.use_cache = False
     softcap = {"attn_logit_softcapping": getattr(config, "attn_logit_softcapping", None)}
-    config._attn_implementation = attention_implementation(implementations.get("attn_implementation"), softcap)
+    config._attn_implementation = attention_implementation(
+        implementations.get("attn_implementation"), softcap, model_cfg.arch
+    )
     config._experts_implementation = implementations.get("experts_implementation", EXPERTS_IMPLEMENTATION)
     return config
 

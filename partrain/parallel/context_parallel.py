@@ -221,10 +221,15 @@ def _sp_attention(
         mask = split.document_mask(split.gather_sequence(starts, shard.group)) if starts is not None else None
 
         cap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
 
         def full_sequence(q, k, v):
             if cap:  # scores capped by tanh (Gemma 2): SDPA cannot, so the math of HF's eager attention
                 return capped_attention(q, k, v, mask, dropout, causal, scaling, cap)
+            if sinks is not None:  # a sink logit per head (gpt-oss): this rank's heads are a contiguous slice
+                local = q.shape[1]
+                start = shard.rank * local
+                return sink_attention(q, k, v, mask, dropout, causal, scaling, sinks[start : start + local])
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -268,6 +273,36 @@ def capped_attention(
     return torch.matmul(probs, v)
 
 
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout: float,
+    causal: bool,
+    scaling: Optional[float],
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax also sees one learned logit per head that attends to no value (gpt-oss'
+    sinks), in the order of transformers' eager attention for it (scale, mask, sink column, max
+    subtracted, softmax, sink dropped); q [B, H, S, D], k and v [B, KV, S, D], sinks [H]."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    visible = mask
+    if visible is None and causal:
+        n = q.shape[2]
+        visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if visible is not None:
+        scores = scores + torch.zeros_like(scores).masked_fill(~visible, torch.finfo(scores.dtype).min)
+    sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1).to(scores.dtype)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=dropout > 0).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 def _document_starts(shard: SequenceShard, position_ids: Optional[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
     """[B, local seq]: the global index where each local query's example starts (its global index
     minus its position within the example): keys from there up to the query are visible."""
@@ -280,9 +315,9 @@ def _document_starts(shard: SequenceShard, position_ids: Optional[torch.Tensor],
     return (index.unsqueeze(0) - position_ids.to(query.device)).expand(query.shape[0], local)
 
 
-def _check_supported(config, mode: str, seq_len: int) -> None:
+def _check_supported(config, mode: str, seq_len: int, sinks: bool = False) -> None:
     """Refuse what the sp attention would silently get wrong: sliding windows shorter than the
-    sequence (the ops are plain causal) and attention dropout under ring attention."""
+    sequence (the ops are plain causal), and attention dropout or sinks under ring attention."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or []
     windowed = "sliding_attention" in types or (
@@ -298,6 +333,10 @@ def _check_supported(config, mode: str, seq_len: int) -> None:
         raise NotImplementedError(
             "ring attention does not cap attention scores (model.config.attn_logit_softcapping): use "
             "parallel.sp_mode=ulysses"
+        )
+    if mode == "ring" and sinks:
+        raise NotImplementedError(
+            f"ring attention does not add {config.model_type}'s attention sink logits: use parallel.sp_mode=ulysses"
         )
     dropout = max(float(getattr(config, name, 0.0) or 0.0) for name in ("attention_dropout", "attn_pdrop"))
     if mode == "ring" and dropout > 0:
@@ -331,15 +370,16 @@ def apply_sp(model: nn.Module, adapter, shard: Optional[SequenceShard], seq_len:
     """
     if shard is None:
         return
-    _check_supported(model.config, shard.mode, seq_len)
+    layers = adapter.layers(model)
+    decoder_layers = layers.values() if isinstance(layers, nn.ModuleDict) else layers
+    attentions = [adapter.attention(layer) for layer in decoder_layers]
+    sinks = any(isinstance(getattr(a, "sinks", None), nn.Parameter) for a in attentions)
+    _check_supported(model.config, shard.mode, seq_len, sinks)
     register_attention()
     name = ATTENTION_NAMES[shard.mode]
-    layers = adapter.layers(model)
-    found = 0
-    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        attn = adapter.attention(layer)
+    for attn in attentions:
         setattr(attn, SP_ATTR, shard)
-        found += 1
+    found = len(attentions)
     if not found:
         raise ValueError(f"{type(model).__name__} has no decoder layers for sequence parallelism")
     # Every config object the modules read (a pipeline stage deep-copies its layers' config).

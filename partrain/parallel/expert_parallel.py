@@ -1,9 +1,11 @@
 """Expert parallelism for Hugging Face MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
-transformers 5 keeps a layer's routed experts fused in one module with two 3-D parameters,
-`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], called as `experts(hidden, top_k_index,
-top_k_weights)` after the router (its `base_model_ep_plan` names `layers.*.mlp.experts` as the
-dispatch point and the two parameters as the grouped weights; the adapter says the same for
+transformers 5 keeps a layer's routed experts fused in one module with 3-D parameters, expert
+index first: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (Mixtral, Qwen-MoE), or transposed
+[E, H, 2I] and [E, I, H] with per-expert biases and interleaved gate/up columns (gpt-oss), called as
+`experts(hidden, top_k_index, top_k_weights)` after the router. The module says which layout it holds
+(`is_transposed`, `has_bias`; its class's `_apply_gate` combines gate and up), and its
+`base_model_ep_plan` names `layers.*.mlp.experts` as the dispatch point (the adapter says the same for
 families without a plan). `apply_ep` swaps each such module for `RoutedExperts`, which
 
 - keeps experts [ep_rank*E/ep, (ep_rank+1)*E/ep) only: its parameters are DTensors Shard(0) over
@@ -17,9 +19,10 @@ It runs for every MoE model, ep=1 included (plain parameters then, no exchange),
 its single-process reference compute the same losses. The router and the shared expert stay
 dense: replicated over ep, tensor-parallel as before. Routed experts are replicated over tp.
 
-Gradients: dense parameters average over dp x sp as before; expert parameters are summed over the
-expert-data-parallel group (edp, ranks holding the same experts) and divided by the dp x sp size,
-because each expert's local gradient already sums the contributions of its whole ep group.
+Gradients (partrain.parallel.expert_gradients): dense parameters average over dp x sp as before;
+expert parameters are summed over the expert-data-parallel group (edp, ranks holding the same
+experts) and divided by the dp x sp size, because each expert's local gradient already sums the
+contributions of its whole ep group.
 
 Losses (per MoE layer l, over the layer's local tokens of one microbatch; then the mean over layers):
 
@@ -37,7 +40,7 @@ ZeRO-1 with expert parallelism (expert Adam state over edp): `partrain.parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,7 +88,7 @@ class MoERuntime:
         """Bytes of the expert parameters this rank holds (its local shards)."""
         total = 0
         for layer in self.layers:
-            for p in (layer.gate_up_proj, layer.down_proj):
+            for p in layer.parameters():
                 local = p.to_local() if hasattr(p, "to_local") else p
                 total += local.numel() * local.element_size()
         return total
@@ -173,7 +176,8 @@ def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESe
 
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-"""What RoutedExperts computes with: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+"""The weights RoutedExperts computes with (each [E, ...]); with `has_bias`, also `<weight>_bias`."""
+EXPERT_BIASES = tuple(f"{name}_bias" for name in FUSED_EXPERT_PARAMS)
 
 
 def experts_attr(adapter: Adapter, config) -> str:
@@ -194,7 +198,7 @@ def experts_attr(adapter: Adapter, config) -> str:
             if style == "grouped_gemm" and k.startswith(prefix + attr + ".")
         )
     )
-    if weights != tuple(sorted(FUSED_EXPERT_PARAMS)):
+    if weights not in (tuple(sorted(FUSED_EXPERT_PARAMS)), tuple(sorted(FUSED_EXPERT_PARAMS + EXPERT_BIASES))):
         raise NotImplementedError(
             f"{config.model_type}: transformers' expert plan names weights {weights}; partrain's "
             f"routed experts compute with {FUSED_EXPERT_PARAMS}"
@@ -257,9 +261,22 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, hf_experts: nn.Module, runtime: MoERuntime, moe_index: int, ep_mesh) -> None:
         super().__init__()
+        check_expert_layout(hf_experts)
         self.gate_up_proj = hf_experts.gate_up_proj
         self.down_proj = hf_experts.down_proj
-        self.act_fn = hf_experts.act_fn
+        self.has_bias = bool(getattr(hf_experts, "has_bias", False))
+        if self.has_bias:
+            self.gate_up_proj_bias = hf_experts.gate_up_proj_bias
+            self.down_proj_bias = hf_experts.down_proj_bias
+        self.is_transposed = bool(getattr(hf_experts, "is_transposed", False))
+        """Weights stored [E, in, out] (x @ w), not [E, out, in] (F.linear)."""
+        # What the HF class's gate reads besides the weights: its activation module and plain numbers
+        # (gpt-oss: the swiglu alpha and clamp limit).
+        self.act_fn = getattr(hf_experts, "act_fn", None)
+        for name, value in vars(hf_experts).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not hasattr(self, name):
+                setattr(self, name, value)
+        self._gate_fn = type(hf_experts)._apply_gate if hasattr(type(hf_experts), "_apply_gate") else _apply_gate
         self.num_experts = self.gate_up_proj.shape[0]
         self.runtime = runtime
         self.moe_index = moe_index
@@ -318,22 +335,31 @@ class RoutedExperts(nn.Module):
 
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows grouped by source then local expert; counts [sources, local experts]."""
-        gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
+        names = FUSED_EXPERT_PARAMS + (EXPERT_BIASES if self.has_bias else ())
+        weights = [self._local(getattr(self, name)) for name in names]
         if self.grad_factor != 1.0:
-            gate_up, down = (
-                _ScaleGradient_eager(gate_up, self.grad_factor),
-                _ScaleGradient_eager(down, self.grad_factor),
-            )
+            weights = [_ScaleGradient_eager(w, self.grad_factor) for w in weights]
+        gate_up, down = weights[0], weights[1]
+        gate_up_bias, down_bias = (weights[2], weights[3]) if self.has_bias else (None, None)
         perm = moe_dispatch.by_local_expert(counts)
         xs = x[perm]
         outs = []
         # Every local expert runs, even on no rows: each parameter then always gets a gradient
         # (zero for idle experts), so the gradient sync sees the same tensors on every rank.
         for e, chunk in enumerate(xs.split(counts.sum(0).tolist())):
-            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, down[e]))
-        ys = torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
+            h = self._project(chunk, gate_up[e], gate_up_bias[e] if gate_up_bias is not None else None)
+            h = self._gate_fn(self, h)
+            outs.append(self._project(h, down[e], down_bias[e] if down_bias is not None else None))
+        hidden = down.shape[-1] if self.is_transposed else down.shape[1]
+        ys = torch.cat(outs) if outs else xs.new_zeros(0, hidden)
         return torch.empty_like(ys).index_copy_(0, perm, ys) if ys.numel() else ys
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """One expert's projection in the HF module's own layout (and order of operations)."""
+        if self.is_transposed:
+            y = x @ weight
+            return y + bias if bias is not None else y
+        return F.linear(x, weight, bias)
 
     def _router_losses(
         self, logits: Optional[torch.Tensor], counts: torch.Tensor, tokens: int, counting: bool
@@ -372,6 +398,21 @@ class RoutedExperts(nn.Module):
         return stats[:E], stats[E : 2 * E], stats[2 * E], stats[2 * E + 1]
 
 
+def _apply_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' default gate: [gate | up] halves, act(gate) * up (for classes that define none)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def check_expert_layout(hf_experts: nn.Module) -> None:
+    """Refuse an experts module whose computation RoutedExperts does not reproduce."""
+    name = type(hf_experts).__name__
+    if not getattr(hf_experts, "has_gate", True) or getattr(hf_experts, "has_post_expert_norm", False):
+        raise NotImplementedError(f"{name}: partrain's routed experts compute gated experts without a post-norm")
+    if getattr(hf_experts, "has_bias", False) and not all(hasattr(hf_experts, b) for b in EXPERT_BIASES):
+        raise NotImplementedError(f"{name}: its biases are not named {EXPERT_BIASES}")
+
+
 def _keep_router_logits(experts: RoutedExperts):
     def hook(_module, _inputs, output):
         experts.router_logits = output[0] if isinstance(output, tuple) else output
@@ -397,7 +438,7 @@ def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -
             continue
         if ep > 1:
             rank, local = ep_mesh.get_local_rank(), hf.gate_up_proj.shape[0] // ep
-            for name in FUSED_EXPERT_PARAMS:
+            for name in FUSED_EXPERT_PARAMS + (EXPERT_BIASES if getattr(hf, "has_bias", False) else ()):
                 full = getattr(hf, name)
                 piece = full.detach()[rank * local : (rank + 1) * local]
                 setattr(hf, name, nn.Parameter(DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)))
@@ -418,81 +459,6 @@ def new_runtime(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoERun
     attr = experts_attr(adapter, model.config)
     moe_layers = [i for i, layer in sorted(_layers(model, adapter).items()) if _experts_of(layer, attr) is not None]
     return MoERuntime(settings, moe_layer_index={layer: k for k, layer in enumerate(moe_layers)})
-
-
-def shard_experts_fsdp(model: nn.Module, mesh, zero_stage: int, precision: str) -> None:
-    """FSDP for the experts on their own mesh (edp: ranks holding the same experts), before the
-    layers are sharded over dp x sp (which then skips the experts' parameters).
-
-    FSDP averages over its mesh (edp); the expert gradient already sums the ep group's tokens, so
-    the right divisor is the whole dp x sp size: the missing 1/ep is applied in the experts'
-    backward (FSDP's set_gradient_divide_factor needs ReduceOp.PREMUL_SUM, which gloo lacks).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    from partrain.parallel.precision import mixed_precision_policy
-
-    policy = mixed_precision_policy(precision)
-    extra = {"mp_policy": policy} if policy is not None else {}
-    for module in model.modules():
-        if isinstance(module, RoutedExperts):
-            fully_shard(module, mesh=mesh["edp"], reshard_after_forward=zero_stage == 3, **extra)
-            module.grad_factor = 1.0 / mesh.size("ep")
-
-
-def expert_parameters(parts: Sequence[nn.Module]) -> List[nn.Parameter]:
-    seen, out = set(), []
-    for part in parts:
-        for module in part.modules():
-            if isinstance(module, RoutedExperts):
-                for p in module.parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(p)
-    return out
-
-
-def _local_grads(params) -> List[torch.Tensor]:
-    grads = []
-    for p in params:
-        if p.grad is None:
-            # Not expected (every local expert runs each step), but a missing gradient must not
-            # shift the flat buffer between ranks.
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-    return grads
-
-
-def _sum_into(grads: List[torch.Tensor], group, divisor: int) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        with torch.profiler.record_function("partrain/ep/grad_all_reduce"):  # experts over edp, the rest over dp
-            dist.all_reduce(flat, group=group)
-    flat /= divisor
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def sync_gradients(parts: Sequence[nn.Module], mesh) -> None:
-    """Without FSDP: dense gradients averaged over dp x sp, expert gradients summed over edp and
-    divided by the dp x sp size (see the module docstring)."""
-    experts = {id(p) for p in expert_parameters(parts)}
-    dense, seen = [], set()
-    for part in parts:
-        for p in part.parameters():
-            if p.grad is not None and id(p) not in seen and id(p) not in experts:
-                seen.add(id(p))
-                dense.append(p)
-    size = mesh.size("dp_sp")
-    if size > 1:
-        _sum_into(_local_grads(dense), mesh["dp_sp"].get_group(), size)
-    edp = mesh["edp"].get_group() if mesh.size("edp") > 1 else None
-    if size > 1:
-        _sum_into(_local_grads(expert_parameters(parts)), edp, size)
 
 
 # Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).

@@ -22,7 +22,7 @@ from partrain.blueprint.validate import ValidatedRun
 from partrain.data.example_packing import packs_documents
 from partrain.models.adapters import get_adapter
 from partrain.models.build import build_meta_model
-from partrain.parallel import data_parallel, expert_parallel
+from partrain.parallel import data_parallel, expert_gradients, expert_parallel
 from partrain.parallel.compile import apply_compile, compile_enabled
 from partrain.parallel.context_parallel import apply_sp, sequence_shard
 from partrain.parallel.float8 import apply_float8
@@ -48,7 +48,7 @@ def _shard(module: nn.Module, v: ValidatedRun, mesh: ParallelMesh, adapter, moe=
         apply_compile(module, adapter, v.run.train.compile_backend)
     if data_parallel.uses_fsdp(p.zero_stage):
         if moe is not None:
-            expert_parallel.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
+            expert_gradients.shard_experts_fsdp(module, mesh, p.zero_stage, v.run.train.precision)
         data_parallel.apply_fsdp(
             module, adapter, mesh, p.zero_stage, v.run.train.precision, v.run.train.loss_chunk_tokens > 0
         )

@@ -18,7 +18,7 @@ from partrain.models.chunked_loss import head_loss_sum, labelled_count
 from partrain.models.logits import final_softcap
 from partrain.models.loss import forward_loss, token_loss
 from partrain.models.materialize import materialize
-from partrain.parallel import data_parallel, expert_parallel, master_weights
+from partrain.parallel import data_parallel, expert_gradients, master_weights
 from partrain.parallel.context_parallel import sequence_shard
 from partrain.parallel.dp_sync.counter import CommCounter
 from partrain.parallel.dp_sync.setup import SyncSettings, flat_strategy, sync_flat
@@ -55,7 +55,7 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             )
         if mesh.size("ep") > 1 and not data_parallel.uses_fsdp(run.parallel.zero_stage):
             # Expert gradients reduce over edp, not dp x sp (see expert_parallel).
-            dp_model = replace(dp_model, finish_gradients=lambda: expert_parallel.sync_gradients([model], mesh))
+            dp_model = replace(dp_model, finish_gradients=lambda: expert_gradients.sync_gradients([model], mesh))
         shard = sequence_shard(mesh, run.parallel.sp_mode)
         loss_fn = functools.partial(
             shard.forward_loss if shard else forward_loss,
@@ -124,7 +124,7 @@ def _pipeline_engine(
         strategy = flat_strategy(p.dp_sync, mesh, CommCounter())
         sync = lambda: sync_flat(stages, strategy)
     if dp_group and mesh.size("ep") > 1:
-        sync = lambda: expert_parallel.sync_gradients(stages, mesh)  # experts reduce over edp
+        sync = lambda: expert_gradients.sync_gradients(stages, mesh)  # experts reduce over edp
     if master:
         sync = optimizer.finish_gradients
     runner.label_group = shard.group if shard else None  # masked labels: counted over the sp slices

@@ -18,6 +18,7 @@ from partrain.blueprint.families.gemma3 import GEMMA3
 from partrain.blueprint.families.generic import GENERIC_FAMILIES, NOT_GENERIC
 from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
+from partrain.blueprint.families.gpt_oss import GPT_OSS
 from partrain.blueprint.families.llama import GRANITE, LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3
 from partrain.blueprint.families.mixtral import MIXTRAL
 from partrain.blueprint.families.olmo2 import OLMO2
@@ -27,7 +28,7 @@ from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
 from partrain.errors import ConfigError, Problem
 
 DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
-VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
+VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)}
 """HF model_type -> the planner family of its own file, verified layout by layout."""
 FAMILIES: Dict[str, Family] = {**VERIFIED, **{a: f for a, f in GENERIC_FAMILIES.items() if a not in VERIFIED}}
 """HF model_type -> its planner family, in the order reports list the supported architectures (the

@@ -135,6 +135,10 @@ class Family:
     generic: bool = False
     """A family on the generic path (families/generic.py): Llama's tensors found by building it, not a
     family file; dp, ZeRO/FSDP, tp and LoRA only."""
+    attention_sinks: bool = False
+    """Attention adds a learned sink logit per head to every softmax (gpt-oss): transformers has no SDPA
+    path for it (eager attention by default, model.config.attn_implementation=sdpa refused), partrain's
+    Ulysses attention slices the sinks by head, and ring attention is refused."""
     window_always: bool = False
     """The HF class applies config.sliding_window whenever it is set (Mistral, Mixtral); the others
     only with use_sliding_window or "sliding_attention" layer_types."""

@@ -1,11 +1,11 @@
-"""Which dense model family is verified under which parallel layout: the parity matrix as data.
+"""Which model family is verified under which parallel layout: the parity matrix as data.
 
 tests/test_family_parity.py trains every (family, layout) cell below for real against one process
 of the same model, data and seed, and docs/families.md is rendered from the same data
 (`python -m partrain.blueprint.families.support > docs/families.md`; tests/test_docs.py checks it is
 current), so the page cannot claim a cell the suite does not run. The MoE families (mixtral,
-qwen2_moe, qwen3_moe) are verified by tests/test_expert_parallel.py and tests/test_tensor_parallel.py,
-their layouts being expert-parallel ones.
+qwen2_moe, qwen3_moe, gpt_oss) are verified under expert-parallel layouts by tests/test_expert_parallel.py
+and tests/test_tensor_parallel.py; gpt_oss is also a row here, at ep=1.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
         "model.config.attention_dropout=0.0",
         "model.config.residual_dropout=0.0",
     ),
+    "gpt_oss": ("model=gpt-oss-tiny",),
     "gemma": (
         "model=llama-tiny",
         "model.arch=gemma",
@@ -73,8 +74,13 @@ caps low enough to bend a tiny model's scores and logits (a missing cap moves th
 
 SP_WINDOW = "sequence parallelism needs a sliding window of at least train.seq_len (model.config.sliding_window)"
 RING_SOFTCAP = "ring attention does not cap attention scores (model.config.attn_logit_softcapping)"
+RING_SINKS = "ring attention does not add attention sink logits (parallel.sp_mode)"
 TP_GATHERED = (
     "Megatron-SP is not derived where transformers' tp plan gathers column projections' outputs "
+    "(parallel.tp_sequence_parallel)"
+)
+TP_WHOLE_LAYERS = (
+    "Megatron-SP is not derived where transformers' tp plan splits no decoder-layer projection "
     "(parallel.tp_sequence_parallel)"
 )
 GENERIC_PP = "partrain's pipeline stages do not reproduce its forward (its rotary takes the layer's attention type)"
@@ -96,6 +102,9 @@ PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("phi3", "sp2-ring"): SP_WINDOW,
     ("phi3", "tp2-megatron-sp"): TP_GATHERED,
     ("glm4", "tp2-megatron-sp"): TP_GATHERED,
+    ("gpt_oss", "tp2-megatron-sp"): TP_WHOLE_LAYERS,
+    ("gpt_oss", "sp2-ulysses"): SP_WINDOW,
+    ("gpt_oss", "sp2-ring"): RING_SINKS,
     ("cohere2", "sp2-ulysses"): SP_WINDOW,
     ("cohere2", "sp2-ring"): SP_WINDOW,
 }
@@ -117,6 +126,10 @@ FAMILY_NOTES: Dict[str, str] = {
     "gpt2": "fused q/k/v (Conv1D, partrain's own tp plan); learned positions; tied embeddings",
     "olmo3": "generic path on OLMo 2's tensors: local and global layers inside transformers' forward",
     "seed_oss": "generic path on Qwen2's tensors (q/k/v biases)",
+    "gpt_oss": (
+        "MoE (4 experts, top-2, ep=1 here) with biased transposed experts and a clamped SwiGLU; attention sinks; "
+        "local and global layers"
+    ),
     "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
 """What each family's row exercises beyond Llama."""
@@ -142,7 +155,7 @@ def render() -> str:
             " tests/test_docs.py checks it -->",
             "",
             "A family is `model.arch` (the Hugging Face `model_type`; a pretrained folder's `config.json`"
-            " gives it). Every dense family below is trained by partrain's test suite under each layout,"
+            " gives it). Every family below is trained by partrain's test suite under each layout,"
             f" {PARITY_STEPS} steps in fp32 on 2 CPU processes (gloo), against one process of the same model,"
             " data and seed running transformers' own forward: losses and gradient norms agree within 1e-5"
             " relative. *verified* means exactly that"
@@ -160,7 +173,8 @@ def render() -> str:
             "",
             *layouts,
             "",
-            "The mixture-of-experts families (`mixtral`, `qwen2_moe`, `qwen3_moe`) are verified under expert"
+            "`gpt_oss` is a mixture-of-experts family: its row runs at `parallel.ep=1` (every rank holds every"
+            " expert). The MoE families (`mixtral`, `qwen2_moe`, `qwen3_moe`, `gpt_oss`) are verified under expert"
             " parallelism and its combinations in [Expert parallelism](parallel/expert.md).",
             "",
             "## The generic path",

@@ -100,7 +100,7 @@ def _expert_layer_elements(f, x, tp: int, ep: int) -> int:
 
 def expert_shard(spec: PlanSpec) -> int:
     """Ranks that shard one expert's states under ZeRO/FSDP: its whole edp group, with hybrid
-    sharding (dp_shard < dp) too, as the runtime does (expert_parallel.shard_experts_fsdp)."""
+    sharding (dp_shard < dp) too, as the runtime does (expert_gradients.shard_experts_fsdp)."""
     return expert_dp(spec)
 
 

@@ -1,8 +1,8 @@
 """Every parameter tensor of the HF models partrain trains, from the model facts alone.
 
 `param_tensors(facts)` lists (name, shape) exactly as `model.named_parameters()` of the HF
-`*ForCausalLM` does (names, shapes; tied weights once), for gpt2, llama, qwen2, mistral, mixtral,
-qwen2_moe and qwen3_moe; a test checks it against meta-built models. `tensor_specs` adds where each tensor lives
+`*ForCausalLM` does (names, shapes; tied weights once), for every family of partrain/blueprint/families/;
+a test checks it against meta-built models. `tensor_specs` adds where each tensor lives
 (embeddings, a decoder layer, final norm, head) and how partrain shards it. Each family's own
 tensors come from its file, partrain/blueprint/families/<family>.py; this module assembles them:
 
@@ -120,5 +120,9 @@ def active_param_count(facts: ModelFacts, extras: Optional[ModelExtras] = None) 
     total = param_count(facts, x)
     if not facts.is_moe:
         return total
-    idle = 3 * facts.hidden * facts.ffn * (facts.n_experts - facts.experts_per_token)
-    return total - idle * sum(1 for i in range(facts.n_layers) if layer_is_sparse(facts, x, i))
+    sparse = [i for i in range(facts.n_layers) if layer_is_sparse(facts, x, i)]
+    if not sparse:
+        return total
+    # Every stacked expert tensor (weights and per-expert biases) splits evenly by expert.
+    per_expert = sum(t.numel for t in layer_tensors(facts, x, sparse[0]) if t.expert) // facts.n_experts
+    return total - per_expert * (facts.n_experts - facts.experts_per_token) * len(sparse)

@@ -56,7 +56,7 @@ def _model_extras(arch: str, config_json: str, pretrained: Optional[str], facts:
     config = json.loads(config_json)
     config.pop("use_cache", None)
     values = merged_kwargs(arch, config, pretrained, _snapshot())
-    return family(arch).extras(values, facts, attention_implementation(config.get("attn_implementation"), values))
+    return family(arch).extras(values, facts, attention_implementation(config.get("attn_implementation"), values, arch))
 
 
 def default_extras(facts: ModelFacts) -> ModelExtras:

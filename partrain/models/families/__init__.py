@@ -20,6 +20,7 @@ from partrain.models.families.gemma2 import GEMMA2
 from partrain.models.families.gemma3 import GEMMA3
 from partrain.models.families.glm4 import GLM4
 from partrain.models.families.gpt2 import GPT2
+from partrain.models.families.gpt_oss import GPT_OSS
 from partrain.models.families.llama import GRANITE, LLAMA
 from partrain.models.families.mixtral import MIXTRAL
 from partrain.models.families.olmo2 import OLMO2
@@ -29,7 +30,7 @@ from partrain.models.families.qwen3_moe import QWEN3_MOE
 
 VERIFIED_ADAPTERS: Dict[str, Adapter] = {
     arch: a
-    for a in (GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    for a in (GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
     for arch in a.archs
 }
 """model_type -> adapter of its own family file (a new family: add its module here)."""
