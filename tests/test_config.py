@@ -180,6 +180,17 @@ def test_model_facts_agree_with_the_hf_config_object(arch, kwargs):
         moe_layers=moe_layers,
         shared_expert_ffn=getattr(hf, "shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
     )
+    if arch == "deepseek_v3":  # latent attention: q/k heads of nope + rope; routed layers after the dense ones
+        expected.update(
+            head_dim=hf.qk_nope_head_dim + hf.qk_rope_head_dim,
+            ffn=hf.moe_intermediate_size,
+            moe_layers=hf.num_hidden_layers - hf.first_k_dense_replace,
+            shared_expert_ffn=hf.moe_intermediate_size * hf.n_shared_experts,
+        )
+        assert (facts.latent_attention.kv_lora_rank, facts.latent_attention.v_head_dim) == (
+            hf.kv_lora_rank,
+            hf.v_head_dim,
+        )
     assert {k: getattr(facts, k) for k in expected} == expected
 
 

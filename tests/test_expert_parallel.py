@@ -34,6 +34,7 @@ QWEN = ["recipe=mixtral-ep", "model=qwen2-moe-tiny"]  # 8 experts top-2 + shared
 QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]  # 4 experts top-2, q/k norms, no shared expert
 # 4 biased transposed experts top-2, attention sinks; a window as long as the sequence so Ulysses runs it.
 GPT_OSS = ["recipe=mixtral-ep", "model=gpt-oss-tiny", "model.config.sliding_window=64"]
+DEEPSEEK = ["recipe=mixtral-ep", "model=deepseek-v3-tiny"]  # latent attention, a dense layer, a shared expert
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 
 LAYOUTS = {
@@ -58,6 +59,12 @@ LAYOUTS = {
     "qwen2-moe-ep2": (QWEN, []),
     "qwen3-moe-ep2": (QWEN3, []),
     "gpt-oss-ep2": (GPT_OSS, []),
+    "deepseek-v3-ep2": (DEEPSEEK, []),
+    # The shared experts and the dense first layer's MLP split over tp, the routed experts over ep.
+    "deepseek-v3-ep2-tp2": (
+        DEEPSEEK,
+        ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "cluster.devices_per_node=4"],
+    ),
     # Each sp rank runs half of the heads after Ulysses' all-to-all, with those heads' sink logits.
     "gpt-oss-ep2-sp2-ulysses": (GPT_OSS, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
     # Context parallel: the router losses gather their statistics over the sp ranks' shards, so they
@@ -76,7 +83,13 @@ def _base(model, data_cache):
 
 
 def _reference_name(model) -> str:
-    names = {tuple(MIXTRAL): "mixtral", tuple(QWEN): "qwen2", tuple(QWEN3): "qwen3", tuple(GPT_OSS): "gpt-oss"}
+    names = {
+        tuple(MIXTRAL): "mixtral",
+        tuple(QWEN): "qwen2",
+        tuple(QWEN3): "qwen3",
+        tuple(GPT_OSS): "gpt-oss",
+        tuple(DEEPSEEK): "deepseek",
+    }
     return "reference-" + names[tuple(model)]
 
 
@@ -304,6 +317,18 @@ def _tiny_moe(family: str, layers: int):
     }
     if family == "mixtral":
         return MixtralForCausalLM(MixtralConfig(**kw, num_local_experts=4)), MIXTRAL
+    if family == "deepseek_v3":  # every layer routed (no dense first layer), 2 groups of 2 experts
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        from partrain.models.adapters import get_adapter
+
+        mla = dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+        kw["num_key_value_heads"] = kw["num_attention_heads"]  # latent attention expands K/V to every head
+        config = DeepseekV3Config(
+            **kw, n_routed_experts=4, n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=0, **mla
+        )
+        model = DeepseekV3ForCausalLM(config)
+        return model, get_adapter(model)
     if family == "gpt_oss":
         import torch
         from transformers import GptOssConfig, GptOssForCausalLM
@@ -323,10 +348,11 @@ def _tiny_moe(family: str, layers: int):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), QWEN3_MOE
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_routed_experts_compute_what_hf_computes(family):
     """RoutedExperts (ep=1) gives HF's logits; on a one-layer model its aux loss is HF's
-    load_balancing_loss_func (HF concatenates layers, partrain averages per-layer values)."""
+    load_balancing_loss_func (HF concatenates layers, partrain averages per-layer values). DeepSeek-V3
+    has no auxiliary loss in transformers (its router balances through a bias): partrain adds none."""
     from types import SimpleNamespace
 
     import torch
@@ -341,10 +367,10 @@ def test_routed_experts_compute_what_hf_computes(family):
         x = torch.randint(0, 64, (2, 16))
         hf = model(input_ids=x, output_router_logits=True)
         runtime = new_runtime(model, adapter, parallel)
-        assert runtime.settings.aux_coef == model.config.router_aux_loss_coef
+        assert runtime.settings.aux_coef == getattr(model.config, "router_aux_loss_coef", 0.0)
         assert len(apply_ep(model, adapter, None, runtime)) == layers
         logits = model(input_ids=x).logits
         assert (logits - hf.logits).abs().max().item() <= 1e-6
-        if layers == 1:
+        if layers == 1 and family != "deepseek_v3":
             aux = runtime.layers[0].take_stats()[-3].item()
             assert abs(aux - hf.aux_loss.item()) <= 1e-6 * hf.aux_loss.item(), (aux, hf.aux_loss.item())

@@ -33,7 +33,7 @@ from partrain.blueprint.families.support import (
     RING_SOFTCAP,
     SP_WINDOW,
     TP_GATHERED,
-    TP_WHOLE_LAYERS,
+    TP_WHOLE_ATTENTION,
 )
 from partrain.testing.in_process import train_with_references
 from partrain.testing.parity import FP32_RTOL, check_parity
@@ -105,7 +105,7 @@ def test_refused_cells_are_refused_before_launch(family, layout):
     expected = {SP_WINDOW: "sliding attention window", TP_GATHERED: "gathers column projections"}
     expected[RING_SOFTCAP] = "attention scores capped by model.config.attn_logit_softcapping"
     expected[GENERIC_PP] = f"{family}, a family on the generic path"
-    expected[TP_WHOLE_LAYERS] = "splits no decoder-layer projection"
+    expected[TP_WHOLE_ATTENTION] = "keeps attention whole"
     expected[RING_SINKS] = "attention sink logits inside ring attention"
     # Each refusal is one line; a cell may break two rules (gpt-oss' ring: its window and its sinks).
     assert any(expected[PARITY_REFUSED[family, layout]] in line for line in missing), missing

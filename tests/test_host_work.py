@@ -201,6 +201,7 @@ def test_every_note_the_planner_makes_has_words(tmp_path):
         ["recipe=llama-long-sp", "cluster.device_memory_gib=0.5"],
         ["recipe=llama3-8b-h100", "train.param_dtype=16bit", "parallel.zero_stage=1"],
         ["recipe=gpt-dp", "train.precision=bf16", "parallel.zero_stage=3"],
+        ["recipe=mixtral-ep", "model=deepseek-v3-tiny"],
     ]
     codes = set()
     for overrides in cases:

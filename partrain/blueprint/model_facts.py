@@ -11,6 +11,7 @@ family's file, partrain/blueprint/families/<family>.py.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from partrain.blueprint.config.paths import is_there
 from partrain.blueprint.families import FAMILIES, family, unknown_arch
+from partrain.blueprint.families.base import LatentAttention
 from partrain.errors import ConfigError, Problem
 
 SNAPSHOT_PATH = Path(__file__).with_name("hf_facts.json")
@@ -59,13 +61,15 @@ class ModelFacts:
     moe_layers: int = 0
     """How many of the decoder layers hold experts."""
     learned_positions: bool = False
+    latent_attention: Optional[LatentAttention] = None
+    """Multi-head latent attention's ranks and head widths (DeepSeek-V3); None: plain q/k/v heads."""
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 def load_snapshot() -> Dict[str, dict]:

@@ -28,7 +28,7 @@ IMPLEMENTED = {
     "tp-sp-learned-positions": True,
     "sp-sliding-window": False,
     "tp-sp-gathered-attention": False,
-    "tp-sp-whole-layers": False,
+    "tp-sp-whole-attention": False,
     "sp-ring-dropout": False,
     "sp-ring-softcap": False,
     "sp-ring-sinks": False,
@@ -68,10 +68,10 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
             f"parallel.tp_sequence_parallel=true (Megatron-SP where {v.run.model.arch}'s tensor-parallel plan "
             "gathers column projections' outputs)",
         ),
-        "tp-sp-whole-layers": (
-            p.tp_sequence_parallel and layout.tp > 1 and not _tp_splits_layers(v),
+        "tp-sp-whole-attention": (
+            p.tp_sequence_parallel and layout.tp > 1 and not _tp_splits_attention(v),
             f"parallel.tp_sequence_parallel=true (Megatron-SP where {v.run.model.arch}'s tensor-parallel plan "
-            "splits no decoder-layer projection)",
+            "keeps attention whole)",
         ),
         **_sp_limits(v),
         **_generic_limits(v),
@@ -83,11 +83,12 @@ def unsupported_features(v: ValidatedRun) -> List[str]:
     return [text for key, (used, text) in wanted.items() if used and not IMPLEMENTED[key]]
 
 
-def _tp_splits_layers(v: ValidatedRun) -> bool:
-    """Whether tensor parallelism splits any tensor of a decoder layer (transformers' plan for gpt-oss
-    splits only the embedding and the head: Megatron-SP then has no block to hand shards to)."""
+def _tp_splits_attention(v: ValidatedRun) -> bool:
+    """Whether tensor parallelism splits attention's projections (transformers' plans for gpt-oss and
+    DeepSeek-V3 keep attention whole: Megatron-SP's sequence shards would reach it ungathered)."""
     fam = family(v.run.model.arch)
-    return any(t.tp_dim is not None for t in fam.layer_tensors(v.facts, fam.default_extras(v.facts), 0))
+    tensors = fam.layer_tensors(v.facts, fam.default_extras(v.facts), 0)
+    return any(t.tp_dim is not None and "attn." in t.name for t in tensors)
 
 
 def _generic_limits(v: ValidatedRun) -> dict:

@@ -168,10 +168,11 @@ def _flash_cpu_bwd(do, q, k, v, out, lse, scale, diag):
 _KERNELS = {"math": (_math_fwd, _math_bwd), "flash_cpu": (_flash_cpu_fwd, _flash_cpu_bwd)}
 
 
-def _pick_kernel(name: str, q: Tensor) -> str:
+def _pick_kernel(name: str, q: Tensor, v: Tensor) -> str:
     if name == "auto":
         fused = q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-        return "flash_cpu" if fused else "math"
+        # The fused kernel wants one head width; latent attention's values are narrower than its keys.
+        return "flash_cpu" if fused and v.shape[-1] == q.shape[-1] else "math"
     if name not in _KERNELS:
         raise ValueError(f"block_kernel={name!r}: choose auto, math or flash_cpu")
     if name == "flash_cpu" and q.device.type != "cpu":
@@ -386,7 +387,7 @@ def ring_attention(
         scale = q.shape[-1] ** -0.5
     if doc_starts is not None and not causal:
         raise ValueError("document masks (doc_starts) are for causal attention")
-    kernel = _pick_kernel("math" if doc_starts is not None else block_kernel, q)
+    kernel = _pick_kernel("math" if doc_starts is not None else block_kernel, q, v)
     q, k, v = _autocast_inputs(q, k, v)
     with torch.autocast(q.device.type, enabled=False):  # the block math picks its own precision
         return _RingAttention_eager(

@@ -13,6 +13,7 @@ from typing import Dict
 
 from partrain.blueprint.families.base import Family
 from partrain.blueprint.families.cohere2 import COHERE2
+from partrain.blueprint.families.deepseek_v3 import DEEPSEEK_V3
 from partrain.blueprint.families.gemma2 import GEMMA2
 from partrain.blueprint.families.gemma3 import GEMMA3
 from partrain.blueprint.families.generic import GENERIC_FAMILIES, NOT_GENERIC
@@ -28,7 +29,7 @@ from partrain.blueprint.families.qwen3_moe import QWEN3_MOE
 from partrain.errors import ConfigError, Problem
 
 DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
-VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)}
+VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS, DEEPSEEK_V3)}
 """HF model_type -> the planner family of its own file, verified layout by layout."""
 FAMILIES: Dict[str, Family] = {**VERIFIED, **{a: f for a, f in GENERIC_FAMILIES.items() if a not in VERIFIED}}
 """HF model_type -> its planner family, in the order reports list the supported architectures (the

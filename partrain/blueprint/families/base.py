@@ -54,6 +54,22 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents."""
+
+    q_lora_rank: int
+    """Width of the query latent (q_a_proj's output); 0: one q_proj straight from the hidden state."""
+    kv_lora_rank: int
+    """Width of the key/value latent shared by every head (kv_b_proj expands it per head)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary."""
+    qk_rope_head_dim: int
+    """Rotary width, per query head; one rotary key part is shared by every head."""
+    v_head_dim: int
+    """Per-head value width."""
+
+
+@dataclass(frozen=True)
 class ModelExtras:
     """Model details beyond ModelFacts that change memory or FLOPs."""
 

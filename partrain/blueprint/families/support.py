@@ -4,8 +4,9 @@ tests/test_family_parity.py trains every (family, layout) cell below for real ag
 of the same model, data and seed, and docs/families.md is rendered from the same data
 (`python -m partrain.blueprint.families.support > docs/families.md`; tests/test_docs.py checks it is
 current), so the page cannot claim a cell the suite does not run. The MoE families (mixtral,
-qwen2_moe, qwen3_moe, gpt_oss) are verified under expert-parallel layouts by tests/test_expert_parallel.py
-and tests/test_tensor_parallel.py; gpt_oss is also a row here, at ep=1.
+qwen2_moe, qwen3_moe, gpt_oss, deepseek_v3) are verified under expert-parallel layouts by
+tests/test_expert_parallel.py and tests/test_tensor_parallel.py; gpt_oss and deepseek_v3 are also rows
+here, at ep=1.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
         "model.config.residual_dropout=0.0",
     ),
     "gpt_oss": ("model=gpt-oss-tiny",),
+    "deepseek_v3": ("model=deepseek-v3-tiny",),
     "gemma": (
         "model=llama-tiny",
         "model.arch=gemma",
@@ -79,9 +81,8 @@ TP_GATHERED = (
     "Megatron-SP is not derived where transformers' tp plan gathers column projections' outputs "
     "(parallel.tp_sequence_parallel)"
 )
-TP_WHOLE_LAYERS = (
-    "Megatron-SP is not derived where transformers' tp plan splits no decoder-layer projection "
-    "(parallel.tp_sequence_parallel)"
+TP_WHOLE_ATTENTION = (
+    "Megatron-SP is not derived where transformers' tp plan keeps attention whole (parallel.tp_sequence_parallel)"
 )
 GENERIC_PP = "partrain's pipeline stages do not reproduce its forward (its rotary takes the layer's attention type)"
 GENERIC_REFUSALS = {
@@ -102,7 +103,8 @@ PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("phi3", "sp2-ring"): SP_WINDOW,
     ("phi3", "tp2-megatron-sp"): TP_GATHERED,
     ("glm4", "tp2-megatron-sp"): TP_GATHERED,
-    ("gpt_oss", "tp2-megatron-sp"): TP_WHOLE_LAYERS,
+    ("gpt_oss", "tp2-megatron-sp"): TP_WHOLE_ATTENTION,
+    ("deepseek_v3", "tp2-megatron-sp"): TP_WHOLE_ATTENTION,
     ("gpt_oss", "sp2-ulysses"): SP_WINDOW,
     ("gpt_oss", "sp2-ring"): RING_SINKS,
     ("cohere2", "sp2-ulysses"): SP_WINDOW,
@@ -129,6 +131,10 @@ FAMILY_NOTES: Dict[str, str] = {
     "gpt_oss": (
         "MoE (4 experts, top-2, ep=1 here) with biased transposed experts and a clamped SwiGLU; attention sinks; "
         "local and global layers"
+    ),
+    "deepseek_v3": (
+        "multi-head latent attention; a dense layer, then 4 routed experts (top-2 of the best group, sigmoid"
+        " router) beside a shared expert (ep=1 here)"
     ),
     "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
@@ -173,8 +179,9 @@ def render() -> str:
             "",
             *layouts,
             "",
-            "`gpt_oss` is a mixture-of-experts family: its row runs at `parallel.ep=1` (every rank holds every"
-            " expert). The MoE families (`mixtral`, `qwen2_moe`, `qwen3_moe`, `gpt_oss`) are verified under expert"
+            "`gpt_oss` and `deepseek_v3` are mixture-of-experts families: their rows run at `parallel.ep=1` (every"
+            " rank holds every expert). The MoE families (`mixtral`, `qwen2_moe`, `qwen3_moe`, `gpt_oss`,"
+            " `deepseek_v3`) are verified under expert"
             " parallelism and its combinations in [Expert parallelism](parallel/expert.md).",
             "",
             "## The generic path",

@@ -57,7 +57,7 @@ def accounting_note(spec: PlanSpec, param: int, grad: int, optim: int) -> Option
 
 
 def parallel_notes(spec: PlanSpec, est: dict) -> List[Note]:
-    """Context parallel, expert parallel and MoE routing, where the layout has them."""
+    """Context parallel, expert parallel, latent attention and MoE routing, where the layout has them."""
     notes = []
     if spec.sp > 1:
         notes.append(Note("context_parallel", {"sp_mode": spec.sp_mode, "zero1": spec.zero_stage == 1}))
@@ -71,6 +71,9 @@ def parallel_notes(spec: PlanSpec, est: dict) -> List[Note]:
             "link": est["links"]["ep"],
         }
         notes.append(Note("expert_parallel", figures))
+    latent = spec.facts.latent_attention
+    if latent is not None:  # the attention formulas count plain heads (see families/deepseek_v3.py)
+        notes.append(Note("latent_attention", {"head_dim": spec.facts.head_dim, "v_head_dim": latent.v_head_dim}))
     if spec.facts.is_moe:
         cf = spec.moe_capacity_factor
         slots = None if cf is None else est["moe"]["capacity_per_expert"]

@@ -76,6 +76,14 @@ def _expert_parallel(f: dict) -> str:
     )
 
 
+def _latent_attention(f: dict) -> str:
+    return (
+        f"latent attention: its activation memory and FLOPs are approximate (counted as heads of {f['head_dim']} "
+        f"for queries, keys and values; its values are {f['v_head_dim']} wide and its latents are not counted); "
+        "parameters are exact"
+    )
+
+
 def _moe_routing(f: dict) -> str:
     cf, slots = f["capacity_factor"], f["capacity_per_expert"]
     how = "dropless" if cf is None else f"capacity factor {cf:g}, {slots} slots per expert per rank and microbatch"
@@ -157,6 +165,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "accounting_autocast": _accounting_autocast,
     "context_parallel": _context_parallel,
     "expert_parallel": _expert_parallel,
+    "latent_attention": _latent_attention,
     "moe_routing": _moe_routing,
     "compute_nominal": _compute_nominal,
     "compute_profile": _compute_profile,

@@ -16,6 +16,7 @@ from partrain.blueprint.families.generic import GENERIC_BASES
 from partrain.errors import ConfigError, Problem
 from partrain.models.families.base import Adapter
 from partrain.models.families.cohere2 import COHERE2
+from partrain.models.families.deepseek_v3 import DEEPSEEK_V3
 from partrain.models.families.gemma2 import GEMMA2
 from partrain.models.families.gemma3 import GEMMA3
 from partrain.models.families.glm4 import GLM4
@@ -30,7 +31,22 @@ from partrain.models.families.qwen3_moe import QWEN3_MOE
 
 VERIFIED_ADAPTERS: Dict[str, Adapter] = {
     arch: a
-    for a in (GPT2, LLAMA, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS)
+    for a in (
+        GPT2,
+        LLAMA,
+        GRANITE,
+        GEMMA2,
+        GEMMA3,
+        OLMO2,
+        PHI3,
+        GLM4,
+        COHERE2,
+        MIXTRAL,
+        QWEN2_MOE,
+        QWEN3_MOE,
+        GPT_OSS,
+        DEEPSEEK_V3,
+    )
     for arch in a.archs
 }
 """model_type -> adapter of its own family file (a new family: add its module here)."""
