@@ -24,7 +24,6 @@ from typing import Dict, List, Tuple
 import pytest
 
 from partrain.blueprint.families.support import (
-    GENERIC_PP,
     PARITY_FAMILIES,
     PARITY_LAYOUTS,
     PARITY_REFUSED,
@@ -104,7 +103,6 @@ def test_refused_cells_are_refused_before_launch(family, layout):
     missing = unsupported_features(validate(compose([*COMMON, *PARITY_FAMILIES[family], *PARITY_LAYOUTS[layout]])))
     expected = {SP_WINDOW: "sliding attention window", TP_GATHERED: "gathers column projections"}
     expected[RING_SOFTCAP] = "attention scores capped by model.config.attn_logit_softcapping"
-    expected[GENERIC_PP] = f"{family}, a family on the generic path"
     expected[TP_WHOLE_ATTENTION] = "keeps attention whole"
     expected[RING_SINKS] = "attention sink logits inside ring attention"
     # Each refusal is one line; a cell may break two rules (gpt-oss' ring: its window and its sinks).

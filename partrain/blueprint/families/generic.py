@@ -49,12 +49,25 @@ GENERIC_FAMILIES: Dict[str, Family] = {
 }
 
 GENERIC_PIPELINE = frozenset(
-    ("cwm", "ernie4_5", "exaone", "gemma", "helium", "internlm3", "iquestcoder", "ministral", "ministral3", "seed_oss")
+    (
+        "cwm",
+        "ernie4_5",
+        "exaone",
+        "gemma",
+        "helium",
+        "internlm3",
+        "iquestcoder",
+        "ministral",
+        "ministral3",
+        "olmo3",
+        "seed_oss",
+    )
 )
 """The generic families whose transformers forward partrain's pipeline stages reproduce: a tiny model split
 into two PipelineStageModule chunks gives transformers' logits exactly (tests/test_families.py checks this
-set against the installed transformers). olmo3 is not among them: its rotary module takes the layer's
-attention type, which only a verified family's adapter says (Gemma 3's)."""
+set against the installed transformers; olmo3's rotary takes the layer's attention type, which the stage
+gives a rotary module whose forward asks for it). Today every family of the generic path; one a later
+transformers adds that the stages do not reproduce is refused pp by name."""
 
 GENERIC_REFUSED = {
     "parallel.pp": (

@@ -84,14 +84,7 @@ TP_GATHERED = (
 TP_WHOLE_ATTENTION = (
     "Megatron-SP is not derived where transformers' tp plan keeps attention whole (parallel.tp_sequence_parallel)"
 )
-GENERIC_PP = "partrain's pipeline stages do not reproduce its forward (its rotary takes the layer's attention type)"
-GENERIC_REFUSALS = {
-    "pp2-1f1b": GENERIC_PP,
-    "pp2-chunked-loss": GENERIC_PP,
-}
-"""The cells a family on the generic path outside families/generic.py's GENERIC_PIPELINE is refused."""
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
-    **{("olmo3", cell): why for cell, why in GENERIC_REFUSALS.items()},
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
     ("gemma2", "sp2-ring"): RING_SOFTCAP,
@@ -194,7 +187,7 @@ def render() -> str:
             " plan; Megatron-SP where its base has it), sp (through transformers' attention interface; a sliding"
             " window shorter than the sequence is refused) and LoRA. Pipeline parallelism replaces the base"
             " model's forward with partrain's own loop over the layers: it runs for the families whose forward"
-            " that loop reproduces exactly on a tiny model (all below but `olmo3`) and is refused for the others"
+            " that loop reproduces exactly on a tiny model (today all below) and is refused for the others"
             " (exit 2). `gemma`, `olmo3` and `seed_oss`"
             " above are checked as every family is. The families on this path, with their base:",
             "",

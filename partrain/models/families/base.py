@@ -8,6 +8,7 @@ torch nor transformers, so dry runs can use it cheaply.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
@@ -108,9 +109,6 @@ class Adapter:
     layer_norms: Tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     """The norms of a decoder layer on the residual stream (Megatron-SP runs them on sequence shards and
     sums their weights' gradients over tp); Gemma 3 adds pre/post_feedforward_layernorm."""
-    rotary_per_layer_type: bool = False
-    """The rotary module takes the layer's attention type (Gemma 3: local and global layers rotate with
-    different bases): `rotary(hidden, position_ids, layer_type)`."""
     embedding_multiplier_key: Optional[str] = None
     """Config key of a factor the HF base model's forward multiplies the token embeddings by (Granite:
     "embedding_multiplier"). A pipeline stage runs the layers itself, not that forward, so it applies it."""
@@ -146,8 +144,10 @@ class Adapter:
         return _maybe_submodule(model, self.rotary_path) if self.rotary_path else None
 
     def position_embeddings(self, rotary: "nn.Module", hidden: Any, position_ids: Any, layer_type: str) -> Any:
-        """What HF's base model hands a decoder layer of `layer_type` as position_embeddings."""
-        if self.rotary_per_layer_type:
+        """What HF's base model hands a decoder layer of `layer_type` as position_embeddings: a rotary module
+        whose forward takes a `layer_type` (Gemma 3, OLMo 3: local and global layers rotate with different
+        bases) gets it, as the family's own forward gives it."""
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
             return rotary(hidden, position_ids, layer_type)
         return rotary(hidden, position_ids)
 

@@ -1,4 +1,4 @@
-"""Gemma 2 at runtime: Gemma 3's paths and four norms a layer, one rotary module for every layer, and
+"""Gemma 2 at runtime: Gemma 3's paths and four norms a layer, one rotary base for every layer, and
 no per-head q/k norms. Its score caps are HF's own: attn_logit_softcapping inside transformers'
 eager attention (and partrain's Ulysses attention; ring attention refuses it), final_logit_softcapping
 on the logits, which HF's causal-LM forward applies and partrain applies where it runs the head itself
@@ -11,4 +11,4 @@ from dataclasses import replace
 
 from partrain.models.families.gemma3 import GEMMA3
 
-GEMMA2 = replace(GEMMA3, family="gemma2", archs=("gemma2",), rotary_per_layer_type=False)
+GEMMA2 = replace(GEMMA3, family="gemma2", archs=("gemma2",))

@@ -19,5 +19,4 @@ GEMMA3 = Adapter(
         "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
     ),
-    rotary_per_layer_type=True,
 )
