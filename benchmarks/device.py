@@ -128,7 +128,7 @@ def phase_parity(a, work: Path) -> dict:
     layouts = parity_cases(a)
     reference = reference_overrides(_base_overrides(a))
     if a.cpu:  # one launch per process count through the fork server (seconds, not a torchrun each)
-        from partrain.testing.in_process import train_all
+        from partrain.rehearse.runs import train_all
 
         cases = {"reference": parity_args(reference, a.parity_steps)}
         cases.update({n: parity_args(o, a.parity_steps) for n, o in layouts.items()})
@@ -279,7 +279,7 @@ def phase_profile(a, work: Path) -> dict:
 
     run_dir = work / "profile" / "run"
     if a.cpu:
-        from partrain.testing.in_process import train_all
+        from partrain.rehearse.runs import train_all
 
         train_all({"profile": parity_args(profile_overrides(a), 3)}, work, a.budget_left())
     else:

@@ -3,7 +3,7 @@
     python benchmarks/sp.py            # everything (about 3-4 min on 2 idle cores)
     python benchmarks/sp.py --quick    # activations only, plus a short op timing (about 1 min)
 
-Every sp rank is a real gloo process (`partrain.testing.multiproc.run_spawned`, one torch thread
+Every sp rank is a real gloo process (`partrain.runtime.spawn.run_spawned`, one torch thread
 each) that builds the model with partrain's own code: `build_meta_model` -> `apply_sp` (the sp
 attention wiring of `partrain.parallel.context_parallel`) -> `materialize`; the rank's tokens are
 cut by `SequenceShard.take`, positions and loss come from `SequenceShard.forward_loss`.
@@ -191,7 +191,7 @@ def _op_child(rank: int, world: int, seq: int, reps: int) -> dict:
 def _spawn(fn, world: int, *args, settle_s: float = 5.0):
     from _machine_load import ForeignLoad, settle
 
-    from partrain.testing.multiproc import run_spawned
+    from partrain.runtime.spawn import run_spawned
 
     settle(settle_s)
     with tempfile.TemporaryDirectory() as folder, ForeignLoad() as load:

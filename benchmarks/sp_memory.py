@@ -28,7 +28,7 @@ import torch
 from recompute import CONFIGS  # the same small models as benchmarks/recompute.py (this folder)
 
 from partrain.blueprint.config.schema import ModelConfig
-from partrain.testing.multiproc import run_spawned
+from partrain.runtime.spawn import run_spawned
 
 
 def _measure(rank: int, world: int, arch: str, mode: str, recompute: str, seq: int, micro: int, steps: int) -> dict:

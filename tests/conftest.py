@@ -132,6 +132,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "cli_polish",
         "code_size",
         "config",
+        "rehearse_plan",
         "data",
         "docs",
         "eval_split",

@@ -32,7 +32,7 @@ from partrain.checkpoint import (
     step_dir,
 )
 from partrain.errors import ConfigError
-from partrain.testing.multiproc import run_spawned
+from partrain.runtime.spawn import run_spawned
 
 CFGS = {
     "gpt2": dict(

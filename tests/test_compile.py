@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from partrain.testing.multiproc import run_spawned
+from partrain.runtime.spawn import run_spawned
 
 STEPS = 3
 SMALL = ["train.seq_len=32", "train.micro_batch_size=2", "model.config.num_hidden_layers=2"]

@@ -17,7 +17,7 @@ from typing import List
 
 import pytest
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import RunRecord, max_relative_difference, reference_overrides
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
+from partrain.runtime.spawn import run_spawned
 from partrain.testing.in_process import train_cases
-from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import RunRecord, check_parity, reference_overrides, run_training
 
 pytestmark = pytest.mark.slow

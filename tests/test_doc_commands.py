@@ -7,7 +7,8 @@ test (test_quickstarts.py).
 How each kind runs:
 - `train` as its `--dry-run` (the pages' runs need GPUs, nodes, or minutes of CPU); `train`, `plan`, `show`,
   `launch` and the rest must start no process.
-- `checkpoint`, `data` and `bench` for real (an export with `--nproc 2` starts its two processes).
+- `checkpoint`, `data`, `bench` and `rehearse` for real (an export with `--nproc 2` starts its two processes, a
+  rehearsal its layout's).
 - The checkpoints the pages read (`runs/demo/checkpoints/step-00000080`, `RUN/checkpoints/...`) come from
   real training runs made first (CHECKPOINTED_RUNS): one process each, tiny shapes (TINY), the page's own
   model and step numbers, so each command finds a checkpoint of the kind the page's run leaves.
@@ -46,8 +47,9 @@ CHECKPOINTED_RUNS: Dict[str, List[str]] = {
 }
 """Run folder named by a page -> the overrides of the real run that makes it (ONE_PROCESS and TINY added)."""
 
-MAY_START_PROCESSES = ("checkpoint", "data", "bench")
-"""Commands that run for real and may start processes (an export's --nproc workers, a benchmark's ranks)."""
+MAY_START_PROCESSES = ("checkpoint", "data", "bench", "rehearse")
+"""Commands that run for real and may start processes (an export's --nproc workers, a benchmark's ranks, a
+rehearsal's layout and reference)."""
 
 
 def _chats(rows: Sequence[dict]) -> str:
@@ -74,8 +76,8 @@ def _user_data(folder: Path) -> None:
 
 def _train_checkpointed_runs(folder: Path) -> None:
     """CHECKPOINTED_RUNS trained for real through the worker's code, one after another in one process."""
-    from partrain.testing.in_process import prepare_run, train_run_dirs
-    from partrain.testing.multiproc import run_spawned
+    from partrain.rehearse.runs import prepare_run, train_run_dirs
+    from partrain.runtime.spawn import run_spawned
 
     run_dirs = []
     for name, overrides in CHECKPOINTED_RUNS.items():

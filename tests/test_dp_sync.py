@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from partrain.runtime.spawn import run_spawned
 from partrain.testing.in_process import train_cases
-from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import check_parity, reference_overrides, run_training
 
 STEPS = 3

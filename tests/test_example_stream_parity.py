@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from partrain.testing.in_process import train_all
-from partrain.testing.multiproc import run_spawned
+from partrain.rehearse.runs import train_all
+from partrain.runtime.spawn import run_spawned
 from partrain.testing.parity import (
     check_parity,
     max_relative_difference,

@@ -362,7 +362,7 @@ def _one_rank_fails(rank: int, world: int, root: str) -> dict:
 @pytest.mark.slow
 def test_a_failure_on_one_rank_stops_every_rank_alike(tmp_path):
     """No rank may raise alone while the others wait in a collective (or load on): all raise the same."""
-    from partrain.testing.multiproc import run_spawned
+    from partrain.runtime.spawn import run_spawned
 
     root = tmp_path / "ckpt"
     spawn = tmp_path / "spawn"
@@ -446,7 +446,7 @@ def _train(args, run_dir: Path, steps: int) -> tuple:
 def straight(tmp_path_factory):
     """6 steps on 2 processes, checkpoints at 2, 4, 6 (real processes through the worker's code,
     testing.in_process; the damaged resume below goes through `partrain train`)."""
-    from partrain.testing.in_process import train_all
+    from partrain.rehearse.runs import train_all
     from partrain.testing.parity import parity_args
 
     base = tmp_path_factory.mktemp("faults")

@@ -22,9 +22,9 @@ from typing import List
 import pytest
 
 from partrain.checkpoint import complete_checkpoints
+from partrain.rehearse.runs import train_all
 from partrain.runtime.procs import workers_of_run
 from partrain.runtime.run_lock import LOCK_FILE, FolderLock, hold_folders, read_holder, retire_old_errors
-from partrain.testing.in_process import train_all
 from partrain.testing.parity import max_relative_difference, parity_args, run_training
 
 ROOT = Path(__file__).resolve().parents[1]

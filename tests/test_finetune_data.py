@@ -18,7 +18,7 @@ from partrain.data.example_batches import ExampleBatches
 from partrain.data.examples import prepare_examples
 from partrain.data.tokenizer import ByteTokenizer
 from partrain.errors import ConfigError
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 STEPS = 3

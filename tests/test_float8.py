@@ -27,7 +27,7 @@ import math
 
 import pytest
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import max_relative_difference, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow
@@ -389,7 +389,7 @@ def test_float8_tp_projections_use_the_whole_tensors_scales(tmp_path):
     gradients add partial sums: tensorwise in fp32 (1e-5 allowed; measured 4.2e-7 at most, seeds 0-3,
     1-2 threads: 24x); rowwise within ROWWISE_PARTIALS_RTOL."""
     pytest.importorskip("torchao")
-    from partrain.testing.multiproc import run_spawned
+    from partrain.runtime.spawn import run_spawned
 
     for rank_result in run_spawned(_float8_tp_layers, 2, tmp_path):
         for case, diffs in rank_result.items():

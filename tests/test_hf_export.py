@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from partrain.rehearse.runs import train_all
 from partrain.testing.hf_check import export_with_cli, logits_difference
-from partrain.testing.in_process import train_all
 from partrain.testing.parity import parity_args
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import check_parity, max_relative_difference, parity_args, reference_overrides
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from partrain.blueprint.planner import estimate
 from partrain.blueprint.planner.memory import dtypes, layer_activations
 from partrain.blueprint.planner.spec import spec_from_validated
 from partrain.blueprint.validate import validate
-from partrain.testing.in_process import train_all
-from partrain.testing.multiproc import run_spawned
+from partrain.rehearse.runs import train_all
+from partrain.runtime.spawn import run_spawned
 from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 STEPS = 3

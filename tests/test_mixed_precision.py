@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import check_parity, parity_args, reference_overrides, run_training
 from partrain.train.loss_scale import DynamicLossScale
 
@@ -178,7 +178,7 @@ def _fsdp_dtypes(rank: int, world: int, precision: str) -> dict:
     "precision, compute", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"), ("fp32", "torch.float32")]
 )
 def test_fsdp_computes_in_16_bits_and_keeps_fp32_shards(precision, compute, tmp_path):
-    from partrain.testing.multiproc import run_spawned
+    from partrain.runtime.spawn import run_spawned
 
     for got in run_spawned(_fsdp_dtypes, 2, tmp_path, precision):
         assert got["compute"] == compute

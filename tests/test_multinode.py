@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from partrain.checkpoint.verify import verify_path
+from partrain.rehearse.runs import train_all
 from partrain.runtime.procs import children_of, workers_of_run
-from partrain.testing.in_process import train_all
 from partrain.testing.parity import parity_args
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from partrain.blueprint.validate import validate
 from partrain.data.chat import IGNORE_INDEX
 from partrain.data.example_packing import PackedExampleBatches, first_fit, run_packing_facts
 from partrain.data.examples import Examples, prepare_examples
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import check_parity, parity_args, reference_overrides
 
 STEPS = 3
@@ -217,7 +217,7 @@ def _packed_logits_differences(rank: int, world: int) -> dict:
 def test_packed_logits_under_tp_and_sp(tmp_path):
     """Issue 37: the logits of packed windows, gathered to full vocabulary (tp2) or full sequence (sp2
     ring, sp2 Ulysses), equal each example run alone in one process (1e-5). One launch for all three."""
-    from partrain.testing.multiproc import run_spawned
+    from partrain.runtime.spawn import run_spawned
 
     for rank, result in enumerate(run_spawned(_packed_logits_differences, 2, tmp_path)):
         assert result["documents"] > 4, result  # windows really hold several examples

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from partrain.runtime.spawn import run_spawned
 from partrain.testing.in_process import train_with_references
-from partrain.testing.multiproc import run_spawned
 from partrain.testing.parity import check_parity
 
 pytestmark = pytest.mark.slow

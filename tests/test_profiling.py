@@ -14,7 +14,7 @@ import pytest
 from partrain.blueprint.config.compose import compose
 from partrain.blueprint.validate import validate
 from partrain.errors import ConfigError
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.train.profiling import ProfilingContext, memory_snapshot_path, profiling_summary, trace_path
 from partrain.train.progress_text import summary_lines
 

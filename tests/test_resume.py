@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from partrain.rehearse.runs import train_all
 from partrain.testing.hf_check import export_with_cli, logits_difference
-from partrain.testing.in_process import train_all
 from partrain.testing.parity import max_relative_difference, parity_args
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from partrain.parallel.sequence_attention import (
     ulysses_attention,
     zigzag_positions,
 )
-from partrain.testing.multiproc import run_spawned
+from partrain.runtime.spawn import run_spawned
 
 B, H, S, D = 2, 4, 16, 8
 

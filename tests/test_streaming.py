@@ -16,7 +16,7 @@ import torch
 
 from partrain.blueprint.config.compose import compose
 from partrain.errors import ConfigError
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import (
     check_parity,
     max_relative_difference,

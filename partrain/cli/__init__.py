@@ -18,6 +18,7 @@ from partrain.cli.config_cmds import list_recipes_cmd, show
 from partrain.cli.data_cmds import data_app
 from partrain.cli.launch_cmds import launch_app
 from partrain.cli.plan_cmd import plan
+from partrain.cli.rehearse_cmd import rehearse
 from partrain.cli.train_cmd import train
 
 # Typer's own --install-completion / --show-completion: tab completion of commands and options.
@@ -58,6 +59,7 @@ def _root(
 
 app.command()(train)
 app.command()(plan)
+app.command()(rehearse)
 app.command()(show)
 app.command("recipes")(list_recipes_cmd)
 

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail
+from partrain.cli.common import JSON, OVERRIDES, RECIPES, fail, stdout_console
 from partrain.cli.layout_view import (
     CHECK,
     SCHEDULE_SVG,
@@ -58,6 +58,10 @@ def train(
         report = print_layout(
             validated, as_json, all_ranks, schedule_svg, auto_choice=choice, unchecked=unchecked, data_facts=facts
         )
+        if not as_json and validated.world_size > 1:
+            from partrain.cli.rehearse_cmd import dry_run_hint
+
+            stdout_console().print(dry_run_hint(validated, list(overrides), dict(os.environ)), markup=False)
         exit_for_check(report, check)
         return
     from partrain.blueprint.trainable import unsupported_features

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from partrain.testing.in_process import train_all
+from partrain.rehearse.runs import train_all
 from partrain.testing.parity import parity_args
 
 GPT_3D_SHORT = [

@@ -1,4 +1,5 @@
-"""Run a function in N real processes on gloo (for tests that look inside a rank).
+"""Run a function in N real processes on gloo, started in milliseconds (`partrain rehearse`, and tests that
+look inside a rank).
 
 Each child joins a process group through a FileStore, runs `fn(rank, world, *args)`, writes
 whatever `fn` returns as JSON to `folder/result.rank<R>.json`, tears the group down and leaves with
@@ -31,15 +32,19 @@ PRELOAD = [
     "partrain.train.assemble",
     "partrain.train.loop",
     "partrain.worker",
-    "partrain.testing.in_process",
+    "partrain.rehearse.runs",
 ]
 """Modules the fork server imports once for every child (a missing one is skipped)."""
 
 
-def _child(rank: int, world: int, folder: str, fn: Callable, args: tuple, environ: dict, cwd: str) -> None:
+def _child(rank: int, world: int, folder: str, fn: Callable, args: tuple, environ: dict, cwd: str, quiet: bool) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    if quiet:  # the caller prints its own report: each rank's output goes to folder/rank<R>.out
+        out = os.open(os.path.join(folder, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
     import torch
     import torch.distributed as dist
 
@@ -64,13 +69,18 @@ def _context():
     return ctx
 
 
-def run_spawned(fn: Callable, world: int, folder: Path, *args: Any, timeout_s: float = 180) -> List[Any]:
+def run_spawned(
+    fn: Callable, world: int, folder: Path, *args: Any, timeout_s: float = 180, quiet: bool = False
+) -> List[Any]:
+    """fn(rank, world, *args) in `world` processes of one gloo group; their results in rank order.
+    quiet: each process's stdout and stderr go to folder/rank<R>.out instead of the caller's."""
     ctx = _context()
     folder = Path(folder).resolve()
     Path(folder, "store").unlink(missing_ok=True)  # an earlier launch's store would hand out its addresses
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_child, args=(rank, world, str(folder), fn, args, environ, cwd)) for rank in range(world)
+        ctx.Process(target=_child, args=(rank, world, str(folder), fn, args, environ, cwd, quiet))
+        for rank in range(world)
     ]
     for proc in procs:
         proc.start()
