@@ -22,8 +22,8 @@ def _rehearse(*args: str, timeout: int = 300):
 
 @pytest.mark.parametrize(
     "overrides",
-    # MoE with ep, tp and pp: experts over ep, the rest over tp, stages over pp (docs/rehearse.md runs gpt-3d)
     [
+        # MoE with ep, tp and pp: experts over ep, the rest over tp, stages over pp
         [
             "recipe=mixtral-ep",
             "parallel.dp=2",
@@ -31,7 +31,9 @@ def _rehearse(*args: str, timeout: int = 300):
             "parallel.tp=2",
             "parallel.pp=2",
             "cluster.devices_per_node=8",
-        ]
+        ],
+        # (docs/rehearse.md's worked example, run by test_doc_commands, rehearses gpt-3d under tp x FSDP:
+        # GPT-2's fused q|k|v bias was once saved permuted there, which its resume checks found.)
     ],
     ids=["mixtral-ep-tp-pp"],
 )
@@ -46,9 +48,8 @@ def test_the_layout_matches_one_process_and_both_resume(overrides, tmp_path):
     assert [r["run"] for r in verdict["resumed"]] == ["layout", "reference"]
     assert all(r["from"] == "layout step 2" and r["loss_rel_diff"] <= 1e-5 for r in verdict["resumed"])
     assert verdict["resumed"][0]["loss_rel_diff"] == 0.0  # the same processes replay the same arithmetic
-    world = report["plan"]["world"]
     summary = json.loads((out / "layout" / "run" / "summary.json").read_text())
-    assert len(summary["ranks"]) == world == 8
+    assert len(summary["ranks"]) == report["plan"]["world"] == 8
 
 
 def test_a_difference_beyond_the_tolerance_names_the_step_and_the_quantity(tmp_path):

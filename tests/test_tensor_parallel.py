@@ -95,8 +95,7 @@ def _sharded_by_plan(name: str) -> bool:
         "v_proj.bias",
         "embed_tokens.weight",
         "lm_head.weight",
-        "c_attn.weight",
-        "c_attn.bias",
+        "c_attn.weight",  # its fused q|k|v bias stays whole on every rank (parallel/tp_ops.local_fused_bias)
         "attn.c_proj.weight",
         "c_fc.weight",
         "c_fc.bias",

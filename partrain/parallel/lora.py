@@ -51,7 +51,8 @@ from partrain.parallel import float8_tp
 from partrain.parallel.local_tensors import local
 from partrain.parallel.lora_sp import adapt_sequence_column
 from partrain.parallel.megatron_sp import SequenceColumn
-from partrain.parallel.tp_layers import _row_output, copy_to_tp, gather_from_tp, shard_param, split_to_tp
+from partrain.parallel.tp_layers import _row_output, gather_from_tp, shard_param, split_to_tp
+from partrain.parallel.tp_ops import copy_to_tp
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
 

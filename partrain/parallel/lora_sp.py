@@ -31,7 +31,8 @@ from partrain.models.lora_init import LORA_A, LORA_B
 from partrain.parallel.compile import eager
 from partrain.parallel.local_tensors import local
 from partrain.parallel.megatron_sp import SequenceColumn, _gather_seq, _reduce_scatter_seq
-from partrain.parallel.tp_layers import copy_to_tp, shard_param
+from partrain.parallel.tp_layers import shard_param
+from partrain.parallel.tp_ops import copy_to_tp
 
 LORA_INPUT = "_lora_input"
 """Attribute of an adapted SequenceColumn: its block's sequence-shard input for the current call."""

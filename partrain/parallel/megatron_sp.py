@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.profiler import record_function
 
 from partrain.parallel import float8_tp
 from partrain.parallel.compile import eager
+from partrain.parallel.tp_ops import local_fused_bias
 
 SEQ_DIM = 1
 """Sequence dimension of HF hidden states [batch, seq, hidden]."""
@@ -194,10 +195,10 @@ class SequenceColumn(nn.Module):
         self.weight = sharded_parameter(
             proj.weight, mesh, _StridedShard(dim, split_factor=fused_parts) if strided else Shard(dim)
         )
+        self.group, self.fused_parts = mesh.get_group(), fused_parts
         bias = getattr(proj, "bias", None)
-        if bias is not None:
-            place = _StridedShard(0, split_factor=fused_parts) if strided else Shard(0)
-            self.bias = sharded_parameter(bias, mesh, place)
+        if bias is not None:  # a fused bias stays whole (tp_layers.local_fused_bias says why)
+            self.bias = sharded_parameter(bias, mesh, Replicate() if strided else Shard(0))
         else:
             self.register_parameter("bias", None)
         # float8 matmuls (train.float8: `proj` is a torchao Float8Linear); None otherwise.
@@ -206,7 +207,9 @@ class SequenceColumn(nn.Module):
 
     def local_params(self) -> List[torch.Tensor]:
         ps = [self.weight.to_local()]
-        if self.bias is not None:
+        if self.bias is not None and self.fused_parts > 1:
+            ps.append(local_fused_bias(self.bias, self.group, self.fused_parts))
+        elif self.bias is not None:
             ps.append(self.bias.to_local())
         return ps
 

@@ -39,22 +39,7 @@ from torch.profiler import record_function
 
 from partrain.parallel import float8_tp, megatron_sp
 from partrain.parallel.compile import eager
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; all-reduce of the input gradient backward (entering a column-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        with record_function("partrain/tp/all_reduce"):
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+from partrain.parallel.tp_ops import copy_to_tp, fused_bias_placement, local_fused_bias
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
@@ -188,14 +173,15 @@ class ColumnParallelConv1D(nn.Module):
         self.nf = conv.nf
         self.weight, self.bias = conv.weight, conv.bias
         self.group = mesh.get_group()
+        self.fused_parts = fused_parts
         weight_place = _StridedShard(1, split_factor=fused_parts) if fused_parts > 1 else Shard(1)
-        bias_place = _StridedShard(0, split_factor=fused_parts) if fused_parts > 1 else Shard(0)
         shard_param(self, "weight", mesh, weight_place)
-        shard_param(self, "bias", mesh, bias_place)
+        shard_param(self, "bias", mesh, fused_bias_placement(fused_parts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
-        w, b = self.weight.to_local(), self.bias.to_local()
+        w = self.weight.to_local()
+        b = local_fused_bias(self.bias, self.group, self.fused_parts) if self.fused_parts > 1 else self.bias.to_local()
         out = torch.addmm(b, x.reshape(-1, x.shape[-1]), w)
         return out.view(*x.shape[:-1], w.shape[1])
 
@@ -270,7 +256,6 @@ class _SequenceNormForward:
 
 
 # Run eagerly inside compiled blocks (partrain.parallel.compile.eager: collectives, Python state).
-copy_to_tp = eager(_CopyToTensorParallel.apply)
 reduce_from_tp = eager(_ReduceFromTensorParallel.apply)
 gather_from_tp = eager(_GatherFromTensorParallel.apply)
 split_to_tp = eager(_SplitToTensorParallel.apply)

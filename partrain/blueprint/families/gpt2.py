@@ -1,8 +1,9 @@
 """GPT-2 for the planner: config facts, parameter tensors (HF Conv1D weights, stored [in, out]) and
 the "gpt2" block shape. The runtime side (module paths, TP plan) is partrain/models/families/gpt2.py.
 
-Tensor parallelism: c_attn weight dim 1 + bias, attn.c_proj weight dim 0, mlp.c_fc weight dim 1 +
-bias, mlp.c_proj weight dim 0, wte dim 0 (tied with lm_head); c_proj biases, norms and wpe replicated.
+Tensor parallelism: c_attn weight dim 1, attn.c_proj weight dim 0, mlp.c_fc weight dim 1 + bias, mlp.c_proj
+weight dim 0, wte dim 0 (tied with lm_head); c_attn's fused q|k|v bias, c_proj biases, norms and wpe
+replicated.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def layer_tensors(f: Any, x: ModelExtras, i: int) -> List[TensorSpec]:
         L("ln_1.weight", (h,)),
         L("ln_1.bias", (h,)),
         L("attn.c_attn.weight", (h, 3 * h), 1),
-        L("attn.c_attn.bias", (3 * h,), 0),
+        L("attn.c_attn.bias", (3 * h,)),  # whole on every tp rank (parallel/tp_ops.local_fused_bias)
         L("attn.c_proj.weight", (h, h), 0),
         L("attn.c_proj.bias", (h,)),
         L("ln_2.weight", (h,)),
