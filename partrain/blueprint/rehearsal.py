@@ -31,9 +31,10 @@ DEFAULT_STEPS = 4
 DEFAULT_MAX_PROCESSES = 16
 """Most processes a rehearsal starts; a larger world is reduced axis by axis."""
 
-REHEARSAL_SEQ_LEN = 512
-"""Longest sequence a rehearsal trains (a longer one is cut to this, said so): a tiny model's step at 512
-tokens takes milliseconds, and chat examples mostly fit it whole."""
+REHEARSAL_SEQ_LEN = 128
+"""Longest sequence a rehearsal trains (a longer one is cut to this, said so): a real vocabulary's head
+(128k tokens) makes every token cost on CPU. The llama3-70b-h100 recipe's rehearsal (16 processes) took
+78 s here at 128 tokens and 187 s at 256; longer examples are truncated, said so."""
 
 HEAD_DIM = 16
 """Head width of a shrunk model."""
