@@ -52,7 +52,7 @@ from partrain.parallel.local_tensors import local
 from partrain.parallel.lora_sp import adapt_sequence_column
 from partrain.parallel.megatron_sp import SequenceColumn
 from partrain.parallel.tp_layers import _row_output, gather_from_tp, shard_param, split_to_tp
-from partrain.parallel.tp_ops import copy_to_tp
+from partrain.parallel.tp_ops import copy_to_tp, local_fused_bias
 
 PLAIN, COLUMN, ROW = "plain", "column", "row"
 
@@ -96,6 +96,7 @@ class LoraProjection(nn.Module):
             # whole input sliced, as the base alone does.
             self.gather_output = getattr(base, "gather_output", False)
             self.split_input = getattr(base, "split_input", False)
+            self.fused_parts = getattr(base, "fused_parts", 1)  # GPT-2's c_attn: its bias stays whole
         elif not isinstance(base, nn.Linear) and not self.conv:
             raise NotImplementedError(f"LoRA on {type(base).__name__}")
         # float8: the base's own float8 matmuls (its TP module's, or made here for a plain Float8Linear).
@@ -110,6 +111,13 @@ class LoraProjection(nn.Module):
             a_place, b_place = (Replicate(), b_place) if self.kind == COLUMN else (Shard(1), Replicate())
             shard_param(self.lora_A, "weight", mesh, a_place)
             shard_param(self.lora_B, "weight", mesh, b_place)
+
+    def _local_bias(self) -> Optional[torch.Tensor]:
+        if self.bias is None:
+            return None
+        if self.kind == COLUMN and self.fused_parts > 1:
+            return local_fused_bias(self.bias, self.group, self.fused_parts)
+        return local(self.bias)
 
     def _base(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w = local(self.weight)
@@ -132,7 +140,7 @@ class LoraProjection(nn.Module):
             b = copy_to_tp(b, self.group)  # replicated B: each rank's gradient covers its partial sum only
         delta = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
         if self.kind != ROW:
-            out = self._base(x, None if self.bias is None else local(self.bias)) + delta
+            out = self._base(x, self._local_bias()) + delta
             return gather_from_tp(out, self.group) if self.kind == COLUMN and self.gather_output else out
         return _row_output(self._base(x, None) + delta, self.bias, self.mesh, self.group, self.to_sequence)
 
