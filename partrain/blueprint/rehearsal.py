@@ -55,6 +55,22 @@ recipe's rehearsal; the suite's tiny vocabularies stay below 2e-6). A fault show
 
 AXES = ("dp", "tp", "pp", "sp", "ep")
 
+REFERENCE_OVERRIDES = (
+    *(f"parallel.{axis}=1" for axis in AXES),
+    "parallel.zero_stage=0",
+    "parallel.dp_shard=-1",
+    "parallel.pp_virtual_stages=1",
+    "parallel.pp_layers_per_stage=null",
+    "parallel.tp_sequence_parallel=false",
+    "parallel.recompute=none",
+    "parallel.dp_sync=allreduce",
+    "parallel.ps_servers=1",
+    "cluster.nodes=1",
+    "cluster.devices_per_node=1",
+)
+"""What turns any layout into the single-process reference (later overrides win in Hydra): a rehearsal's,
+and the suite's parity tests' (partrain.rehearse.parity)."""
+
 
 @dataclass(frozen=True)
 class Change:
@@ -159,18 +175,7 @@ def plan_rehearsal(
         ("parallel.auto", False),
     ):
         b.set(key, value)
-    reference = tuple(f"parallel.{axis}=1" for axis in AXES) + (
-        "parallel.zero_stage=0",
-        "parallel.dp_shard=-1",
-        "parallel.pp_virtual_stages=1",
-        "parallel.tp_sequence_parallel=false",
-        "parallel.recompute=none",
-        "parallel.dp_sync=allreduce",
-        "parallel.ps_servers=1",
-        "parallel.pp_layers_per_stage=null",
-        "cluster.nodes=1",
-        "cluster.devices_per_node=1",
-    )
+    reference = REFERENCE_OVERRIDES
     return RehearsalPlan(
         layout_overrides=tuple(kept + b.overrides),
         reference_overrides=reference,

@@ -245,6 +245,19 @@ def _sp_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _eager_scores(q, k, v, mask, causal: bool, scaling):
+    """transformers' eager attention up to the softmax: (scaled scores [B, H, S, S], the visible keys or
+    None, v with its heads repeated as q's); k and v [B, KV, S, D] with KV dividing H."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    visible = mask
+    if visible is None and causal:
+        n = q.shape[2]
+        visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return scores, visible, v
+
+
 def capped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -258,14 +271,8 @@ def capped_attention(
     """Attention with its scores capped at cap * tanh(scores / cap), in the order of transformers' eager
     attention (scale, cap, mask, fp32 softmax); q [B, H, S, D], k and v [B, KV, S, D] (KV divides H),
     mask a boolean [B, 1, S, S] of visible keys or None."""
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores, visible, v = _eager_scores(q, k, v, mask, causal, scaling)
     scores = torch.tanh(scores / cap) * cap
-    visible = mask
-    if visible is None and causal:
-        n = q.shape[2]
-        visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     if visible is not None:
         scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -286,13 +293,7 @@ def sink_attention(
     """Attention whose softmax also sees one learned logit per head that attends to no value (gpt-oss'
     sinks), in the order of transformers' eager attention for it (scale, mask, sink column, max
     subtracted, softmax, sink dropped); q [B, H, S, D], k and v [B, KV, S, D], sinks [H]."""
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
-    visible = mask
-    if visible is None and causal:
-        n = q.shape[2]
-        visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores, visible, v = _eager_scores(q, k, v, mask, causal, scaling)
     if visible is not None:
         scores = scores + torch.zeros_like(scores).masked_fill(~visible, torch.finfo(scores.dtype).min)
     sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1).to(scores.dtype)

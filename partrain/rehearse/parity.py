@@ -14,23 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
 
-REFERENCE_OVERRIDES = (
-    "parallel.dp=1",
-    "parallel.tp=1",
-    "parallel.pp=1",
-    "parallel.sp=1",
-    "parallel.ep=1",
-    "parallel.zero_stage=0",
-    "parallel.dp_shard=-1",
-    "parallel.pp_virtual_stages=1",
-    "parallel.tp_sequence_parallel=false",
-    "parallel.recompute=none",
-    "parallel.dp_sync=allreduce",
-    "parallel.ps_servers=1",
-    "cluster.nodes=1",
-    "cluster.devices_per_node=1",
-)
-"""What turns any layout into the single-process reference (later overrides win in Hydra)."""
+from partrain.blueprint.rehearsal import REFERENCE_OVERRIDES
 
 FP32_RTOL = 1e-5
 """The parity tolerance of an fp32 layout against one process, relative, every step's loss and

@@ -12,22 +12,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Any, Dict, List
+from typing import Any, List
 
 from partrain.blueprint.families import llama
-from partrain.blueprint.families.base import ModelExtras, TensorSpec, Values, positive_int
+from partrain.blueprint.families.base import ModelExtras, TensorSpec
 from partrain.blueprint.families.mixtral import every_layer_sparse
-
-
-def facts(values: Values, arch: str) -> Dict[str, Any]:
-    common = llama.common_facts(values, arch)
-    return dict(
-        common,
-        ffn=positive_int(values, "intermediate_size", arch),
-        n_experts=positive_int(values, "num_local_experts", arch),
-        experts_per_token=positive_int(values, "num_experts_per_tok", arch),
-        moe_layers=common["n_layers"],
-    )
+from partrain.blueprint.families.mixtral import facts as mixtral_facts
 
 
 def layer_tensors(f: Any, x: ModelExtras, i: int) -> List[TensorSpec]:
@@ -57,7 +47,7 @@ GPT_OSS = replace(
     llama.LLAMA,
     name="gpt_oss",
     arch="gpt_oss",
-    facts=facts,
+    facts=mixtral_facts,  # the same keys: num_local_experts, num_experts_per_tok, intermediate_size
     extras=partial(llama.extras, attention_bias=True, sparse=every_layer_sparse),
     layer_tensors=layer_tensors,
     lora_projections=llama.ATTENTION,
