@@ -210,3 +210,14 @@ def test_pretrained_folder_config_wins(tmp_path: Path):
     assert (facts.n_layers, facts.hidden, facts.vocab) == (2, 64, 300)  # model.config on top of config.json
     facts = model_facts("llama", {}, str(tmp_path))
     assert facts.n_layers == 7
+
+
+def test_use_cache_is_refused_before_any_process():
+    """The worker's own refusal (models/build.py), said by validation: exit 2 before a launch."""
+    from partrain.blueprint.validate import validate
+    from partrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        validate(compose(["model=llama-tiny", "++model.config.use_cache=true"]))
+    (problem,) = refused.value.problems
+    assert problem.key == "model.config.use_cache" and "use_cache=False" in problem.rule

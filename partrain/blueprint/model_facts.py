@@ -133,6 +133,15 @@ def merged_kwargs(
                 )
             )
         layers.append(({k: v for k, v in stored.items() if k in fields or k in aliases}, None))
+    if config.get("use_cache"):  # the same refusal as models/build.py's, before any process starts
+        raise ConfigError(
+            Problem(
+                "model.config.use_cache",
+                config["use_cache"],
+                "training needs use_cache=False (a KV cache makes recomputed activations wrong)",
+                "remove model.config.use_cache",
+            )
+        )
     layers.append(({k: v for k, v in config.items() if k not in IMPLEMENTATION_KEYS}, "model.config"))
     for source, key_prefix in layers:
         for key, value in source.items():

@@ -206,7 +206,7 @@ def _model_source(v: ValidatedRun, user_overrides: List[str], b: _Builder) -> Tu
     b.set("model.arch", m.arch)
     b.set("model.name", f"{m.name or m.arch}-rehearsal")
     for key, value in sorted(values.items()):
-        if _plain(value):
+        if _plain(value) and key not in NOT_ARCHITECTURE:
             b.overrides.append(f"++model.config.{key}={_hydra(value)}")
     b.set("data.tokenizer", v.run.data.tokenizer)
     b.changes.append(
@@ -218,6 +218,12 @@ def _model_source(v: ValidatedRun, user_overrides: List[str], b: _Builder) -> Tu
         )
     )
     return kept, dropped
+
+
+NOT_ARCHITECTURE = frozenset(
+    ("use_cache", "dtype", "torch_dtype", "return_dict", "output_hidden_states", "output_attentions")
+)
+"""A folder's config.json fields that say how it was saved or served, not what the model computes."""
 
 
 def _plain(value: Any) -> bool:

@@ -172,10 +172,13 @@ def _train(cases, root: Path, recipe_dirs, timeout_s: float, quiet: bool):
         return train_all(cases, root, timeout_s=timeout_s, recipe_dirs=recipe_dirs, quiet=quiet)
     except RuntimeError as exc:
         dirs = {name: root / name / "run" for name in cases}
-        failed = next((n for n, d in dirs.items() if not (d / "summary.json").is_file()), next(iter(cases)))
+        unfinished = [n for n, d in dirs.items() if not (d / "summary.json").is_file()]
+        # The launch that failed is the newest: its processes' output says why.
+        launches = sorted(root.glob("processes-*"), key=lambda d: d.stat().st_mtime)
+        output = f"{launches[-1]}/rank*.out" if launches else f"{root}/processes-*/rank*.out"
         verdict = Verdict([], 0.0, 0.0, run_dirs=dirs)
         verdict.failed_run = (
-            f"the {failed} run did not train ({exc}); its logs: {dirs[failed] / 'logs'}, its processes' output: "
-            f"{root}/processes-*/rank*.out"
+            f"{' and '.join(unfinished) or 'a'} run(s) did not finish ({exc}); the failing processes' output: "
+            f"{output}; the runs' logs: {', '.join(str(dirs[n] / 'logs') for n in unfinished)}"
         )
         return verdict
