@@ -15,6 +15,7 @@ from typing import Iterator, List, Mapping, Optional
 from partrain.blueprint.config.compose import to_yaml
 from partrain.blueprint.planner.auto import RECORD_FILE as AUTO_RECORD_FILE
 from partrain.blueprint.validate import ValidatedRun
+from partrain.data.open_batches import DATA_MANIFEST
 from partrain.errors import ConfigError, Problem
 from partrain.multinode import node_outcome, preparing_data, rendezvous_of, torchrun_log_text
 from partrain.preflight import check_before_launch
@@ -28,7 +29,6 @@ from partrain.runtime.signals import Forwarder, Interrupted, exit_code, signal_n
 from partrain.runtime.slurm import check_allocation
 from partrain.runtime.torchrun import Rendezvous, elastic_restarts, torchrun_command
 from partrain.train.display import Display
-from partrain.worker import DATA_MANIFEST
 
 HUB_RECORD = "hub.json"
 """RUN_DIR/hub.json: for each of model.pretrained, data.tokenizer, data.source given as a Hub id, the

@@ -20,15 +20,13 @@ from partrain.blueprint.config.compose import load_resolved
 from partrain.blueprint.epochs import with_epochs_as_steps
 from partrain.blueprint.validate import ValidatedRun, validate
 from partrain.blueprint.validate_elastic import is_elastic
+from partrain.data.open_batches import DATA_MANIFEST, open_batches
 from partrain.runtime.agreement import Disagreement
 from partrain.runtime.context import DistEnv, cpu_count, from_environ
 from partrain.runtime.node_watch import watching_nodes
 from partrain.train.metrics import Events, LauncherEvents, PlainEvents, emit
 
 log = logging.getLogger("partrain")
-
-DATA_MANIFEST = "data.json"
-"""Written by the launcher in the run folder: where the packed token files are."""
 
 
 def setup_logging(run_dir: Path, env: DistEnv) -> None:
@@ -60,35 +58,6 @@ def _device(v: ValidatedRun, env: DistEnv):
         apply_device_defaults(device)
         return device
     return torch.device("cpu")
-
-
-def _open_data(v: ValidatedRun, run_dir: Path):
-    from partrain.data import EvalBatches, TokenBatches, open_packed
-    from partrain.data.prepare import is_examples_entry, open_example_batches
-
-    t = v.run.train
-    if v.run.data.streaming:  # tokenized (or rendered, for fine-tuning rows) on the fly by every rank, no cache
-        from partrain.data.example_stream import open_example_stream, streams_examples
-        from partrain.data.streaming import open_stream
-
-        if streams_examples(v.run.data):
-            return open_example_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
-        return open_stream(v.run.data, t.seq_len, v.global_batch_size, t.seed, t.eval_batches)
-    meta_path = json.loads((run_dir / DATA_MANIFEST).read_text())["meta_path"]
-    if is_examples_entry(meta_path):  # fine-tuning rows: packed windows or padded rows
-        return open_example_batches(
-            meta_path,
-            t.seq_len,
-            v.global_batch_size,
-            t.seed,
-            t.eval_batches > 0,
-            v.run.data.long_examples,
-            v.run.data.packing,
-        )
-    packed = open_packed(meta_path)
-    batches = TokenBatches.from_packed(packed, t.seq_len, v.global_batch_size, t.seed)
-    evals = EvalBatches.from_packed(packed, t.seq_len, v.global_batch_size) if t.eval_batches > 0 else None
-    return batches, evals
 
 
 def train_process(
@@ -204,7 +173,7 @@ def _open_sharded_data(v: ValidatedRun, run_dir: Path, mesh):
     run with train.epochs counted in steps from the batches (every rank counts the same)."""
     from partrain.parallel.context_parallel import sequence_shard, shard_batches
 
-    batches, evals = _open_data(v, run_dir)
+    batches, evals = open_batches(v, run_dir)
     v = with_epochs_as_steps(v, getattr(batches, "steps_per_epoch", None))  # None: a stream (no epochs)
     return (*shard_batches(batches, evals, sequence_shard(mesh, v.run.parallel.sp_mode)), v)
 

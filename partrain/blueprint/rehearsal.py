@@ -446,7 +446,13 @@ def _no_dropout(v: ValidatedRun, b: _Builder) -> List[str]:
 
 def summary_lines(plan: RehearsalPlan) -> List[str]:
     """What the dry run and the report say about a rehearsal's runs."""
-    lines = [f"layout run: {plan.world} CPU processes (gloo); reference: 1 process; {plan.steps} steps each"]
+    if plan.world == 1:
+        lines = [
+            f"layout run: 1 CPU process, as the layout has no parallel axis; reference: 1 process; {plan.steps} "
+            "steps each (the rehearsal still checks its microbatching, its resume and plain transformers' loss)"
+        ]
+    else:
+        lines = [f"layout run: {plan.world} CPU processes (gloo); reference: 1 process; {plan.steps} steps each"]
     if plan.resume_step:
         lines.append(f"the layout's step-{plan.resume_step} checkpoint is resumed under the layout and in one process")
     lines += [f"{c.key}: {c.before} -> {c.after} ({c.why})" for c in plan.changes if c.before != c.after]

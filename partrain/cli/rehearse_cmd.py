@@ -25,7 +25,10 @@ def rehearse(
     overrides: Optional[List[str]] = OVERRIDES,
     steps: int = typer.Option(4, "--steps", help="Steps each run trains (at least 1)."),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="Folder for the two runs and report.json (default: a new temporary folder, kept)."
+        None,
+        "--out",
+        help="Folder for the runs, report.json and reproduce/ (the shrunk model's initial weights as a Hugging Face "
+        "folder, every step's batches, a plain-transformers script); default: a new temporary folder, kept.",
     ),
     max_processes: int = typer.Option(
         16, "--max-processes", help="Most CPU processes the layout run starts; a larger world is reduced axis by axis."
@@ -56,10 +59,15 @@ def rehearse(
     from partrain.rehearse.run import run_rehearsal
 
     try:
-        with console.status(f"training the layout ({plan.world} processes) and the reference (1 process) ..."):
-            verdict = run_rehearsal(plan, root, dirs)
+        with console.status("starting ...") as progress:
+            verdict = run_rehearsal(plan, root, dirs, on_phase=lambda text: progress.update(f"{text} ..."))
     except ConfigError as err:
         fail(err, as_json)
+    except KeyboardInterrupt:  # Ctrl-C reached every process of the terminal's group: the runs are gone
+        Console(stderr=True, highlight=False).print(
+            f"rehearsal interrupted: no verdict and nothing recorded; the unfinished runs are in {root}"
+        )
+        raise typer.Exit(130)
     report = {"plan": plan.to_json(), "verdict": verdict.to_json()}
     (root / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     _record(validated, verdict.passed, root / "report.json")
@@ -131,6 +139,12 @@ def _print_verdict(verdict, root: Path, console: Console) -> None:
         console.print(
             f"the {r['from']} checkpoint resumed {where}: loss within {r['loss_rel_diff']:.1e}, gradient norm "
             f"within {r['grad_norm_rel_diff']:.1e} of the uninterrupted {r['run']} run"
+        )
+    if verdict.reproduced:
+        r = verdict.reproduced
+        console.print(
+            f"plain transformers from {r['folder']} (initial weights, batches, plain_step.py): step 1 loss "
+            f"{r['plain_transformers_loss']:.6f}, within {r['rel_diff']:.1e} of the reference's"
         )
     if verdict.failed_run:
         console.print(f"[red]rehearsal failed[/red]: {verdict.failed_run}")

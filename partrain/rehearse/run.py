@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from partrain.blueprint.rehearsal import RehearsalPlan
 from partrain.rehearse.parity import RunRecord
@@ -64,6 +64,9 @@ class Verdict:
     largest relative differences of the resumed steps' losses and gradient norms against the same steps of
     the uninterrupted run of that layout."""
     run_dirs: dict = field(default_factory=dict)
+    reproduced: Optional[dict] = None
+    """Step 1 recomputed with plain transformers from ROOT/reproduce (partrain.rehearse.reproduce): its
+    loss, the reference's, their relative difference and the folder; None when the reference did not train."""
 
     @property
     def passed(self) -> bool:
@@ -79,6 +82,7 @@ class Verdict:
             "steps": [r.to_json() for r in self.rows],
             "resumed": self.resumed,
             "run_dirs": {k: str(v) for k, v in self.run_dirs.items()},
+            "reproduced": self.reproduced,
         }
 
 
@@ -112,21 +116,30 @@ LAYOUT, REFERENCE = "layout", "reference"
 
 
 def run_rehearsal(
-    plan: RehearsalPlan, root: Path, recipe_dirs: Sequence[str] = (), timeout_s: float = 900, quiet: bool = True
+    plan: RehearsalPlan,
+    root: Path,
+    recipe_dirs: Sequence[str] = (),
+    timeout_s: float = 900,
+    quiet: bool = True,
+    on_phase: Callable[[str], None] = lambda text: None,
 ) -> Verdict:
-    """Train the plan's layout and reference under root/layout and root/reference, then (resume_step > 0)
-    resume the layout's checkpoint at resume_step under the layout and in one process (root/<name>-resumed);
-    their verdict. Raises ConfigError for a run the CLI would refuse (exit 2)."""
+    """Train the plan's layout and reference under root/layout and root/reference, write root/reproduce and
+    check it with plain transformers, then (resume_step > 0) resume the layout's checkpoint at resume_step
+    under the layout and in one process (root/<name>-resumed); their verdict. on_phase: told what starts
+    (the CLI's progress line). Raises ConfigError for a run the CLI would refuse (exit 2)."""
 
     cases = {
         LAYOUT: list(plan.layout_overrides),
         REFERENCE: [*plan.layout_overrides, *plan.reference_overrides],
     }
+    on_phase(f"training the layout ({plan.world} processes) and the reference (1 process), {plan.steps} steps each")
     runs = _train(cases, root, recipe_dirs, timeout_s, quiet)
     if isinstance(runs, Verdict):
         runs.loss_rtol, runs.grad_norm_rtol = plan.loss_rtol, plan.grad_norm_rtol
         return runs
     verdict = compare(runs[REFERENCE], runs[LAYOUT], plan.loss_rtol, plan.grad_norm_rtol)
+    on_phase("writing reproduce/ and recomputing step 1 with plain transformers")
+    _reproduce(verdict, runs[REFERENCE], root, plan)
     if not plan.resume_step or not verdict.passed:
         return verdict
     # The layout's checkpoint, resumed under the layout and in one process: both must continue as the
@@ -136,6 +149,7 @@ def run_rehearsal(
         f"{name}-resumed": [*overrides, f"checkpoint.resume={checkpoint}", "checkpoint.every_steps=0"]
         for name, overrides in cases.items()
     }
+    on_phase(f"resuming the layout's step-{plan.resume_step} checkpoint under the layout and in one process")
     resumed = _train(resumed_cases, root, recipe_dirs, timeout_s, quiet)
     if isinstance(resumed, Verdict):
         verdict.failed_run = resumed.failed_run
@@ -162,6 +176,30 @@ def run_rehearsal(
         if verdict.mismatch is None:
             verdict.mismatch = f"the layout's step-{plan.resume_step} checkpoint resumed {where} {problem}"
     return verdict
+
+
+def _reproduce(verdict: Verdict, reference: RunRecord, root: Path, plan: RehearsalPlan) -> None:
+    """Write ROOT/reproduce and check that plain transformers gives the reference's first loss from it: the
+    folder then reproduces the reference, and partrain's model computes what transformers' does."""
+    from partrain.rehearse.plain_step import plain_loss
+    from partrain.rehearse.reproduce import no_progress_bars, write_reproduction
+
+    folder = write_reproduction(reference.run_dir, root, plan.steps)
+    with no_progress_bars():
+        loss = plain_loss(folder, 1)
+    difference = _relative(reference.losses[0], loss)
+    verdict.reproduced = {
+        "folder": str(folder),
+        "plain_transformers_loss": loss,
+        "reference_loss": reference.losses[0],
+        "rel_diff": difference,
+    }
+    if difference > plan.loss_rtol and verdict.mismatch is None:
+        verdict.mismatch = (
+            f"step 1: plain transformers computes a loss of {loss:.7g} from {folder} (the shrunk model's initial "
+            f"weights and the first batch), the one-process reference logged {reference.losses[0]:.7g}, a relative "
+            f"difference of {difference:.2e} > {plan.loss_rtol:.0e}"
+        )
 
 
 def _train(cases, root: Path, recipe_dirs, timeout_s: float, quiet: bool):
