@@ -140,8 +140,7 @@ def test_ctrl_c_stops_every_process_records_nothing_and_names_the_folder(tmp_pat
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    said = " ".join(stderr.split())  # rich wraps at the terminal's width
-    assert f"rehearsal interrupted: no verdict and nothing recorded; the unfinished runs are in {out}" in said
+    assert f"rehearsal interrupted: no verdict and nothing recorded; the unfinished runs are in {out}\n" in stderr
     assert not (out / "report.json").exists() and not cache.exists()
     # The training processes die with the signal; multiprocessing's fork server and resource tracker (which
     # ignore Ctrl-C) leave once they see their parent gone.

@@ -65,7 +65,8 @@ def rehearse(
         fail(err, as_json)
     except KeyboardInterrupt:  # Ctrl-C reached every process of the terminal's group: the runs are gone
         Console(stderr=True, highlight=False).print(
-            f"rehearsal interrupted: no verdict and nothing recorded; the unfinished runs are in {root}"
+            f"rehearsal interrupted: no verdict and nothing recorded; the unfinished runs are in {root}",
+            soft_wrap=True,  # the folder's path unbroken, to copy
         )
         raise typer.Exit(130)
     report = {"plan": plan.to_json(), "verdict": verdict.to_json()}
