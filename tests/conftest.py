@@ -241,24 +241,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
-    """Once, in pytest's own process (not in each xdist worker), before the workers start:
-
-    - One OpenMP thread for every process the suite starts that does not choose its own (xdist's workers,
-      the `partrain` commands they run: exports, data preparation, dry runs; partrain's launcher still
-      sets each training process's threads from train.threads_per_process). The suite runs its workers
-      and their training processes beside each other on a few cores, where a process's second OpenMP
-      thread spins at every barrier waiting for a sibling that is not scheduled: a one-process LoRA run
-      and its two exports took 250 s in CI instead of 15 (test_what_runs_keep).
-    - The package's bytecode written beside its sources. The suite starts hundreds of interpreters
-      (launchers, torchrun, workers); where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) each
-      would compile partrain's sources again, about half a CPU second apiece. An unwritable checkout just
-      compiles as before."""
+    """Once, in pytest's own process (not in each xdist worker): the package's bytecode written beside its
+    sources. The suite starts hundreds of interpreters (launchers, torchrun, workers); where
+    PYTHONDONTWRITEBYTECODE is set (as on the CI machines) each would compile partrain's sources again,
+    about half a CPU second apiece. An unwritable checkout just compiles as before."""
     import compileall
 
     import partrain
 
     if not hasattr(config, "workerinput"):
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
         compileall.compile_dir(Path(partrain.__file__).parent, quiet=2)
 
 
