@@ -69,8 +69,8 @@ def train_run_dirs(rank: int, world: int, run_dirs: Sequence[str]) -> List[int]:
 
 
 def _release_subgroups() -> None:
-    """Destroy every process group but the default one: a run's mesh made about ten (each gloo group keeps
-    its threads), and the next run makes its own. Without this, a process that trained 160 parity cases
+    """Destroy every process group but the default one: a run's mesh made five on 2 processes (each gloo group keeps
+    three threads), and the next run makes its own. Without this, a process that trained 160 parity cases
     held 2,400 threads, and the suite's machine a load average of 400."""
     import gc
 
