@@ -81,7 +81,23 @@ def _release_subgroups() -> None:
     for group in list(distributed_c10d._world.pg_map):
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
+    _forget_dtensor_plans()
     gc.collect()  # the run's modules and optimizer hold the groups in reference cycles
+
+
+def _forget_dtensor_plans() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans. Meshes compare equal by their ranks and
+    dimension names, so a plan cached in an earlier run answers the next run's equal mesh with the earlier
+    run's mesh object, whose process groups were just destroyed ("Could not resolve the process group")."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (
+        getattr(debug, "_clear_sharding_prop_cache", None),  # python and C++ fast-path sharding caches
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+    ):
+        if clear is not None:
+            clear()
 
 
 def train_all(
