@@ -170,6 +170,8 @@ SINGLE_PROCESS_FILES = frozenset(
         "epochs",
         "doc_commands",
         "local_gpus",
+        "preference_data",
+        "preference_trl",
     )
 )
 """Test files whose tests run in pytest's process or start one short process at a time (planner,

@@ -44,6 +44,8 @@ CHECKPOINTED_RUNS: Dict[str, List[str]] = {
     "RUN0": ["model=llama-tiny", "train.steps=60"],
     # fine-tuning.md: RUN, a LoRA run whose adapters are exported at steps 60 and 100.
     "RUN": ["model=llama-tiny", "peft=lora", "train.steps=100", "checkpoint.every_steps=60"],
+    # preference-tuning.md: runs/sft, recipe=sft-lora's 100 LoRA steps, exported to sft/ for DPO.
+    "runs/sft": ["model=llama-tiny", "peft=lora", "train.steps=100"],
 }
 """Run folder named by a page -> the overrides of the real run that makes it (ONE_PROCESS and TINY added)."""
 

@@ -380,13 +380,19 @@ def _sequence(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> int:
 
 
 def _batch(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> None:
-    """One-row microbatches: two per pipeline stage under pp (every schedule then has work to overlap), two
-    where the user accumulates gradients, else one."""
+    """One-row microbatches (one pair, two rows, under a preference objective): two per pipeline stage under
+    pp (every schedule then has work to overlap), two where the user accumulates gradients, else one."""
     pp = degrees["pp"]
     microbatches = 2 * pp if pp > 1 else (2 if v.microbatches > 1 else 1)
-    b.set("train.micro_batch_size", 1, v.run.train.micro_batch_size, "one-row microbatches")
+    rows = 1 if v.run.train.objective == "lm" else 2
+    b.set(
+        "train.micro_batch_size",
+        rows,
+        v.run.train.micro_batch_size,
+        "one-row microbatches" if rows == 1 else "one-pair microbatches",
+    )
     b.set("train.microbatches", 0)
-    b.set("train.global_batch_size", degrees["dp"] * microbatches)
+    b.set("train.global_batch_size", degrees["dp"] * microbatches * rows)
 
 
 def _cpu_run(v: ValidatedRun, world: int, b: _Builder) -> List[str]:

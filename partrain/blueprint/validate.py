@@ -34,6 +34,7 @@ from partrain.blueprint.validate_dp_sync import dp_sync_problems
 from partrain.blueprint.validate_elastic import elastic_problems
 from partrain.blueprint.validate_float8 import float8_problems
 from partrain.blueprint.validate_moe import moe_problems
+from partrain.blueprint.validate_objective import objective_problems
 from partrain.blueprint.validate_peft import peft_problems
 from partrain.blueprint.validate_runtime import runtime_problems
 from partrain.errors import ConfigError
@@ -259,7 +260,7 @@ def _compute_profile_problems(c: ProblemCollector, run: RunConfig) -> None:
 
 def _data_problems(c: ProblemCollector, run: RunConfig, facts: Optional[ModelFacts]) -> None:
     d = run.data
-    if d.source not in ("builtin", "builtin-chat"):  # generated sources (partrain.data), no path
+    if d.source not in ("builtin", "builtin-chat", "builtin-preference"):  # generated sources (partrain.data), no path
         c.check(  # a Hub id here is a dataset a dry run or `plan` did not download (train resolves it first)
             is_there(d.source) or reads_as_hub_id(d.source),
             "data.source",
@@ -344,6 +345,7 @@ def validate(run: RunConfig) -> ValidatedRun:
     peft_problems(c, run, facts, degrees)
     float8_problems(c, run, facts, degrees)
     data_format_problems(c, run, degrees)
+    objective_problems(c, run, degrees)
     if facts is not None:
         c.check(
             run.train.seq_len <= facts.max_positions,

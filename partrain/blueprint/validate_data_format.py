@@ -15,7 +15,7 @@ from typing import Optional
 
 from partrain.blueprint.config.schema import RunConfig
 
-EXAMPLE_FORMATS = ("chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
+EXAMPLE_FORMATS = ("chat", "sharegpt", "alpaca", "prompt_completion", "tokenized", "preference")
 """data.format values read one example per row (everything but text)."""
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
@@ -29,6 +29,10 @@ messages by partrain.data.row_layouts)."""
 def uses_template(fmt: str, chat_template: str) -> bool:
     """Whether rows of this format are rendered with a chat template."""
     return fmt in CHAT_FORMATS or (fmt == "prompt_completion" and bool(chat_template))
+
+
+PAIRED_FORMATS = ("preference",)
+"""data.format values whose row is a pair of examples (chosen, rejected) for the preference objectives."""
 
 
 def packing_problem(fmt: str, packing: bool) -> Optional[tuple]:

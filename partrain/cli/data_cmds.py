@@ -31,7 +31,7 @@ def first_rows(v, n: int) -> tuple:
     t, d = v.run.train, v.run.data
     if uses_examples(d):
         examples = prepare_examples(d)
-        train_cls, _ = example_batch_classes(d.packing)
+        train_cls, _ = example_batch_classes(d.packing, examples.paired)
         batches = train_cls(examples, t.seq_len, v.global_batch_size, t.seed, d.long_examples)
         pad_id = examples.pad_id
     else:

@@ -1,4 +1,5 @@
-"""`data.source=builtin-chat`: a small chat set generated on the spot, for fine-tuning offline.
+"""`data.source=builtin-chat`: a small chat set generated on the spot, for fine-tuning offline (and
+`data.source=builtin-preference`: the same questions as preference pairs, a right and a wrong answer).
 
 Nothing is downloaded or shipped: the rows are made from a fixed seed, so every run, rank and machine
 sees the same conversations. Each row is a ``{"messages": [...]}`` chat (the `chat` format) whose
@@ -55,6 +56,34 @@ def _exchange(rng: random.Random) -> Tuple[str, str]:
     return f"How many letters in: {word}?", str(len(word))
 
 
+BUILTIN_PREFERENCE = "builtin-preference"
+"""The data.source value that selects the generated preference set (for train.objective=dpo / simpo)."""
+GENERATED_SOURCES = (BUILTIN_CHAT, BUILTIN_PREFERENCE)
+"""The data.source values of the sets generated here (no path)."""
+
+
+def _wrong_answer(question: str, answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer to one of `_exchange`'s questions: a near miss of a sum or a count, the
+    word left as it is instead of reversed or upper-cased."""
+    if answer.isdigit():
+        return str(int(answer) + rng.choice((-3, -2, -1, 1, 2, 3)))
+    return question.split(": ", 1)[1].rstrip("?")
+
+
+def preference_rows(count: int = ROWS, seed: int = SEED) -> Iterator[Dict[str, Any]]:
+    """The preference set's rows in order, TRL's conversational layout with an explicit prompt:
+    {"prompt": [user turn], "chosen": [the right answer], "rejected": [a wrong one]}."""
+    rng = random.Random(seed + 1)
+    for _ in range(count):
+        question, answer = _exchange(rng)
+        wrong = _wrong_answer(question, answer, rng)
+        yield {
+            "prompt": [{"role": "user", "content": question}],
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": wrong}],
+        }
+
+
 def chat_rows(count: int = ROWS, seed: int = SEED) -> Iterator[Dict[str, Any]]:
     """The set's rows in order: {"messages": [{"role", "content"}, ...]}."""
     rng = random.Random(seed)
@@ -83,9 +112,15 @@ class BuiltinChat:
     def identity(self) -> Dict[str, Any]:
         return {"kind": self.kind, "version": GENERATOR_VERSION, "rows": self.rows_count, "seed": SEED}
 
+    @classmethod
+    def named(cls, source: str) -> "BuiltinChat":
+        """The generated set data.source names (one of GENERATED_SOURCES)."""
+        return cls(kind=source, root=Path(source), slug=source)
+
     def rows(self) -> Iterator[Tuple[str, Any]]:
         """("row N", row) of every row, in order."""
-        for n, row in enumerate(chat_rows(self.rows_count), start=1):
+        make = preference_rows if self.kind == BUILTIN_PREFERENCE else chat_rows
+        for n, row in enumerate(make(self.rows_count), start=1):
             yield f"row {n}", row
 
     def documents(self) -> Iterator[str]:
@@ -94,7 +129,7 @@ class BuiltinChat:
             Problem(
                 "data.format",
                 "text",
-                f"data.source={BUILTIN_CHAT} holds chat rows, not text documents",
+                f"data.source={self.kind} holds chat rows, not text documents",
                 "set data.format=auto (or chat) and data.streaming=false, or data.source=builtin for text",
             )
         )

@@ -311,6 +311,8 @@ def detect_format(row: Any) -> str:
             return "chat"
         if isinstance(row.get("conversations"), list):
             return "sharegpt"
+        if "chosen" in row and "rejected" in row:
+            return "preference"
         if "instruction" in row and "output" in row:
             return "alpaca"
         if "prompt" in row and "completion" in row:

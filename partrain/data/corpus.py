@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.data.builtin_chat import BUILTIN_CHAT, BuiltinChat
+from partrain.data.builtin_chat import GENERATED_SOURCES, BuiltinChat
 from partrain.data.formats import SUFFIXES, capped, read_documents, source_error
 from partrain.data.hf_dataset import DatasetCorpus, is_dataset_folder
 from partrain.errors import ConfigError
@@ -56,7 +56,7 @@ def cut_note(cfg: DataConfig) -> Optional[str]:
     """The note of a data.max_bytes that leaves part of a user's files unread (None when it reads them
     all, or for the builtin corpus and dataset folders): said by the dry run and the launch."""
     cap = source_byte_cap(cfg.source, cfg.max_bytes)
-    if cap <= 0 or cfg.source in (BUILTIN, BUILTIN_CHAT):
+    if cap <= 0 or cfg.source in (BUILTIN, *GENERATED_SOURCES):
         return None
     try:
         corpus = Corpus.from_config(cfg)
@@ -91,8 +91,8 @@ class Corpus:
     @classmethod
     def from_config(cls, cfg: DataConfig) -> "Corpus | DatasetCorpus | BuiltinChat":
         """Resolve ``cfg.source`` to its files; a ConfigError if it names nothing readable."""
-        if cfg.source == BUILTIN_CHAT:  # generated chat rows (partrain.data.builtin_chat), no files
-            return BuiltinChat()
+        if cfg.source in GENERATED_SOURCES:  # generated rows (partrain.data.builtin_chat), no files
+            return BuiltinChat.named(cfg.source)
         cap = source_byte_cap(cfg.source, cfg.max_bytes)
         if cfg.source == BUILTIN:
             root = Path(sysconfig.get_paths()["stdlib"]).resolve()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.data.builtin_chat import BUILTIN_CHAT
+from partrain.data.builtin_chat import GENERATED_SOURCES
 from partrain.data.corpus import Corpus
 from partrain.data.hf_dataset import DatasetCorpus
 from partrain.errors import ConfigError, Problem
@@ -35,7 +35,7 @@ def eval_config(cfg: DataConfig) -> Optional[DataConfig]:
     A ConfigError when data.eval_split names a split of a source that has none (files, builtin)."""
     if not cfg.eval_split and not cfg.eval_source:
         return None
-    if cfg.eval_source and cfg.eval_source != BUILTIN_CHAT and not Path(cfg.eval_source).expanduser().exists():
+    if cfg.eval_source and cfg.eval_source not in GENERATED_SOURCES and not Path(cfg.eval_source).expanduser().exists():
         raise ConfigError(  # said here: the file readers would name data.source
             Problem(
                 "data.eval_source",

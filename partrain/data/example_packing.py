@@ -266,8 +266,13 @@ def packs_documents(cfg) -> bool:
     return uses_examples(cfg)
 
 
-def example_batch_classes(packing: bool) -> tuple:
-    """(training, eval) batch classes of examples: packed windows (data.packing) or padded rows."""
+def example_batch_classes(packing: bool, paired: bool = False) -> tuple:
+    """(training, eval) batch classes of examples: preference pairs (paired: Examples.paired, never packed),
+    packed windows (data.packing) or padded rows."""
+    if paired:
+        from partrain.data.preference_batches import EvalPreferenceBatches, PreferenceBatches
+
+        return PreferenceBatches, EvalPreferenceBatches
     if packing:
         return PackedExampleBatches, PackedEvalExampleBatches
     return ExampleBatches, EvalExampleBatches
@@ -283,7 +288,7 @@ def example_batch_problems(
 ) -> list:
     """The problems the workers would meet opening these examples (the preflight's check)."""
     problems = []
-    train_cls, eval_cls = example_batch_classes(packing)
+    train_cls, eval_cls = example_batch_classes(packing, examples.paired)
     try:
         train_cls(examples, seq_len, global_batch_size, 0, long_examples)
     except ConfigError as err:
@@ -301,7 +306,7 @@ def example_epoch_counts(
 ) -> Optional[Tuple[str, int, int]]:
     """(what a batch row is, how many of them one pass over the training split holds, global batches
     per pass), as the workers' training batches count them; None when they would not open."""
-    train_cls, _ = example_batch_classes(packing)
+    train_cls, _ = example_batch_classes(packing, examples.paired)
     try:
         batches = train_cls(examples, seq_len, global_batch_size, 0, long_examples)
     except ConfigError:
@@ -323,7 +328,7 @@ def resume_position_problems(
     """The problems the workers would meet loading a checkpoint's data position ``saved`` (its record's
     extra["data"]) over these examples: lets the preflight refuse a resume on other data settings with
     exit 2 before any process starts, by the very check the workers run."""
-    train_cls, _ = example_batch_classes(packing)
+    train_cls, _ = example_batch_classes(packing, examples.paired)
     try:
         train_cls(examples, seq_len, global_batch_size, seed, long_examples).load_state_dict(saved)
     except ConfigError as err:

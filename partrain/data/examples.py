@@ -38,7 +38,13 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.blueprint.validate_data_format import CHAT_FORMATS, EXAMPLE_FORMATS, packing_problem, uses_template
+from partrain.blueprint.validate_data_format import (
+    CHAT_FORMATS,
+    EXAMPLE_FORMATS,
+    PAIRED_FORMATS,
+    packing_problem,
+    uses_template,
+)
 from partrain.data.atomic import fsync_dir, write_json
 from partrain.data.builtin_chat import BuiltinChat
 from partrain.data.chat import (
@@ -64,6 +70,7 @@ from partrain.data.packing import (
     reopen_entry,
     token_dtype,
 )
+from partrain.data.preference_rows import preference_pair
 from partrain.data.row_layouts import RowMapping, messages_of
 from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
 from partrain.data.tokenizer import load_tokenizer, tokenizer_name
@@ -106,6 +113,8 @@ class Examples:
     labelling: dict = field(default_factory=dict)
     """Chat rows per labelling method (partrain.data.chat_labels.LABELLING_METHODS): how the template's
     assistant text was found; {} for rows that are not chats."""
+    paired: bool = False
+    """Preference rows: examples 2k and 2k+1 are one row's chosen and rejected answers (data.format=preference)."""
 
     @property
     def n_examples(self) -> int:
@@ -159,7 +168,9 @@ def uses_examples(cfg: DataConfig) -> bool:
 def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
     """row -> Example for this format; ChatRowError for a row that breaks a rule."""
     template = None
-    if uses_template(fmt, cfg.chat_template):
+    # Preference rows may be text or conversations: the template is looked up for them too, and only a
+    # conversation row needs it (preference_pair refuses one when there is none).
+    if uses_template(fmt, cfg.chat_template) or (fmt == "preference" and _has_template(cfg, tokenizer)):
         try:
             text = resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
             template = ChatRenderer(text, tokenizer.bos_token, tokenizer.eos_token)
@@ -190,6 +201,14 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
             messages = messages_of(row, fmt, mapping)
         if fmt in CHAT_FORMATS:
             return chat_example(template, tokenizer, messages, cfg.train_on, row.get("tools"), cfg.train_on_eos)
+        if fmt == "preference":
+            # Text answers go through the chat template only when data.chat_template names one, as
+            # prompt_completion rows do; conversations always.
+            text_template = template if cfg.chat_template else None
+            conversational = isinstance(row.get("chosen"), list)
+            return preference_pair(
+                row, tokenizer, template if conversational else text_template, cfg.prompt_template, cfg.train_on_eos
+            )
         if fmt == "prompt_completion":
             missing = [k for k in ("prompt", "completion") if k not in row]
             if missing:
@@ -212,6 +231,15 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
     return render
 
 
+def _has_template(cfg: DataConfig, tokenizer) -> bool:
+    """Whether data.chat_template or the tokenizer gives a chat template."""
+    try:
+        resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
+    except ChatRowError:
+        return False
+    return True
+
+
 def _layout_hint(row: dict, fmt: str) -> str:
     """ "; it reads as sharegpt rows: set data.format=sharegpt (or auto)" when the row's fields are another
     layout's, else ""."""
@@ -226,8 +254,9 @@ def _examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows) -> Ite
     made = 0
     for ordinal, (path, where, row) in enumerate(row_source(cfg)):
         try:
-            example = render(row)
-            if example.trained_tokens == 0:
+            rendered = render(row)
+            pair = rendered if isinstance(rendered, tuple) else (rendered,)  # a preference row: two examples
+            if any(example.trained_tokens == 0 for example in pair):
                 raise ChatRowError("no token of this row is trained", "no_trained_token")
         except ChatRowError as exc:
             message = f"{path} {where}: {exc} (rule {exc.rule})"
@@ -237,7 +266,7 @@ def _examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows) -> Ite
             skipped.add(ordinal, exc.rule, message)
             continue
         made += 1
-        yield example
+        yield from pair
     if made == 0 and skipped.total:
         raise every_row_bad(cfg.source, skipped)
 
@@ -357,6 +386,7 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
         skipped=skipped.to_json(),
         rendering=rendering_identity(cfg, fmt, tokenizer.name),
         labelling=dict(split.get("labelling", {})),
+        paired=fmt in PAIRED_FORMATS,
     )
 
 
@@ -372,7 +402,7 @@ def _split_examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows, 
         yield example
     held = eval_config(cfg)
     if held is None:
-        split["n_train"] = _n_train(n, cfg.eval_fraction)
+        split["n_train"] = _n_train(n, cfg.eval_fraction, 2 if fmt in PAIRED_FORMATS else 1)
         return
     split["n_train"] = n
     for example in _examples(held, fmt, tokenizer, skipped):
@@ -380,8 +410,11 @@ def _split_examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows, 
         yield example
 
 
-def _n_train(n_examples: int, eval_fraction: float) -> int:
-    return n_examples - int(round(n_examples * eval_fraction))
+def _n_train(n_examples: int, eval_fraction: float, per_row: int = 1) -> int:
+    """Training examples of n_examples: all but the last eval_fraction, held out whole rows at a time
+    (per_row examples a row: a preference row's pair is never split between training and eval)."""
+    rows = n_examples // per_row
+    return (rows - int(round(rows * eval_fraction))) * per_row
 
 
 def open_examples(meta_path, verify: bool = False) -> Examples:
@@ -411,6 +444,7 @@ def open_examples(meta_path, verify: bool = False) -> Examples:
         skipped=meta.get("skipped") or {},
         rendering=meta.get("rendering") or {},
         labelling=meta.get("labelling") or {},
+        paired=meta.get("data_format") in PAIRED_FORMATS,
     )
 
 

@@ -97,6 +97,7 @@ _LAYOUTS = {
     "n_tokens": ("data.format", "text", "a token stream of text"),
     "n_examples": ("data.packing", False, "fine-tuning examples one per row (data.packing=false)"),
     "n_windows": ("data.packing", True, "fine-tuning examples packed into windows (data.packing=true)"),
+    "n_pairs": ("data.format", "preference", "preference pairs, two rows each (data.format=preference)"),
 }
 """SIZE_FIELD -> (the key that picks this kind of position, its value, the kind in words): a saved state
 names its kind by the count it carries."""

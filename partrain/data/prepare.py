@@ -42,7 +42,7 @@ def open_example_batches(
     data.packing (windows of whole examples, partrain.data.example_packing) or one padded example per row."""
     from partrain.data.example_packing import example_batch_classes
 
-    train_cls, eval_cls = example_batch_classes(packing)
     examples = open_examples(meta_path)
+    train_cls, eval_cls = example_batch_classes(packing, examples.paired)
     evals = eval_cls(examples, seq_len, global_batch_size, long_examples) if with_eval else None
     return train_cls(examples, seq_len, global_batch_size, seed, long_examples), evals

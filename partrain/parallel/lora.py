@@ -35,7 +35,8 @@ one) and runs the frozen base through them; the adapters' rank-r matmuls stay in
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple
+import contextlib
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,8 @@ class LoraProjection(nn.Module):
         setattr(self, LORA_B, nn.Linear(r, self.out_features, bias=False, device=device))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / r
+        self.lora_enabled = True
+        """False inside `adapters_disabled`: the projection is its frozen base alone."""
         if self.kind != PLAIN:
             mesh = base.weight.device_mesh
             a_place, b_place = (Replicate(), b_place) if self.kind == COLUMN else (Shard(1), Replicate())
@@ -133,16 +136,34 @@ class LoraProjection(nn.Module):
             x = copy_to_tp(x, self.group)
         if self.kind == ROW and self.split_input:
             x = split_to_tp(x, self.group)
+        delta = self._delta(x) if self.lora_enabled else 0.0
+        if self.kind != ROW:
+            out = self._base(x, self._local_bias()) + delta
+            return gather_from_tp(out, self.group) if self.kind == COLUMN and self.gather_output else out
+        return _row_output(self._base(x, None) + delta, self.bias, self.mesh, self.group, self.to_sequence)
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
         a, b = local(self.lora_A.weight), local(self.lora_B.weight)
         if self.kind == COLUMN:
             a = copy_to_tp(a, self.group)  # replicated A: each rank's gradient covers its B columns only
         elif self.kind == ROW:
             b = copy_to_tp(b, self.group)  # replicated B: each rank's gradient covers its partial sum only
-        delta = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-        if self.kind != ROW:
-            out = self._base(x, self._local_bias()) + delta
-            return gather_from_tp(out, self.group) if self.kind == COLUMN and self.gather_output else out
-        return _row_output(self._base(x, None) + delta, self.bias, self.mesh, self.group, self.to_sequence)
+        return F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_disabled(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Every LoRA projection of `modules` computes its frozen base alone inside this block: the base model,
+    which DPO under LoRA takes as its reference (no second copy of the weights)."""
+    # LoraProjections, and Megatron-SP's column projections adapted in place (partrain.parallel.lora_sp).
+    projections = [m for module in modules for m in module.modules() if hasattr(m, LORA_A)]
+    for projection in projections:
+        projection.lora_enabled = False
+    try:
+        yield
+    finally:
+        for projection in projections:
+            projection.lora_enabled = True
 
 
 def _layers(module: nn.Module, adapter: Adapter) -> Iterable[nn.Module]:

@@ -68,6 +68,8 @@ class _SequenceLoraForward:
         setattr(column, LORA_INPUT, None)
         if shard is None:
             raise RuntimeError("LoRA SequenceColumn called outside its block (the block's pre-hook passes its input)")
+        if not getattr(column, "lora_enabled", True):  # partrain.parallel.lora.adapters_disabled
+            return out
         group = self.mesh.get_group()  # looked up when training (`plan --simulate` builds without running)
         a = copy_to_tp(local(column.lora_A.weight), group)
         hidden = gather_sequence(F.linear(column.lora_dropout(shard), a), group)

@@ -225,6 +225,8 @@ def data_problems(
         if facts is not None:
             facts["data_cut"] = note
     try:
+        if problem := _objective_problem(v):  # data.format=auto: the first row names the format now
+            return [problem]
         if v.run.data.streaming:
             from partrain.preflight.fine_tuning import stream_vocab
 
@@ -278,6 +280,17 @@ def data_problems(
 
         problems += epoch_problems(v, text_epoch_counts(packed, t.seq_len, v.global_batch_size), facts)
     return problems
+
+
+def _objective_problem(v: ValidatedRun) -> Optional[Problem]:
+    """train.objective against the format data.format=auto resolves to (validate checked the named ones)."""
+    from partrain.blueprint.validate_objective import objective_format_problem
+    from partrain.data.examples import resolve_format
+
+    if v.run.data.format != "auto":
+        return None
+    problem = objective_format_problem(resolve_format(v.run.data), v.run.train.objective)
+    return Problem(*problem) if problem else None
 
 
 def epoch_problems(v: ValidatedRun, counts: Optional[tuple], facts: Optional[dict]) -> List[Problem]:

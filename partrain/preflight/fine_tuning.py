@@ -53,7 +53,7 @@ def data_facts(v: ValidatedRun, examples) -> dict:
         "long_examples": rows.get("long_examples"),
         "first_batches": None,
     }
-    train_cls, _ = example_batch_classes(d.packing)
+    train_cls, _ = example_batch_classes(d.packing, examples.paired)
     try:
         batches = train_cls(examples, t.seq_len, v.global_batch_size, t.seed, d.long_examples)
     except ConfigError:

@@ -37,7 +37,7 @@ _SNAPSHOT = re.compile(r"/(models|datasets)--([^/]+)/snapshots/([0-9a-f]{40})(/|
 
 def hub_id(spec: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
     """(repo id, revision or None) when `spec` reads as a Hub id and is not an existing path; else None."""
-    if not spec or spec in ("builtin", "builtin-chat", "byte", "auto") or _exists(spec):
+    if not spec or spec in ("builtin", "builtin-chat", "builtin-preference", "byte", "auto") or _exists(spec):
         return None
     if not reads_as_hub_id(spec):
         return None

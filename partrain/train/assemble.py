@@ -22,12 +22,14 @@ from partrain.parallel import data_parallel, expert_gradients, master_weights
 from partrain.parallel.context_parallel import sequence_shard
 from partrain.parallel.dp_sync.counter import CommCounter
 from partrain.parallel.dp_sync.setup import SyncSettings, flat_strategy, sync_flat
+from partrain.parallel.lora import adapters_disabled
 from partrain.parallel.optimizer import make_optimizer, param_groups
 from partrain.parallel.parallelize import RankModules, shard_on_meta
 from partrain.parallel.pipeline import PipelineRunner
 from partrain.parallel.tensor_parallel import loss_context, shard_embedding_gradient
 from partrain.runtime.mesh import ParallelMesh
 from partrain.train.engine import DirectEngine, Engine, PipelineEngine
+from partrain.train.preference import PreferenceObjective
 
 
 def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> Engine:
@@ -62,11 +64,28 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             head_path=held.adapter.lm_head_path,
             chunk_tokens=run.train.loss_chunk_tokens,
         )
+        if run.train.objective != "lm":  # dpo / simpo: validation keeps them to one stage and no sp
+            loss_fn = preference_objective(run.train)
+            engine_preference = loss_fn
+        else:
+            engine_preference = None
         engine = DirectEngine(dp_model, run.train.micro_batch_size, autocast, device, loss_ctx, forward_loss=loss_fn)
+        engine.preference = engine_preference
         engine.moe = held.moe
         engine.label_group = shard.group if shard else None  # masked labels: counted over the sp slices
         return engine
     return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
+
+
+def preference_objective(train) -> PreferenceObjective:
+    """The engine's loss for train.objective=dpo or simpo (dpo's reference: the adapters switched off)."""
+    return PreferenceObjective(
+        kind=train.objective,
+        beta=train.preference_beta,
+        label_smoothing=train.preference_label_smoothing,
+        simpo_gamma=train.simpo_gamma,
+        reference=lambda model: adapters_disabled([model]),
+    )
 
 
 def static_stage_shapes(v: ValidatedRun) -> bool:

@@ -91,6 +91,8 @@ class DirectEngine:
 
     moe = None
     """MoE models: expert_parallel.MoERuntime (router-loss gradient weight, expert-load metrics)."""
+    preference = None
+    """train.objective=dpo or simpo: the PreferenceObjective computing the loss (its per-step metrics)."""
     label_group = None
     """Sequence parallelism: the sp group, over which a microbatch's labelled tokens are counted
     (each sp rank holds a slice of the labels; `label_weight`)."""

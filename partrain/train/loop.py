@@ -258,6 +258,9 @@ class Trainer:
             record.update(step_memory_fields(self.device))  # CUDA: per-rank peak allocated / reserved
             if self.engine.moe is not None:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
+            preference = getattr(self.engine, "preference", None)
+            if preference is not None:  # dpo / simpo: rewards, accuracy, margin and log-probs of the step's pairs
+                record.update(preference.step_metrics(self._group("dp_sp")))
             if self.is_main:  # rank 0's peak memory: metrics.jsonl, the trackers (memory/peak_bytes), the log line
                 record["memory_bytes"] = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
             self.metrics.write(record)
@@ -283,6 +286,9 @@ class Trainer:
 
     def _eval_and_log(self, step: int) -> None:
         value = self.evaluate()
+        preference = getattr(self.engine, "preference", None)
+        if preference is not None:
+            preference.reset()  # the evaluation's pairs are not the next step's
         if value is None:
             return
         self.state.eval_loss = value

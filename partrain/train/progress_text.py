@@ -34,6 +34,10 @@ def step_line(e: dict) -> str:
     parts = [
         f"step {e['step']}/{e.get('total_steps', '?')}",
         f"loss {e['loss']:.4f}",
+    ]
+    if e.get("rewards/accuracies") is not None:  # dpo / simpo: how often the chosen answer wins, and by how much
+        parts.append(f"reward acc {e['rewards/accuracies']:.2f} margin {e['rewards/margins']:.3f}")
+    parts += [
         f"lr {e['lr']:.3e}",
         f"grad_norm {e['grad_norm']:.3f}",
         f"{e['tokens_per_s']:,.0f} tok/s",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-DATA_FORMATS = ("auto", "text", "chat", "sharegpt", "alpaca", "prompt_completion", "tokenized")
+DATA_FORMATS = ("auto", "text", "chat", "sharegpt", "alpaca", "prompt_completion", "tokenized", "preference")
 TRAIN_ON = ("completion", "last_turn", "all")
 LONG_EXAMPLES = ("error", "truncate", "skip")
 
@@ -52,8 +52,9 @@ class DataConfig:
     format: str = "auto"
     """How a row is read: text (the text_field string, packed into windows), chat ({"messages": [{role,
     content}]}), sharegpt ({"conversations": [{from, value}]}), alpaca ({instruction, input, output}),
-    prompt_completion ({"prompt", "completion"}), tokenized ({"input_ids", optional "labels"}), or auto
-    (from the first row's fields; builtin is text). See docs/data-formats.md."""
+    prompt_completion ({"prompt", "completion"}), tokenized ({"input_ids", optional "labels"}), preference
+    ({"prompt", "chosen", "rejected"} as TRL defines them, text or conversations; for train.objective=dpo or
+    simpo), or auto (from the first row's fields; builtin is text). See docs/data-formats.md."""
     train_on: str = "completion"
     """Fine-tuning formats: completion (loss on every assistant turn / the completion, end-of-turn token
     included: TRL's assistant_only_loss), last_turn (the last assistant turn only) or all (every token)."""

@@ -33,6 +33,7 @@ OPTIMIZER_IMPLEMENTATIONS = ("for_loop", "foreach", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 PEFT_METHODS = ("none", "lora")
+OBJECTIVES = ("lm", "dpo", "simpo")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -49,6 +50,7 @@ CHOICES = {
     "optim.implementation": OPTIMIZER_IMPLEMENTATIONS,
     "parallel.zero_stage": ZERO_STAGES,
     "peft.method": PEFT_METHODS,
+    "train.objective": OBJECTIVES,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
     "data.long_examples": LONG_EXAMPLES,
@@ -341,6 +343,20 @@ class TrainConfig:
     """Output head + cross-entropy computed over chunks of about this many tokens (per microbatch), so
     the [tokens x vocab] fp32 logits never exist whole (each chunk's logits are recomputed in backward:
     the head's matmul runs once more). 0 = off: one head call over the whole microbatch, as HF does."""
+    objective: str = "lm"
+    """What the loss is: lm (next-token cross-entropy over the labelled tokens), dpo (Direct Preference
+    Optimization on data.format=preference rows: -log sigmoid(beta x the policy's log-ratio margin over the
+    reference's), the reference being the base model with the LoRA adapters switched off: needs peft=lora)
+    or simpo (reference-free: -log sigmoid(beta x the margin of length-averaged log-probs - simpo_gamma)).
+    A pair is two rows of one microbatch (chosen, rejected): train.micro_batch_size counts rows and must be
+    even. See docs/preference-tuning.md."""
+    preference_beta: float = 0.1
+    """dpo and simpo: beta, the scale of the margin inside the sigmoid (TRL's beta; SimPO's paper uses 2-10)."""
+    preference_label_smoothing: float = 0.0
+    """dpo and simpo: the share of pairs assumed mislabelled (conservative DPO: the loss is (1 - e) x the
+    loss of the pair + e x the loss of the pair reversed); 0 = plain DPO, below 0.5."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma subtracted inside the sigmoid (TRL's CPOTrainer simpo_gamma)."""
     compile: str = "auto"
     """torch.compile each decoder block: auto (on for CUDA, off for CPU, where inductor's C++ build is
     slow), true or false. One graph serves every block; compiling happens at the first step."""

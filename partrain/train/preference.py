@@ -1,0 +1,123 @@
+"""The preference objectives (train.objective=dpo or simpo): a microbatch's loss from its pairs, and the
+per-step metrics TRL users read.
+
+A microbatch's rows are pairs, [c0, r0, c1, r1, ...] (partrain.data.preference_batches). Each row's
+log-probability is the sum of its labelled tokens' log-probabilities (the answer's: the prompt is never
+labelled), computed in fp32 from the model's logits, vocabulary-sharded ones included (inside
+`loss_parallel()`, as the LM loss).
+
+- dpo: margin = (log p(c) - log p_ref(c)) - (log p(r) - log p_ref(r)); the reference is the same model
+  with its LoRA adapters switched off (partrain.parallel.lora.adapters_disabled), run without gradients
+  before the policy's forward on the same rows. Loss = -log sigmoid(beta x margin) (TRL's sigmoid loss).
+- simpo: margin = log p(c) / |c| - log p(r) / |r| (length-averaged; no reference);
+  loss = -log sigmoid(beta x margin - gamma) (TRL's CPOTrainer with loss_type=simpo, cpo_alpha=0).
+
+With label smoothing e both become (1 - e) x loss(z) + e x loss(-z) (conservative DPO). The microbatch's
+loss is the mean over its pairs; every microbatch holds as many pairs, so the engines' mean over
+microbatches and data-parallel ranks is the mean over the global batch's pairs, for every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from partrain.models.loss import IGNORE_INDEX
+
+STAT_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""The per-step metrics (TRL's names): means over the step's pairs."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss_parallel result (a replicated DTensor) as the plain tensor every tp rank holds."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """(sum of the labelled tokens' log-probabilities per row [B], labelled tokens per row [B]); fp32."""
+    rows, length = labels.shape
+    token_nll = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    logps = -_local(token_nll).view(rows, length).sum(dim=1)
+    return logps, (labels != IGNORE_INDEX).sum(dim=1)
+
+
+@dataclass
+class PreferenceObjective:
+    """forward_loss for the engines (the signature of partrain.models.loss.forward_loss) and the step's metrics."""
+
+    kind: str
+    """dpo or simpo (train.objective)."""
+    beta: float
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    reference: Optional[Callable[[nn.Module], ContextManager]] = None
+    """dpo: model -> the context in which the model is the reference (its adapters switched off)."""
+    _sums: List[torch.Tensor] = field(default_factory=list)
+
+    def __call__(
+        self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids=None, **_ignored
+    ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if self.kind == "dpo":
+            with torch.no_grad(), self.reference(model):
+                ref, _ = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)
+        logps, counts = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)
+        chosen, rejected = logps[0::2], logps[1::2]
+        if self.kind == "dpo":
+            chosen_reward = self.beta * (chosen - ref[0::2]).detach()
+            rejected_reward = self.beta * (rejected - ref[1::2]).detach()
+            z = self.beta * ((chosen - ref[0::2]) - (rejected - ref[1::2]))
+        else:
+            chosen_avg, rejected_avg = chosen / counts[0::2], rejected / counts[1::2]
+            chosen_reward, rejected_reward = self.beta * chosen_avg.detach(), self.beta * rejected_avg.detach()
+            z = self.beta * (chosen_avg - rejected_avg) - self.simpo_gamma
+        e = self.label_smoothing
+        losses = -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z)
+        self._add(chosen_reward, rejected_reward, chosen.detach(), rejected.detach())
+        return losses.mean()
+
+    def _add(self, chosen_reward, rejected_reward, chosen, rejected) -> None:
+        row = torch.stack(
+            [
+                chosen_reward.sum(),
+                rejected_reward.sum(),
+                (chosen_reward > rejected_reward).sum(),
+                (chosen_reward - rejected_reward).sum(),
+                chosen.sum(),
+                rejected.sum(),
+                torch.tensor(float(len(chosen)), device=chosen.device),
+            ]
+        )
+        self._sums.append(row.double().cpu())
+
+    def step_metrics(self, group=None) -> Dict[str, float]:
+        """Means over the step's pairs of every data-parallel rank (`group`: the ranks holding other pairs;
+        a collective when given), then a fresh count. Evaluation forwards count too: call after them only
+        through `reset`."""
+        if not self._sums:
+            return {}
+        total = torch.stack(self._sums).sum(dim=0)
+        self._sums.clear()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        pairs = float(total[-1])
+        return {name: float(total[i]) / pairs for i, name in enumerate(STAT_NAMES)}
+
+    def reset(self) -> None:
+        """Forget what was counted (evaluation forwards, which are not the step's)."""
+        self._sums.clear()
