@@ -100,10 +100,7 @@ def train_process(
     run = v.run
     checkpoints, loss_scale, schedule = _checkpointed(v, run_dir, engine, batches, restarted, events)
     start_step, history = relayout.resume(checkpoints, v, dropped, run_dir if env.is_main else None)
-    if start_step == 0 and run.checkpoint.init_from:  # a new run: base weights from another run's checkpoint
-        from partrain.checkpoint.init_from import load_init_weights
-
-        load_init_weights(Path(run.checkpoint.init_from), engine.model_parts, engine.optimizer)
+    _starting_point(v, engine, batches, evals, run_dir, mesh, start_step, events)
     pp_rank = mesh.local("pp")
     metrics, plan = _metrics(v, env, run_dir, device, baseline, pp_rank, trackers)
     profiling = RunProfiling(ProfilingContext.of(run, run_dir, env.rank, device, start_step))
@@ -140,6 +137,20 @@ def train_process(
     return _report_summary(
         v, env, run_dir, state, gathered, moe, via_launcher, plan, device.type, events, hf_dir, history.changes, saved
     )
+
+
+def _starting_point(v: ValidatedRun, engine, batches, evals, run_dir: Path, mesh, start_step: int, events) -> None:
+    """What a run starts from besides a checkpoint: a new run's base weights from another run's checkpoint
+    (checkpoint.init_from), then full fine-tuning DPO's reference log-probabilities of those weights."""
+    run = v.run
+    if start_step == 0 and run.checkpoint.init_from:
+        from partrain.checkpoint.init_from import load_init_weights
+
+        load_init_weights(Path(run.checkpoint.init_from), engine.model_parts, engine.optimizer)
+    if run.train.objective == "dpo" and run.peft.method != "lora":
+        from partrain.train.reference_logps import attach_reference
+
+        attach_reference(v, engine, batches, evals, run_dir, mesh, start_step, events)
 
 
 def _checkpointed(v: ValidatedRun, run_dir: Path, engine, batches, restarted: bool, events):

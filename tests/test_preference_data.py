@@ -115,7 +115,7 @@ def test_a_bad_row_is_exit_2_naming_file_line_and_rule(cli, tmp_path, row, rule)
 @pytest.mark.parametrize(
     "args, key, words",
     [
-        (["peft=none"], "train.objective", "add peft=lora, or set train.objective=simpo"),
+        (["train.objective=simpo", "train.simpo_gamma=inf"], "train.simpo_gamma", "must be a finite number"),
         (["train.micro_batch_size=3", "train.global_batch_size=6"], "train.micro_batch_size", "must be even"),
         (["parallel.pp=2", "cluster.devices_per_node=2"], "parallel.pp", "not implemented"),
         (["parallel.sp=2", "cluster.devices_per_node=2"], "parallel.sp", "not implemented"),

@@ -384,13 +384,8 @@ def _batch(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> None:
     pp (every schedule then has work to overlap), two where the user accumulates gradients, else one."""
     pp = degrees["pp"]
     microbatches = 2 * pp if pp > 1 else (2 if v.microbatches > 1 else 1)
-    rows = 1 if v.run.train.objective == "lm" else 2
-    b.set(
-        "train.micro_batch_size",
-        rows,
-        v.run.train.micro_batch_size,
-        "one-row microbatches" if rows == 1 else "one-pair microbatches",
-    )
+    rows, unit = (1, "row") if v.run.train.objective == "lm" else (2, "pair")
+    b.set("train.micro_batch_size", rows, v.run.train.micro_batch_size, f"one-{unit} microbatches")
     b.set("train.microbatches", 0)
     b.set("train.global_batch_size", degrees["dp"] * microbatches * rows)
 

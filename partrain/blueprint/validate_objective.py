@@ -4,7 +4,8 @@ dpo and simpo train on preference pairs (data.format=preference), two padded row
 microbatch (partrain.data.preference_batches); their loss needs the whole sequence and the whole model in
 one forward (partrain.train.preference), so this version runs them under dp, ZeRO/FSDP/HSDP, tp (with
 Megatron-SP) and ep, and refuses pp and sp by name. dpo's reference is the base model with the LoRA
-adapters off: it needs peft=lora (a precomputed reference for full fine-tuning is not built yet).
+adapters off, or in full fine-tuning the reference log-probabilities computed before step 1
+(partrain.train.reference_logps).
 data.format=auto is checked again once the first row names the format (`objective_format_problem`).
 """
 
@@ -67,14 +68,6 @@ def objective_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
         t.simpo_gamma,
         "must be a finite number",
         "e.g. train.simpo_gamma=0.5",
-    )
-    c.check(
-        t.objective != "dpo" or run.peft.method == "lora",
-        "train.objective",
-        t.objective,
-        "dpo needs a reference model; partrain's is the base model with the LoRA adapters switched off (a "
-        "precomputed reference for full fine-tuning is not built yet)",
-        "add peft=lora, or set train.objective=simpo (reference-free)",
     )
     c.check(
         t.micro_batch_size % 2 == 0,

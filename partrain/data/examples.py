@@ -38,13 +38,8 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from partrain.blueprint.config.schema import DataConfig
-from partrain.blueprint.validate_data_format import (
-    CHAT_FORMATS,
-    EXAMPLE_FORMATS,
-    PAIRED_FORMATS,
-    packing_problem,
-    uses_template,
-)
+from partrain.blueprint.validate_data_format import CHAT_FORMATS, EXAMPLE_FORMATS, packing_problem, uses_template
+from partrain.blueprint.validate_data_format import PAIRED_FORMATS as PAIRED
 from partrain.data.atomic import fsync_dir, write_json
 from partrain.data.builtin_chat import BuiltinChat
 from partrain.data.chat import (
@@ -70,7 +65,7 @@ from partrain.data.packing import (
     reopen_entry,
     token_dtype,
 )
-from partrain.data.preference_rows import preference_pair
+from partrain.data.preference_rows import has_template, preference_pair
 from partrain.data.row_layouts import RowMapping, messages_of
 from partrain.data.row_skips import SKIP_FIX, SkippedRows, every_row_bad
 from partrain.data.tokenizer import load_tokenizer, tokenizer_name
@@ -168,9 +163,8 @@ def uses_examples(cfg: DataConfig) -> bool:
 def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
     """row -> Example for this format; ChatRowError for a row that breaks a rule."""
     template = None
-    # Preference rows may be text or conversations: the template is looked up for them too, and only a
-    # conversation row needs it (preference_pair refuses one when there is none).
-    if uses_template(fmt, cfg.chat_template) or (fmt == "preference" and _has_template(cfg, tokenizer)):
+    # Preference rows may be text or conversations: only a conversation needs a template (preference_pair).
+    if uses_template(fmt, cfg.chat_template) or (fmt == "preference" and has_template(cfg, tokenizer)):
         try:
             text = resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
             template = ChatRenderer(text, tokenizer.bos_token, tokenizer.eos_token)
@@ -202,13 +196,7 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
         if fmt in CHAT_FORMATS:
             return chat_example(template, tokenizer, messages, cfg.train_on, row.get("tools"), cfg.train_on_eos)
         if fmt == "preference":
-            # Text answers go through the chat template only when data.chat_template names one, as
-            # prompt_completion rows do; conversations always.
-            text_template = template if cfg.chat_template else None
-            conversational = isinstance(row.get("chosen"), list)
-            return preference_pair(
-                row, tokenizer, template if conversational else text_template, cfg.prompt_template, cfg.train_on_eos
-            )
+            return preference_pair(row, tokenizer, template, cfg)
         if fmt == "prompt_completion":
             missing = [k for k in ("prompt", "completion") if k not in row]
             if missing:
@@ -229,15 +217,6 @@ def _renderer(cfg: DataConfig, fmt: str, tokenizer) -> Callable[[Any], Example]:
         return tokenized_example(row, tokenizer.vocab_size)
 
     return render
-
-
-def _has_template(cfg: DataConfig, tokenizer) -> bool:
-    """Whether data.chat_template or the tokenizer gives a chat template."""
-    try:
-        resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
-    except ChatRowError:
-        return False
-    return True
 
 
 def _layout_hint(row: dict, fmt: str) -> str:
@@ -386,7 +365,7 @@ def probe_examples(cfg: DataConfig, cache_root: Optional[Path] = None) -> Exampl
         skipped=skipped.to_json(),
         rendering=rendering_identity(cfg, fmt, tokenizer.name),
         labelling=dict(split.get("labelling", {})),
-        paired=fmt in PAIRED_FORMATS,
+        paired=fmt in PAIRED,
     )
 
 
@@ -402,7 +381,7 @@ def _split_examples(cfg: DataConfig, fmt: str, tokenizer, skipped: SkippedRows, 
         yield example
     held = eval_config(cfg)
     if held is None:
-        split["n_train"] = _n_train(n, cfg.eval_fraction, 2 if fmt in PAIRED_FORMATS else 1)
+        split["n_train"] = _n_train(n, cfg.eval_fraction, 2 if fmt in PAIRED else 1)
         return
     split["n_train"] = n
     for example in _examples(held, fmt, tokenizer, skipped):
@@ -444,7 +423,7 @@ def open_examples(meta_path, verify: bool = False) -> Examples:
         skipped=meta.get("skipped") or {},
         rendering=meta.get("rendering") or {},
         labelling=meta.get("labelling") or {},
-        paired=meta.get("data_format") in PAIRED_FORMATS,
+        paired=meta.get("data_format") in PAIRED,
     )
 
 

@@ -79,10 +79,14 @@ class PreferenceBatches(DataPosition):
         start = within * self.pairs_per_step
         return cached[1][start : start + self.pairs_per_step]
 
+    def rank_examples(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> np.ndarray:
+        """The examples (cache indices) of rank ``dp_rank``'s rows at ``step``, in row order."""
+        pairs = self.batch_order(step)[rank_rows(self.pairs_per_step, dp_rank, dp_size)]
+        return _rows_of(self.firsts[pairs])
+
     def rank_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
         """(inputs, labels), each [global_batch_size / dp_size, seq_len]: rank ``dp_rank``'s pairs, two rows each."""
-        pairs = self.batch_order(step)[rank_rows(self.pairs_per_step, dp_rank, dp_size)]
-        return self._rows.rows(_rows_of(self.firsts[pairs]))
+        return self._rows.rows(self.rank_examples(step, dp_rank, dp_size))
 
     def label_count(self, step: int) -> int:
         """Labelled tokens of the whole global batch of ``step`` (the dry run's masked share)."""
@@ -109,12 +113,16 @@ class EvalPreferenceBatches:
             )
         self.num_batches = len(self.firsts) // self.pairs_per_batch
 
-    def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+    def eval_examples(self, i: int, dp_rank: int = 0, dp_size: int = 1) -> np.ndarray:
+        """The examples (cache indices) of rank ``dp_rank``'s rows of eval batch i, in row order."""
         if i < 0:
             raise ValueError(f"eval batch index must be >= 0, got {i}")
         first = (i % self.num_batches) * self.pairs_per_batch
         pairs = np.arange(first, first + self.pairs_per_batch)[rank_rows(self.pairs_per_batch, dp_rank, dp_size)]
-        return self._rows.rows(_rows_of(self.firsts[pairs]))
+        return _rows_of(self.firsts[pairs])
+
+    def eval_batch(self, i: int, dp_rank: int = 0, dp_size: int = 1) -> Batch:
+        return self._rows.rows(self.eval_examples(i, dp_rank, dp_size))
 
     def batches(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
         for i in range(count):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
-from partrain.data.chat import ChatRenderer, ChatRowError, Example
+from partrain.data.chat import ChatRenderer, ChatRowError, Example, resolve_template
 from partrain.data.chat_labels import chat_example, prompt_completion_example
 
 PAIR_FIELDS = ("chosen", "rejected")
@@ -30,14 +30,27 @@ def is_preference_row(row: Any) -> bool:
     return isinstance(row, dict) and all(k in row for k in PAIR_FIELDS)
 
 
-def preference_pair(
-    row: dict,
-    tokenizer,
-    renderer: Optional[ChatRenderer],
-    prompt_template: str = "",
-    train_on_eos: bool = True,
+def has_template(cfg, tokenizer) -> bool:
+    """Whether data.chat_template or the tokenizer gives a chat template (cfg: the data block)."""
+    try:
+        resolve_template(cfg.chat_template, getattr(tokenizer, "chat_template", None))
+    except ChatRowError:
+        return False
+    return True
+
+
+def preference_pair(row: dict, tokenizer, renderer: Optional[ChatRenderer], cfg) -> Tuple[Example, Example]:
+    """(chosen example, rejected example) of one preference row (cfg: the data block); ChatRowError naming the
+    rule it breaks. Text answers go through the chat template only when data.chat_template names one, as
+    prompt_completion rows do; conversations always."""
+    if not isinstance(row.get("chosen"), list) and not cfg.chat_template:
+        renderer = None
+    return _pair(row, tokenizer, renderer, cfg.prompt_template, cfg.train_on_eos)
+
+
+def _pair(
+    row: dict, tokenizer, renderer: Optional[ChatRenderer], prompt_template: str, train_on_eos: bool
 ) -> Tuple[Example, Example]:
-    """(chosen example, rejected example) of one preference row; ChatRowError naming the rule it breaks."""
     missing = [k for k in PAIR_FIELDS if k not in row]
     if missing:
         raise ChatRowError(

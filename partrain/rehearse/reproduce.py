@@ -69,13 +69,20 @@ def write_reproduction(reference_run: Path, root: Path, steps: int) -> Path:
             for name, t in (("input_ids", inputs), ("labels", labels), ("position_ids", position_ids)):
                 tensors[f"microbatch.{i}.{name}"] = t[part].to(torch.int64).clone()  # each its own storage
         save_file(tensors, str(out / "batches" / f"step-{step + 1:04d}.safetensors"))
+    t = v.run.train
     facts = {
         "steps": steps,
         "microbatches_per_step": v.global_batch_size // micro,
         "rows_per_microbatch": micro,
         "seq_len": v.run.train.seq_len,
         "loss": "per step: cross-entropy summed over the labelled tokens (label != -100) of all its "
-        "micro-batches, divided by their number",
+        "micro-batches, divided by their number"
+        if t.objective == "lm"
+        else f"per step: {t.objective}'s loss of each pair (rows 2k chosen, 2k+1 rejected), mean over the pairs",
+        "objective": t.objective,
+        "beta": t.preference_beta,
+        "label_smoothing": t.preference_label_smoothing,
+        "simpo_gamma": t.simpo_gamma,
         "seed": v.run.train.seed,
         "reference_config": str(Path(reference_run) / "config.yaml"),
     }

@@ -145,7 +145,7 @@ def _follow_rich(lines: Iterable[str], console: Console, signals: List[int]) -> 
             elif kind == "step" and task is not None:
                 info = f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  {event['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=event["step"], info=info, refresh=True)
-            elif kind in ("eval", "checkpoint", "resumed"):
+            elif kind in ("eval", "checkpoint", "resumed", "reference"):
                 progress.console.print(event_line(event), markup=False, highlight=False)
     return seen
 

@@ -171,6 +171,9 @@ class Trainer:
         # Fine-tuning batches mask labels: the loss is then over the global batch's labelled tokens.
         label_share = getattr(self.batches, "label_share", None)
         share = label_share(step) if label_share is not None else None
+        preference = getattr(self.engine, "preference", None)
+        if preference is not None and preference.table is not None:  # full-FT dpo: the rows' reference log-probs
+            preference.use_rows(self.batches.rank_examples(step, self.dp_rank, self.dp_size))
         with self._compile_errors():
             local_loss = self.engine.forward_backward(inputs, labels, scale, share, *positions)
         loss_mean = _start_mean_over(self.engine.share_loss(local_loss), self.loss_group, self.loss_size)
@@ -220,6 +223,9 @@ class Trainer:
             inputs, labels, *positions = self.eval_batches.eval_batch(i, self.dp_rank, self.dp_size)
             label_share = getattr(self.eval_batches, "label_share", None)  # masked labels, as in train_step
             share = label_share(i) if label_share is not None else None
+            preference = getattr(self.engine, "preference", None)
+            if preference is not None and preference.table is not None:
+                preference.use_rows(self.eval_batches.eval_examples(i, self.dp_rank, self.dp_size))
             with self._compile_errors():
                 values.append(self.engine.share_loss(self.engine.eval_loss(inputs, labels, share, *positions)))
         return _mean_over(sum(values) / len(values), self.loss_group, self.loss_size)

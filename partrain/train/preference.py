@@ -65,15 +65,33 @@ class PreferenceObjective:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     reference: Optional[Callable[[nn.Module], ContextManager]] = None
-    """dpo: model -> the context in which the model is the reference (its adapters switched off)."""
+    """dpo under LoRA: model -> the context in which the model is the reference (its adapters switched off)."""
+    table: Optional[torch.Tensor] = None
+    """dpo in full fine-tuning: every example's reference log-probability (partrain.train.reference_logps),
+    looked up for the rows `use_rows` names."""
     _sums: List[torch.Tensor] = field(default_factory=list)
+    _rows: Optional[torch.Tensor] = None
+    _next: int = 0
+
+    def use_rows(self, examples) -> None:
+        """The examples (cache indices) of the rows the next forwards score, in order (full-FT dpo)."""
+        self._rows, self._next = self.table[torch.as_tensor(examples, dtype=torch.long)], 0
+
+    def _reference_of(self, rows: int, device) -> torch.Tensor:
+        if self._rows is None or self._next + rows > len(self._rows):
+            raise RuntimeError("dpo without a LoRA reference needs the rows' reference log-probabilities (use_rows)")
+        ref = self._rows[self._next : self._next + rows]
+        self._next += rows
+        return ref.to(device=device, dtype=torch.float32)
 
     def __call__(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids=None, **_ignored
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        if self.kind == "dpo":
+        if self.kind == "dpo" and self.reference is None:
+            ref = self._reference_of(input_ids.shape[0], input_ids.device)
+        elif self.kind == "dpo":
             with torch.no_grad(), self.reference(model):
                 ref, _ = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)
         logps, counts = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)

@@ -69,6 +69,10 @@ def event_line(e: dict) -> Optional[str]:
         return f"eval step {e['step']}: loss {e['eval_loss']:.4f}"
     if kind == "checkpoint":
         return f"checkpoint saved: step {e['step']} at {e['path']}"
+    if kind == "reference" and e.get("cached"):
+        return f"reference log-probs: {e['rows']} rows read from {e['cached']}"
+    if kind == "reference":
+        return f"reference log-probs: {e['done']:,}/{e['total']:,} rows scored by the starting model"
     if kind == "resumed":
         return f"resumed from {e['path']} at step {e['step']}"
     if kind in ("stopped",):

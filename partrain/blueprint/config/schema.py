@@ -346,10 +346,11 @@ class TrainConfig:
     objective: str = "lm"
     """What the loss is: lm (next-token cross-entropy over the labelled tokens), dpo (Direct Preference
     Optimization on data.format=preference rows: -log sigmoid(beta x the policy's log-ratio margin over the
-    reference's), the reference being the base model with the LoRA adapters switched off: needs peft=lora)
-    or simpo (reference-free: -log sigmoid(beta x the margin of length-averaged log-probs - simpo_gamma)).
-    A pair is two rows of one microbatch (chosen, rejected): train.micro_batch_size counts rows and must be
-    even. See docs/preference-tuning.md."""
+    reference's; the reference is the base model with the LoRA adapters switched off under peft=lora, and in
+    full fine-tuning the starting model's log-probabilities of every pair, computed once before step 1 and
+    cached beside the data) or simpo (reference-free: -log sigmoid(beta x the margin of length-averaged
+    log-probs - simpo_gamma)). A pair is two rows of one microbatch (chosen, rejected):
+    train.micro_batch_size counts rows and must be even. See docs/preference-tuning.md."""
     preference_beta: float = 0.1
     """dpo and simpo: beta, the scale of the margin inside the sigmoid (TRL's beta; SimPO's paper uses 2-10)."""
     preference_label_smoothing: float = 0.0

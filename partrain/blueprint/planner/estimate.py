@@ -257,6 +257,8 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
         hw += layers * s.passes_extra
     elif spec.recompute == "selective":
         hw += core * s.passes_extra
+    if spec.reference_forward:  # dpo under LoRA: the reference's forward, adapters off, no backward
+        hw += layers + head
     if s.compute is not None:  # timed per matmul shape from cluster.compute_profile (compute_model.py)
         t = rank_microbatch_time(s.compute, spec, dense, r.sparse, r.first, r.last, s.tokens)
         return RankCompute(forward=layers + head, attention_core=core, hardware=hw, rate=hw / t if t > 0 else s.rate)

@@ -168,6 +168,9 @@ class PlanSpec:
     """peft=lora's rank (0 = no LoRA): the base is frozen, only adapters take gradients and optimizer state."""
     lora_targets: Tuple[str, ...] = ()
     """The projections LoRA adapts (peft.target_modules or the family's default)."""
+    reference_forward: bool = False
+    """train.objective=dpo under LoRA: each microbatch also runs forward once without gradients, adapters off
+    (its reference); one more forward of the layers and head per microbatch, nothing more held."""
 
     def loss_chunk(self, tokens: float) -> float:
         """Tokens whose logits exist at once on a rank for a microbatch of `tokens` tokens: the
@@ -284,7 +287,9 @@ def run_settings(run) -> Dict[str, Any]:
         dp_sync=p.dp_sync,
         dp_bucket_mb=p.dp_bucket_mb,
         ps_servers=p.ps_servers,
-        loss_chunk_tokens=t.loss_chunk_tokens,
+        # The preference objectives compute each microbatch's logits whole (partrain.train.preference).
+        loss_chunk_tokens=t.loss_chunk_tokens if t.objective == "lm" else 0,
+        reference_forward=t.objective == "dpo" and lora,
         float8=t.float8_recipe if t.float8 else "",
     )
 

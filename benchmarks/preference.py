@@ -1,0 +1,124 @@
+"""Preference tuning against the SFT step of the same model: tokens/s and memory, one invocation.
+
+    python benchmarks/preference.py               # 5 runs, 1 process, 12 steps each (about 3 min on 2 cores)
+    python benchmarks/preference.py --steps 8 --procs 2
+
+Model: a Llama from config (hidden 384, 4 layers, 6 heads / 2 KV heads, MLP 1024, byte vocabulary: 6.5M
+parameters), sequence 128, micro batch 8 rows, global batch 16 rows, fp32, AdamW. Four runs through
+`partrain train`:
+
+- sft-lora: chat SFT (`data.source=builtin-chat`, one padded chat per row) with LoRA r 8;
+- dpo-lora: `recipe=dpo-lora`'s objective on `builtin-preference` (8 pairs a step), the reference being the
+  adapters switched off: one extra forward without gradients per microbatch, no second copy of the model;
+- sft-full, dpo-full and simpo-full: the same without LoRA; dpo-full's reference is the table of the starting
+  model's log-probabilities computed once before step 1 (partrain.train.reference_logps), SimPO needs none.
+
+Printed per run: tokens/s (16 x 128 / the median step time, first 3 steps dropped), model state per rank
+(parameters + gradients + optimizer state), peak RSS, the last loss and the 1-minute load average; then the
+ratios dpo-lora / sft-lora, dpo-full / sft-full and simpo-full / sft-full. The third reference choice issue 48
+names (a frozen sharded copy) is not built: the last line says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import partrain_command, read_partrain_run, worker_env  # noqa: E402
+
+MODEL = [
+    "model=llama-tiny",
+    "model.config.hidden_size=384",
+    "model.config.intermediate_size=1024",
+    "model.config.num_attention_heads=6",
+    "model.config.num_key_value_heads=2",
+]
+TRAIN = [
+    "train.seq_len=128",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=16",
+    "train.eval_every=0",
+    "train.eval_batches=0",
+    "train.loggers=[]",
+    "train.threads_per_process=1",
+    "optim.warmup_steps=0",
+    "data.chat_template=chatml",
+    "data.packing=false",
+    "data.long_examples=truncate",
+]
+RUNS = {
+    "sft-lora": ["data.source=builtin-chat", "data.format=chat", "peft=lora"],
+    "dpo-lora": ["data.source=builtin-preference", "data.format=preference", "peft=lora", "train.objective=dpo"],
+    "sft-full": ["data.source=builtin-chat", "data.format=chat"],
+    "dpo-full": ["data.source=builtin-preference", "data.format=preference", "train.objective=dpo"],
+    "simpo-full": [
+        "data.source=builtin-preference",
+        "data.format=preference",
+        "train.objective=simpo",
+        "train.preference_beta=2.0",
+    ],
+}
+SKIP = 3
+
+
+def run(name: str, overrides: list, procs: int, steps: int, root: Path) -> dict:
+    run_dir = root / name
+    layout = [f"parallel.dp={procs}", "parallel.tp=1", "cluster=local-cpu", f"cluster.devices_per_node={procs}"]
+    args = [*MODEL, *TRAIN, *layout, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}"]
+    cmd = partrain_command(args)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = read_partrain_run(run_dir, time.perf_counter() - t0)
+    step = statistics.median(result.step_times[SKIP:] or result.step_times)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    load = ((summary.get("planned_vs_measured") or {}).get("cpu_load") or {}).get("load_average_1m", float("nan"))
+    return {
+        "tokens_per_s": 16 * 128 / step,
+        "state": max(r["model_state_bytes"] for r in result.ranks),
+        "rss": max(r["peak_rss_bytes"] for r in result.ranks),
+        "loss": result.losses[-1],
+        "load": load,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--procs", type=int, default=1)
+    args = parser.parse_args(argv)
+    mib = 1 << 20
+    print(f"{'run':>10} {'tokens/s':>9} {'state MiB':>10} {'peak RSS MiB':>13} {'loss':>7} {'load avg':>9}")
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in RUNS.items():
+            got[name] = r = run(name, overrides, args.procs, args.steps, Path(tmp))
+            print(
+                f"{name:>10} {r['tokens_per_s']:>9.0f} {r['state'] / mib:>10.1f} {r['rss'] / mib:>13.0f} "
+                f"{r['loss']:>7.3f} {r['load']:>9.1f}"
+            )
+    for pref, sft in (("dpo-lora", "sft-lora"), ("dpo-full", "sft-full"), ("simpo-full", "sft-full")):
+        a, b = got[pref], got[sft]
+        print(
+            f"{pref} / {sft}: tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.2f}x, "
+            f"model state {a['state'] / b['state']:.2f}x, peak RSS {a['rss'] / b['rss']:.2f}x"
+        )
+    print(
+        "reference choices: LoRA adapters off (dpo-lora) and precomputed log-probs (dpo-full, its one-time "
+        "scoring pass not in tokens/s; a table cached by an earlier run is reused), measured above; a frozen copy: "
+        "not built"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
