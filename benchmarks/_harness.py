@@ -79,6 +79,30 @@ def read_partrain_run(run_dir: Path, wall_s: float, cpu_ms: float = float("nan")
     )
 
 
+def measure_training(overrides: List[str], run_dir: Path, tokens_per_step: int, skip: int = 3) -> dict:
+    """`partrain train OVERRIDES train.run_dir=RUN_DIR` in a process of its own; its tokens/s (tokens_per_step
+    over the median step time, the first `skip` steps dropped), the largest per-rank model state and peak RSS,
+    the last loss and the 1-minute load average at its end (summary.json)."""
+    import statistics
+
+    cmd = partrain_command([*overrides, f"train.run_dir={run_dir}"])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = read_partrain_run(run_dir, time.perf_counter() - t0)
+    step = statistics.median(result.step_times[skip:] or result.step_times)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    load = ((summary.get("planned_vs_measured") or {}).get("cpu_load") or {}).get("load_average_1m", float("nan"))
+    return {
+        "tokens_per_s": tokens_per_step / step,
+        "state": max(r["model_state_bytes"] for r in result.ranks),
+        "rss": max(r["peak_rss_bytes"] for r in result.ranks),
+        "loss": result.losses[-1],
+        "load": load,
+    }
+
+
 def _descendants(pid: int) -> List[int]:
     out = []
     try:

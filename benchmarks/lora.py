@@ -19,17 +19,13 @@ fp32, AdamW. Both runs go through `partrain train` with the same data and seed; 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import partrain_command, read_partrain_run, worker_env  # noqa: E402
+from _harness import measure_training  # noqa: E402
 
 MODEL = [
     "model=llama-tiny",
@@ -63,23 +59,7 @@ def layout(procs: int) -> list:
 
 
 def run(name: str, overrides: list, steps: int, root: Path) -> dict:
-    run_dir = root / name
-    cmd = partrain_command([*MODEL, *TRAIN, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}"])
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = read_partrain_run(run_dir, time.perf_counter() - t0)
-    step = statistics.median(result.step_times[SKIP:] or result.step_times)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    load = ((summary.get("planned_vs_measured") or {}).get("cpu_load") or {}).get("load_average_1m", float("nan"))
-    return {
-        "tokens_per_s": 8 * 256 / step,
-        "state": max(r["model_state_bytes"] for r in result.ranks),
-        "rss": max(r["peak_rss_bytes"] for r in result.ranks),
-        "loss": result.losses[-1],
-        "load": load,
-    }
+    return measure_training([*MODEL, *TRAIN, *overrides, f"train.steps={steps}"], root / name, 8 * 256, SKIP)
 
 
 def main(argv=None) -> int:

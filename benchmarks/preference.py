@@ -22,17 +22,13 @@ names (a frozen sharded copy) is not built: the last line says so.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import partrain_command, read_partrain_run, worker_env  # noqa: E402
+from _harness import measure_training  # noqa: E402
 
 MODEL = [
     "model=llama-tiny",
@@ -70,25 +66,9 @@ SKIP = 3
 
 
 def run(name: str, overrides: list, procs: int, steps: int, root: Path) -> dict:
-    run_dir = root / name
     layout = [f"parallel.dp={procs}", "parallel.tp=1", "cluster=local-cpu", f"cluster.devices_per_node={procs}"]
-    args = [*MODEL, *TRAIN, *layout, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}"]
-    cmd = partrain_command(args)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = read_partrain_run(run_dir, time.perf_counter() - t0)
-    step = statistics.median(result.step_times[SKIP:] or result.step_times)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    load = ((summary.get("planned_vs_measured") or {}).get("cpu_load") or {}).get("load_average_1m", float("nan"))
-    return {
-        "tokens_per_s": 16 * 128 / step,
-        "state": max(r["model_state_bytes"] for r in result.ranks),
-        "rss": max(r["peak_rss_bytes"] for r in result.ranks),
-        "loss": result.losses[-1],
-        "load": load,
-    }
+    args = [*MODEL, *TRAIN, *layout, *overrides, f"train.steps={steps}"]
+    return measure_training(args, root / name, 16 * 128, SKIP)
 
 
 def main(argv=None) -> int:
