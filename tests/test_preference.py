@@ -32,12 +32,20 @@ LAYOUTS = {
         DPO,
         ["parallel.dp=1", "parallel.tp=2", "parallel.tp_sequence_parallel=true", "train.micro_batch_size=4"],
     ),
+    # Sequence parallelism: each rank scores its slice of every row; the slices' sums meet over the sp group.
+    "dpo-sp2-ulysses": (DPO, ["parallel.dp=1", "parallel.sp=2", "train.micro_batch_size=4"]),
+    "dpo-sp2-ring": (DPO, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ring", "train.micro_batch_size=4"]),
     "dpo-mixtral-ep2": (MIXTRAL_DPO, ["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=2"]),
     "dpo-full-ddp2": (DPO_FULL, ["parallel.dp=2", "parallel.zero_stage=0", "train.micro_batch_size=2"]),
     "dpo-full-fsdp2": (DPO_FULL, ["parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]),
     "dpo-full-tp2": (DPO_FULL, ["parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"]),
+    "simpo-sp2-ring": (SIMPO, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ring", "train.micro_batch_size=4"]),
     "simpo-zero1": (SIMPO, ["parallel.dp=2", "parallel.tp=1", "parallel.zero_stage=1", "train.micro_batch_size=2"]),
     "simpo-tp2": (SIMPO, ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=4"]),
+}
+OWN_TABLE = {
+    "dpo-full-dp2-own-table": ["parallel.dp=2", "train.micro_batch_size=2"],
+    "dpo-full-sp2-own-table": ["parallel.dp=1", "parallel.sp=2", "train.micro_batch_size=4"],
 }
 RTOL = {"dpo-mixtral-ep2": 5e-5}
 """Per-layout tolerance where it is not FP32_RTOL (1e-5): expert parallelism adds the experts' outputs in
@@ -70,6 +78,11 @@ def runs(tmp_path_factory):
     for name, (ref, layout) in LAYOUTS.items():
         cases[name] = parity_args(ref + layout + ["cluster.devices_per_node=2"] + cache, STEPS)
     root = tmp_path_factory.mktemp("runs")
+    # Full-FT dpo whose reference table its own layout computes (a data cache of its own, so none is found):
+    # the scoring pass split over dp ranks and gathered, and over sp slices summed.
+    for name, layout in OWN_TABLE.items():
+        own = [f"data.cache_dir={tmp_path_factory.mktemp(name)}"]
+        cases[name] = parity_args(DPO_FULL + layout + ["cluster.devices_per_node=2"] + own, STEPS)
     # Full-FT dpo saved at step 2 by one process, then resumed under dp2 by a launch of its own (the
     # checkpoint must exist when the run is prepared): it reads the reference table the first one cached.
     cases["dpo-full-saved"] = parity_args(reference_overrides(DPO_FULL + cache) + ["checkpoint.every_steps=2"], 2)
@@ -128,3 +141,12 @@ def test_full_fine_tuning_dpo_reads_its_cached_reference_on_a_resume_under_anoth
     cache = next((ref.run_dir.parents[2]).glob("data-cache*"), None)
     tables = list(cache.rglob("reference-*.npy")) if cache else []
     assert len(tables) == 1 and tables[0].with_suffix(".json").is_file(), tables
+
+
+@pytest.mark.parametrize("name", list(OWN_TABLE))
+def test_a_layout_computes_the_reference_table_of_one_process(name, runs):
+    """The scoring pass under dp2 (rows split and gathered) and sp2 (slices summed) gives one process's
+    reference: the first loss is log 2 and every step matches the one-process run."""
+    got, ref = runs[name], runs["reference-dpo-full"]
+    assert math.isclose(got.losses[0], math.log(2), rel_tol=1e-6), got.losses
+    print(name, check_parity(ref, got))

@@ -118,7 +118,6 @@ def test_a_bad_row_is_exit_2_naming_file_line_and_rule(cli, tmp_path, row, rule)
         (["train.objective=simpo", "train.simpo_gamma=inf"], "train.simpo_gamma", "must be a finite number"),
         (["train.micro_batch_size=3", "train.global_batch_size=6"], "train.micro_batch_size", "must be even"),
         (["parallel.pp=2", "cluster.devices_per_node=2"], "parallel.pp", "not implemented"),
-        (["parallel.sp=2", "cluster.devices_per_node=2"], "parallel.sp", "not implemented"),
         (["data.packing=true"], "data.packing", "packing them is not built yet"),
         (["data.format=chat"], "data.format", "train.objective=dpo trains on preference pairs"),
         (["train.preference_beta=0"], "train.preference_beta", "must be > 0"),

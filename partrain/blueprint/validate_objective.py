@@ -3,7 +3,8 @@
 dpo and simpo train on preference pairs (data.format=preference), two padded rows each, in one
 microbatch (partrain.data.preference_batches); their loss needs the whole sequence and the whole model in
 one forward (partrain.train.preference), so this version runs them under dp, ZeRO/FSDP/HSDP, tp (with
-Megatron-SP) and ep, and refuses pp and sp by name. dpo's reference is the base model with the LoRA
+Megatron-SP), sp (Ulysses and ring: each row's slices summed over the sp group) and ep, and refuses pp
+by name. dpo's reference is the base model with the LoRA
 adapters off, or in full fine-tuning the reference log-probabilities computed before step 1
 (partrain.train.reference_logps).
 data.format=auto is checked again once the first row names the format (`objective_format_problem`).
@@ -93,12 +94,11 @@ def objective_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
     )
     if degrees is None:
         return
-    for axis, what in (("pp", "pipeline parallelism"), ("sp", "sequence parallelism")):
-        c.check(
-            degrees.get(axis, 1) == 1,
-            f"parallel.{axis}",
-            degrees.get(axis, 1),
-            f"{what} with train.objective={t.objective} is not implemented in this version of partrain (the "
-            "pair's loss needs whole sequences and the reference pass in one forward)",
-            f"set parallel.{axis}=1 (dp, ZeRO/FSDP, tp and ep all take it)",
-        )
+    c.check(
+        degrees.get("pp", 1) == 1,
+        "parallel.pp",
+        degrees.get("pp", 1),
+        f"pipeline parallelism with train.objective={t.objective} is not implemented in this version of partrain "
+        "(the pair's loss needs both rows' log-probabilities and the reference pass in one forward)",
+        "set parallel.pp=1 (dp, ZeRO/FSDP, tp, sp and ep all take it)",
+    )

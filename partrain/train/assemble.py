@@ -65,7 +65,7 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             chunk_tokens=run.train.loss_chunk_tokens,
         )
         if run.train.objective != "lm":  # dpo / simpo: validation keeps them to one stage and no sp
-            loss_fn = preference_objective(run.train, run.peft.method)
+            loss_fn = preference_objective(run.train, run.peft.method, shard)
             engine_preference = loss_fn
         else:
             engine_preference = None
@@ -77,7 +77,7 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
     return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
 
 
-def preference_objective(train, peft_method: str) -> PreferenceObjective:
+def preference_objective(train, peft_method: str, sequence=None) -> PreferenceObjective:
     """The engine's loss for train.objective=dpo or simpo (dpo's reference: the adapters switched off)."""
     return PreferenceObjective(
         kind=train.objective,
@@ -87,6 +87,7 @@ def preference_objective(train, peft_method: str) -> PreferenceObjective:
         # Under LoRA the adapters switched off; in full fine-tuning a table computed before step 1
         # (partrain.train.reference_logps).
         reference=(lambda model: adapters_disabled([model])) if peft_method == "lora" else None,
+        sequence=sequence,
     )
 
 

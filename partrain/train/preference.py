@@ -20,7 +20,7 @@ microbatches and data-parallel ranks is the mean over the global batch's pairs, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple:
-    """(sum of the labelled tokens' log-probabilities per row [B], labelled tokens per row [B]); fp32."""
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_group=None) -> tuple:
+    """(sum of the labelled tokens' log-probabilities per row [B], labelled tokens per row [B]); fp32.
+
+    sequence_group: the sp group when each rank holds a slice of every row; the slices' sums are added over
+    it, with gradients: every sp rank computes the same pair losses from the whole rows' sums, and the
+    backward of the sum hands each rank sp x its slice's share, which the gradients' mean over dp x sp
+    brings back to the unsplit gradient (as SequenceShard.loss's sp x scaling does for the LM loss)."""
     rows, length = labels.shape
     token_nll = F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     logps = -_local(token_nll).view(rows, length).sum(dim=1)
-    return logps, (labels != IGNORE_INDEX).sum(dim=1)
+    counts = (labels != IGNORE_INDEX).sum(dim=1)
+    if sequence_group is not None:
+        import torch.distributed.nn.functional as dist_nn
+
+        logps = (
+            dist_nn.all_reduce(logps, group=sequence_group) if logps.requires_grad else _summed(logps, sequence_group)
+        )
+        counts = _summed(counts, sequence_group)
+    return logps, counts
+
+
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 @dataclass
@@ -66,6 +85,8 @@ class PreferenceObjective:
     simpo_gamma: float = 0.5
     reference: Optional[Callable[[nn.Module], ContextManager]] = None
     """dpo under LoRA: model -> the context in which the model is the reference (its adapters switched off)."""
+    sequence: Any = None
+    """Sequence parallelism: this rank's SequenceShard (partrain.parallel.context_parallel); None without sp."""
     table: Optional[torch.Tensor] = None
     """dpo in full fine-tuning: every example's reference log-probability (partrain.train.reference_logps),
     looked up for the rows `use_rows` names."""
@@ -87,14 +108,18 @@ class PreferenceObjective:
     def __call__(
         self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids=None, **_ignored
     ) -> torch.Tensor:
-        if position_ids is None:
+        group = self.sequence.group if self.sequence is not None else None
+        if position_ids is None and self.sequence is not None:  # the rows' global positions of this slice
+            position_ids = self.sequence.position_ids(input_ids.shape[1] * self.sequence.size, input_ids.device)
+        elif position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if self.kind == "dpo" and self.reference is None:
             ref = self._reference_of(input_ids.shape[0], input_ids.device)
         elif self.kind == "dpo":
             with torch.no_grad(), self.reference(model):
-                ref, _ = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)
-        logps, counts = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels)
+                ref, _ = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels, group)
+        logits = model(input_ids=input_ids, position_ids=position_ids).logits
+        logps, counts = sequence_logps(logits, labels, group)
         chosen, rejected = logps[0::2], logps[1::2]
         if self.kind == "dpo":
             chosen_reward = self.beta * (chosen - ref[0::2]).detach()

@@ -119,15 +119,18 @@ def _compute(v: ValidatedRun, engine, batches, evals, mesh, events) -> np.ndarra
     steps = -(-per_rank // micro)
     mine = rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     padded = np.resize(mine if len(mine) else rows[:1], steps * micro)  # every rank runs `steps` forwards
-    module = engine.dp.module
+    module, shard = engine.dp.module, engine.preference.sequence
     module.eval()
     values = []
     for i in range(steps):
         inputs, labels = batches._rows.rows(padded[i * micro : (i + 1) * micro])
-        inputs, labels = inputs.to(engine.device), labels.to(engine.device)
-        positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
+        if shard is not None:  # sequence parallelism: this rank's slice of every row, summed over the sp group
+            inputs, labels, positions = shard.take(inputs), shard.take(labels), shard.take(positions)
+        inputs, labels, positions = inputs.to(engine.device), labels.to(engine.device), positions.to(engine.device)
+        group = shard.group if shard is not None else None
         with autocast_context(engine.precision, engine.device.type), engine.loss_context():
-            logps, _ = sequence_logps(module(input_ids=inputs, position_ids=positions).logits, labels)
+            logps, _ = sequence_logps(module(input_ids=inputs, position_ids=positions).logits, labels, group)
         values.append(logps.double().cpu())
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             events("reference", done=(i + 1) * micro * dp_size, total=len(rows))
