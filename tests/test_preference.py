@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -138,9 +139,9 @@ def test_full_fine_tuning_dpo_reads_its_cached_reference_on_a_resume_under_anoth
     ref, resumed = runs["reference-dpo-full"], runs["dpo-full-resumed-dp2"]
     assert math.isclose(ref.losses[0], math.log(2), rel_tol=1e-6), "the table is the starting model's"
     assert resumed.losses == pytest.approx(ref.losses[2:], rel=1e-5), (resumed.losses, ref.losses)
-    cache = next((ref.run_dir.parents[2]).glob("data-cache*"), None)
-    tables = list(cache.rglob("reference-*.npy")) if cache else []
-    assert len(tables) == 1 and tables[0].with_suffix(".json").is_file(), tables
+    cache = Path(json.loads((ref.run_dir / "data.json").read_text())["meta_path"]).parent  # the examples entry
+    tables = list(cache.glob("reference-*.npy"))
+    assert len(tables) == 1 and tables[0].with_suffix(".json").is_file(), (cache, tables)
 
 
 @pytest.mark.parametrize("name", list(OWN_TABLE))
