@@ -61,14 +61,15 @@ def _device(v: ValidatedRun, env: DistEnv):
 
 
 def train_process(
-    v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False, dropped=None
+    v: ValidatedRun, env: DistEnv, run_dir: Path, stop=None, via_launcher: bool = False, dropped=None, mesh_of=None
 ) -> int:
     """Everything between init_process_group and destroy_process_group; returns the exit code.
 
     stop: the StopWatch (partrain.runtime.signals) the loop polls. via_launcher: started by
     `partrain train`, which reads the outcome from rank 0's events: exit 0 after a clean stop or a
     run that did not train well (torchrun must neither restart nor report a crash); otherwise (a
-    user's torchrun or srun) 128 + signal after a stop and 1 on rank 0 for a run that did not train."""
+    user's torchrun or srun) 128 + signal after a stop and 1 on rank 0 for a run that did not train.
+    mesh_of: build_mesh, or what stands for it where one process trains run after run (rehearse.runs.MeshCache)."""
     import torch
 
     from partrain.runtime.mesh import build_mesh
@@ -88,7 +89,7 @@ def train_process(
     device = _device(v, env)
     if run.cluster.nodes > 1:
         _check_nodes_agree(v, run_dir, env, via_launcher)
-    mesh = build_mesh(v.layout, device.type)
+    mesh = (mesh_of or build_mesh)(v.layout, device.type)
     log.info("mesh %s on %s; %d threads", mesh.world, device, torch.get_num_threads())
     from partrain import checkpoint  # noqa: F401 - imported before the memory baseline (plan_check)
 

@@ -44,8 +44,8 @@ def train_run_dirs(rank: int, world: int, run_dirs: Sequence[str]) -> List[int]:
     worker's own code (partrain.worker.train_process) in this process group; the exit codes.
 
     The same as `partrain train` from the joined process group on: the run folder gets its
-    metrics.jsonl, summary.json, logs and checkpoints. Only torchrun and the group's start-up are
-    shared between the runs."""
+    metrics.jsonl, summary.json, logs and checkpoints. Only torchrun, the group's start-up and the
+    meshes of equal layouts (MeshCache) are shared between the runs."""
     import torch
     import torch.distributed as dist
 
@@ -56,39 +56,85 @@ def train_run_dirs(rank: int, world: int, run_dirs: Sequence[str]) -> List[int]:
     from partrain.worker import setup_logging, threads_for, train_process
 
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, master_addr="", master_port=0)
+    meshes = MeshCache()
     codes = []
     for run_dir in map(Path, run_dirs):
         v = validate(load_resolved(run_dir / "config.yaml"))
         setup_logging(run_dir, env)
         torch.set_num_threads(threads_for(v, env))
         v, dropped = layout_for_world(v, run_dir, world)
-        codes.append(train_process(v, env, run_dir, dropped=dropped))
+        codes.append(train_process(v, env, run_dir, dropped=dropped, mesh_of=meshes))
         dist.barrier()  # the next run starts together (rank 0 writes the summary last)
-        _release_subgroups()
+        meshes.release_other_groups()
     return codes
 
 
-def _release_subgroups() -> None:
-    """Destroy every process group but the default one: a run's mesh made five on 2 processes (each gloo group keeps
-    three threads), and the next run makes its own. Without this, a process that trained 160 parity cases
-    held 2,400 threads, and the suite's machine a load average of 400."""
-    import gc
+class MeshCache:
+    """build_mesh for a process that trains run after run: one mesh per distinct layout shape
+    (runtime.mesh.mesh_key), kept for the runs after it, and every other group a run made destroyed
+    after it.
 
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+    Why keep them: DTensor caches its sharding and redistribution plans by mesh, and meshes compare
+    equal by their ranks and dimension names, so a plan cached in one run answers the next run's equal
+    mesh with the first run's mesh object; its groups must still exist ("Could not resolve the process
+    group"). Emptying DTensor's caches after each run instead made every run plan again (a fifth of
+    the family matrix's time). Why destroy the others: each gloo group keeps three threads, and a
+    process that trained 160 parity cases without releasing them held 2,400 (a load average of 400)."""
 
-    # torch has no public list of the live groups; its own destroy_process_group() walks this map.
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-    _forget_dtensor_plans()
-    gc.collect()  # the run's modules and optimizer hold the groups in reference cycles
+    def __init__(self):
+        self._meshes: Dict[tuple, object] = {}
+
+    def __call__(self, layout, device_type: str):
+        from dataclasses import replace
+
+        from partrain.runtime.mesh import build_mesh, mesh_key
+
+        key = (device_type, mesh_key(layout))
+        if key not in self._meshes:
+            self._meshes[key] = build_mesh(layout, device_type)
+        return replace(self._meshes[key], layout=layout)
+
+    def release_other_groups(self) -> None:
+        """Destroy every process group but the default one and the kept meshes'."""
+        import gc
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        # The run's modules and optimizer hold their groups in reference cycles. What survives the collection
+        # is frozen (left out of later ones): a full collection over torch's and transformers' objects took
+        # 0.45 s a run, a third of a parity case.
+        gc.collect()
+        gc.freeze()
+        kept = self._groups()
+        if kept is None:  # a torch without the mesh's group registry: nothing can be kept
+            self._meshes.clear()
+            kept = set()
+        # torch has no public list of the live groups; its own destroy_process_group() walks this map.
+        for group in list(distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD and group not in kept:
+                dist.destroy_process_group(group)
+        if not self._meshes:
+            _forget_dtensor_plans()
+
+    def _groups(self):
+        """The groups of the kept meshes, their flattened and sliced meshes included (the root mesh's
+        registry holds those a run makes later, e.g. FSDP's flattened dims); None where torch has no
+        registry."""
+        kept = set()
+        for mesh in self._meshes.values():
+            for part in (mesh.world, *mesh.flat.values()):
+                registry = getattr(part._get_root_mesh(), "_pg_registry", None)
+                if registry is None:
+                    return None
+                kept.update(registry.values())
+                kept.update(part.get_all_groups())
+        return kept
 
 
 def _forget_dtensor_plans() -> None:
-    """Empty DTensor's caches of sharding and redistribution plans. Meshes compare equal by their ranks and
-    dimension names, so a plan cached in an earlier run answers the next run's equal mesh with the earlier
-    run's mesh object, whose process groups were just destroyed ("Could not resolve the process group")."""
+    """Empty DTensor's caches of sharding and redistribution plans (see MeshCache: where no mesh is kept,
+    a plan cached by a destroyed mesh must not answer a later equal one)."""
     from torch.distributed.tensor import _redistribute, debug
 
     for clear in (

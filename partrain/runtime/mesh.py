@@ -56,6 +56,11 @@ def _flatten(world: DeviceMesh, names: Tuple[str, ...], as_name: str) -> DeviceM
     return world[names]._flatten(as_name)
 
 
+def mesh_key(layout: Layout) -> tuple:
+    """What build_mesh's process groups depend on: two layouts with one key get the same groups."""
+    return (tuple(mesh_dims(layout)), layout.ep, layout.sp > 1 and layout.dp_shard < layout.dp)
+
+
 def build_mesh(layout: Layout, device_type: str) -> ParallelMesh:
     dims = mesh_dims(layout)
     world = init_device_mesh(
