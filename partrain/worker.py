@@ -142,13 +142,20 @@ def train_process(
 
 def _starting_point(v: ValidatedRun, engine, batches, evals, run_dir: Path, mesh, start_step: int, events) -> None:
     """What a run starts from besides a checkpoint: a new run's base weights from another run's checkpoint
-    (checkpoint.init_from), then full fine-tuning DPO's reference log-probabilities of those weights."""
+    (checkpoint.init_from; into dpo's frozen reference copy too), then dpo's table of reference
+    log-probabilities of those weights."""
+    from partrain.blueprint.validate_objective import reference_kind
+
     run = v.run
-    if start_step == 0 and run.checkpoint.init_from:
+    reference = reference_kind(run.train, run.peft.method)
+    if run.checkpoint.init_from:
         from partrain.checkpoint.init_from import load_init_weights
 
-        load_init_weights(Path(run.checkpoint.init_from), engine.model_parts, engine.optimizer)
-    if run.train.objective == "dpo" and run.peft.method != "lora":
+        if start_step == 0:
+            load_init_weights(Path(run.checkpoint.init_from), engine.model_parts, engine.optimizer)
+        if reference == "copy":  # the reference is the starting model, on a resume too
+            load_init_weights(Path(run.checkpoint.init_from), [engine.preference.frozen], None)
+    if reference == "table":
         from partrain.train.reference_logps import attach_reference
 
         attach_reference(v, engine, batches, evals, run_dir, mesh, start_step, events)

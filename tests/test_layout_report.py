@@ -10,6 +10,7 @@ import re
 import pytest
 
 from partrain.blueprint.config.compose import compose
+from partrain.blueprint.config.schema import PP_SCHEDULES
 from partrain.blueprint.report.layout import compact_ranges, rank_kinds
 from partrain.blueprint.report.schedule import render_plain
 from partrain.blueprint.schedule_sim import schedule_grid
@@ -130,6 +131,18 @@ def test_the_report_fits_in_100_columns_with_ranks_grouped(cli, args, ranks):
     if ranks >= 16:
         assert len(rows) <= ranks // 4
     assert "process groups" in ran.stdout and "each rank alone" in ran.stdout
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_the_dry_run_prints_every_pipeline_schedule_s_bubble(cli, schedule):
+    """The zero-bubble schedules have no closed-form bubble: the dry run said so with a traceback (a None
+    formatted as a number) until the line learned to print only the simulation's figure."""
+    virtual = 1 if schedule in ("gpipe", "1f1b") else 2
+    args = ["recipe=sft-lora", "parallel.pp=2", "parallel.dp=1", f"parallel.pp_schedule={schedule}"]
+    args += [f"parallel.pp_virtual_stages={virtual}", "train.global_batch_size=32", "train.eval_batches=0"]
+    ran = cli("train", "--dry-run", *args)
+    assert ran.code == 0 and "Traceback" not in ran.stderr, ran.stdout + ran.stderr
+    assert f"pipeline schedule {schedule}: " in ran.stdout and "simulated" in ran.stdout, ran.stdout
 
 
 def test_all_ranks_prints_every_rank_and_group(cli):

@@ -24,6 +24,10 @@ MIXTRAL_DPO = DPO + ["model=mixtral-tiny"]
 # layout's own processes and cached beside the data (partrain.train.reference_logps).
 DPO_FULL = DPO + ["peft=none", "optim.lr=1e-3"]
 
+PP2 = ["parallel.pp=2", "train.micro_batch_size=2"]
+V2 = ["parallel.pp_virtual_stages=2"]
+FOUR = ["cluster.devices_per_node=4"]
+COPY = ["train.preference_reference=copy"]
 LAYOUTS = {
     # name: (the reference's overrides, the layout)
     "dpo-ddp2": (DPO, ["parallel.dp=2", "parallel.tp=1", "parallel.zero_stage=0", "train.micro_batch_size=2"]),
@@ -40,6 +44,19 @@ LAYOUTS = {
     "dpo-full-ddp2": (DPO_FULL, ["parallel.dp=2", "parallel.zero_stage=0", "train.micro_batch_size=2"]),
     "dpo-full-fsdp2": (DPO_FULL, ["parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]),
     "dpo-full-tp2": (DPO_FULL, ["parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"]),
+    # Pipeline parallelism: the last stage computes the pairs' loss; dpo's reference log-probabilities ride with
+    # the labels (LoRA: a forward of the stages with the adapters off; full fine-tuning: the cached table).
+    "dpo-pp2-1f1b": (DPO, ["parallel.dp=1", *PP2, "parallel.pp_schedule=1f1b"]),
+    "dpo-pp2-interleaved": (DPO, ["parallel.dp=1", *PP2, "parallel.pp_schedule=interleaved-1f1b", *V2]),
+    "dpo-full-pp2-zbv": (DPO_FULL, ["parallel.dp=1", *PP2, "parallel.pp_schedule=zbv", *V2]),
+    # The frozen copy (train.preference_reference=copy) against the one-process table: both are the starting
+    # model's log-probabilities. Under FSDP the copy is sharded as the policy is.
+    "dpo-copy-fsdp2": (DPO_FULL, [*COPY, "parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"]),
+    "dpo-copy-tp2": (DPO_FULL, [*COPY, "parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"]),
+    "simpo-pp2-gpipe": (SIMPO, ["parallel.dp=1", *PP2, "parallel.pp_schedule=gpipe"]),
+    # Four processes: vocabulary-sharded logits on the last stage, and the pairs' metrics summed over dp and pp.
+    "dpo-pp2-tp2": (DPO, ["parallel.dp=1", "parallel.tp=2", *PP2, *FOUR]),
+    "simpo-pp2-dp2": (SIMPO, ["parallel.dp=2", *PP2, *FOUR]),
     "simpo-sp2-ring": (SIMPO, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ring", "train.micro_batch_size=4"]),
     "simpo-zero1": (SIMPO, ["parallel.dp=2", "parallel.tp=1", "parallel.zero_stage=1", "train.micro_batch_size=2"]),
     "simpo-tp2": (SIMPO, ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=4"]),
@@ -47,7 +64,10 @@ LAYOUTS = {
 OWN_TABLE = {
     "dpo-full-dp2-own-table": ["parallel.dp=2", "train.micro_batch_size=2"],
     "dpo-full-sp2-own-table": ["parallel.dp=1", "parallel.sp=2", "train.micro_batch_size=4"],
+    "dpo-full-pp2-own-table": ["parallel.dp=1", *PP2],
 }
+EVAL = ["train.eval_every=2", "train.eval_batches=1"]
+"""The evaluation pass under pp (dpo-pp2-eval) against one process's: its reference forward and loss too."""
 RTOL = {"dpo-mixtral-ep2": 5e-5}
 """Per-layout tolerance where it is not FP32_RTOL (1e-5): expert parallelism adds the experts' outputs in
 another order, and Adam at lr 1e-2 grows that rounding step by step (measured: gradient norm 5e-7 at step 1,
@@ -67,9 +87,12 @@ def _reference_of(overrides) -> str:
     return next(name for name, ref in REFERENCES.items() if ref == overrides)
 
 
+def _records(record) -> list:
+    return [json.loads(line) for line in (record.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _metrics(record) -> list:
-    lines = (record.run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "rewards/accuracies" in r]
+    return [r for r in _records(record) if "rewards/accuracies" in r]
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +100,17 @@ def runs(tmp_path_factory):
     cache = [f"data.cache_dir={tmp_path_factory.mktemp('data-cache')}"]
     cases = {name: parity_args(reference_overrides(ref + cache), STEPS) for name, ref in REFERENCES.items()}
     for name, (ref, layout) in LAYOUTS.items():
-        cases[name] = parity_args(ref + layout + ["cluster.devices_per_node=2"] + cache, STEPS)
+        devices = [] if FOUR[0] in layout else ["cluster.devices_per_node=2"]
+        cases[name] = parity_args(ref + layout + devices + cache, STEPS)
     root = tmp_path_factory.mktemp("runs")
     # Full-FT dpo whose reference table its own layout computes (a data cache of its own, so none is found):
     # the scoring pass split over dp ranks and gathered, and over sp slices summed.
     for name, layout in OWN_TABLE.items():
         own = [f"data.cache_dir={tmp_path_factory.mktemp(name)}"]
         cases[name] = parity_args(DPO_FULL + layout + ["cluster.devices_per_node=2"] + own, STEPS)
+    cases["reference-dpo-eval"] = parity_args(reference_overrides(DPO + cache), STEPS) + EVAL
+    layout = ["parallel.dp=1", *PP2, "cluster.devices_per_node=2"]
+    cases["dpo-pp2-eval"] = parity_args(DPO + layout + cache, STEPS) + EVAL
     # Full-FT dpo saved at step 2 by one process, then resumed under dp2 by a launch of its own (the
     # checkpoint must exist when the run is prepared): it reads the reference table the first one cached.
     cases["dpo-full-saved"] = parity_args(reference_overrides(DPO_FULL + cache) + ["checkpoint.every_steps=2"], 2)
@@ -151,3 +178,21 @@ def test_a_layout_computes_the_reference_table_of_one_process(name, runs):
     got, ref = runs[name], runs["reference-dpo-full"]
     assert math.isclose(got.losses[0], math.log(2), rel_tol=1e-6), got.losses
     print(name, check_parity(ref, got))
+
+
+def test_the_evaluation_of_dpo_under_pipeline_parallelism_is_the_one_process_evaluation(runs):
+    """dpo-pp2-eval evaluates at steps 2 and 3: the stages' forward with the adapters off (the reference), then
+    the pairs' loss on the last stage, as one process computes it."""
+    ref, got = runs["reference-dpo-eval"], runs["dpo-pp2-eval"]
+    check_parity(ref, got)
+    evals = [
+        [
+            r["eval_loss"]
+            for r in map(json.loads, (x.run_dir / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r
+        ]
+        for x in (ref, got)
+    ]
+    assert len(evals[0]) == 2 and evals[0][0] > 0, evals
+    for a, b in zip(*evals, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), evals

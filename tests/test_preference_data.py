@@ -117,8 +117,19 @@ def test_a_bad_row_is_exit_2_naming_file_line_and_rule(cli, tmp_path, row, rule)
     [
         (["train.objective=simpo", "train.simpo_gamma=inf"], "train.simpo_gamma", "must be a finite number"),
         (["train.micro_batch_size=3", "train.global_batch_size=6"], "train.micro_batch_size", "must be even"),
-        (["parallel.pp=2", "cluster.devices_per_node=2"], "parallel.pp", "not implemented"),
+        (
+            ["parallel.pp=2", "parallel.sp=2", "parallel.dp=1", "cluster.devices_per_node=4"],
+            "parallel.sp",
+            "with sequence parallelism too it is not built yet",
+        ),
         (["data.packing=true"], "data.packing", "packing them is not built yet"),
+        (["peft=none", "train.preference_reference=adapters"], "train.preference_reference", "needs LoRA adapters"),
+        (
+            ["train.preference_reference=copy", "parallel.pp=2", "parallel.dp=1", "cluster.devices_per_node=2"],
+            "train.preference_reference",
+            "with parallel.pp=2 it is not built yet",
+        ),
+        (["train.objective=simpo", "train.preference_reference=table"], "train.preference_reference", "only dpo"),
         (["data.format=chat"], "data.format", "train.objective=dpo trains on preference pairs"),
         (["train.preference_beta=0"], "train.preference_beta", "must be > 0"),
         (["train.preference_label_smoothing=0.5"], "train.preference_label_smoothing", "[0, 0.5)"),

@@ -3,8 +3,9 @@
 dpo and simpo train on preference pairs (data.format=preference), two padded rows each, in one
 microbatch (partrain.data.preference_batches); their loss needs the whole sequence and the whole model in
 one forward (partrain.train.preference), so this version runs them under dp, ZeRO/FSDP/HSDP, tp (with
-Megatron-SP), sp (Ulysses and ring: each row's slices summed over the sp group) and ep, and refuses pp
-by name. dpo's reference is the base model with the LoRA
+Megatron-SP), sp (Ulysses and ring: each row's slices summed over the sp group), ep and pp (every
+schedule: the last stage computes the pairs' loss, its target carrying dpo's reference), and refuses pp
+with sp together by name. dpo's reference is the base model with the LoRA
 adapters off, or in full fine-tuning the reference log-probabilities computed before step 1
 (partrain.train.reference_logps).
 data.format=auto is checked again once the first row names the format (`objective_format_problem`).
@@ -19,6 +20,16 @@ from partrain.blueprint.config.schema import RunConfig
 from partrain.blueprint.validate_data_format import PAIRED_FORMATS
 
 PREFERENCE_OBJECTIVES = ("dpo", "simpo")
+
+
+def reference_kind(train, peft_method: str) -> Optional[str]:
+    """Where dpo's reference log-probabilities come from (train.preference_reference with auto resolved):
+    adapters, table or copy; None for the objectives without a reference."""
+    if train.objective != "dpo":
+        return None
+    if train.preference_reference == "auto":
+        return "adapters" if peft_method == "lora" else "table"
+    return train.preference_reference
 
 
 def objective_format_problem(fmt: str, objective: str) -> Optional[Tuple[str, str, str, str]]:
@@ -71,6 +82,20 @@ def objective_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
         "e.g. train.simpo_gamma=0.5",
     )
     c.check(
+        t.preference_reference == "auto" or t.objective == "dpo",
+        "train.preference_reference",
+        t.preference_reference,
+        f"only dpo has a reference (train.objective={t.objective} has none)",
+        "drop train.preference_reference, or set train.objective=dpo",
+    )
+    c.check(
+        t.preference_reference != "adapters" or run.peft.method == "lora",
+        "train.preference_reference",
+        t.preference_reference,
+        "the reference with the adapters switched off needs LoRA adapters (peft=lora)",
+        "set peft=lora, or train.preference_reference=table (precomputed) or copy (a frozen copy)",
+    )
+    c.check(
         t.micro_batch_size % 2 == 0,
         "train.micro_batch_size",
         t.micro_batch_size,
@@ -92,13 +117,26 @@ def objective_problems(c, run: RunConfig, degrees: Optional[dict]) -> None:
         "preference pairs are read from the examples cache; streaming them is not built yet",
         "set data.streaming=false",
     )
-    if degrees is None:
-        return
+    if degrees is not None:
+        _layout_problems(c, run, degrees)
+
+
+def _layout_problems(c, run: RunConfig, degrees: dict) -> None:
+    """The preference objectives' rules on the parallel degrees."""
+    t = run.train
+    pp, sp = degrees.get("pp", 1), degrees.get("sp", 1)
     c.check(
-        degrees.get("pp", 1) == 1,
-        "parallel.pp",
-        degrees.get("pp", 1),
-        f"pipeline parallelism with train.objective={t.objective} is not implemented in this version of partrain "
-        "(the pair's loss needs both rows' log-probabilities and the reference pass in one forward)",
-        "set parallel.pp=1 (dp, ZeRO/FSDP, tp, sp and ep all take it)",
+        pp == 1 or reference_kind(t, run.peft.method) != "copy",
+        "train.preference_reference",
+        t.preference_reference,
+        f"a frozen reference copy runs beside the policy in one forward; with parallel.pp={pp} it is not built yet",
+        "set train.preference_reference=table (precomputed; pp takes it) or adapters (peft=lora), or parallel.pp=1",
+    )
+    c.check(
+        pp == 1 or sp == 1,
+        "parallel.sp",
+        sp,
+        f"with parallel.pp={pp}, train.objective={t.objective} scores whole rows on the last stage; with sequence "
+        "parallelism too it is not built yet",
+        "set parallel.sp=1 (pp with dp, ZeRO/FSDP, tp and ep take it), or parallel.pp=1 (sp takes it)",
     )

@@ -7,6 +7,7 @@ materialized, gradient sync and optimizer, and the engine that trains it (direct
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import replace
 
@@ -14,6 +15,7 @@ import torch
 
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
+from partrain.blueprint.validate_objective import reference_kind
 from partrain.models.chunked_loss import head_loss_sum, labelled_count
 from partrain.models.logits import final_softcap
 from partrain.models.loss import forward_loss, token_loss
@@ -64,8 +66,9 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
             head_path=held.adapter.lm_head_path,
             chunk_tokens=run.train.loss_chunk_tokens,
         )
-        if run.train.objective != "lm":  # dpo / simpo: validation keeps them to one stage and no sp
-            loss_fn = preference_objective(run.train, run.peft.method, shard)
+        if run.train.objective != "lm":  # dpo / simpo
+            frozen = frozen_copy(v, mesh, device) if reference_kind(run.train, run.peft.method) == "copy" else None
+            loss_fn = preference_objective(run.train, run.peft.method, shard, frozen)
             engine_preference = loss_fn
         else:
             engine_preference = None
@@ -77,18 +80,42 @@ def build_engine(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> E
     return _pipeline_engine(v, mesh, device, held, loss_ctx, autocast)
 
 
-def preference_objective(train, peft_method: str, sequence=None) -> PreferenceObjective:
-    """The engine's loss for train.objective=dpo or simpo (dpo's reference: the adapters switched off)."""
+def preference_objective(train, peft_method: str, sequence=None, frozen=None) -> PreferenceObjective:
+    """The engine's loss for train.objective=dpo or simpo. dpo's reference (train.preference_reference): the
+    adapters switched off, the frozen copy, or (table) none here: the table computed before step 1
+    (partrain.train.reference_logps)."""
+    kind = reference_kind(train, peft_method)
+    reference = None
+    if kind == "adapters":
+        reference = _adapters_off
+    elif kind == "copy":
+        reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731 - the copy runs, not the policy
     return PreferenceObjective(
         kind=train.objective,
         beta=train.preference_beta,
         label_smoothing=train.preference_label_smoothing,
         simpo_gamma=train.simpo_gamma,
-        # Under LoRA the adapters switched off; in full fine-tuning a table computed before step 1
-        # (partrain.train.reference_logps).
-        reference=(lambda model: adapters_disabled([model])) if peft_method == "lora" else None,
+        reference=reference,
         sequence=sequence,
+        frozen=frozen,
     )
+
+
+@contextlib.contextmanager
+def _adapters_off(model):
+    with adapters_disabled([model]):
+        yield model
+
+
+def frozen_copy(v: ValidatedRun, mesh: ParallelMesh, device: torch.device) -> torch.nn.Module:
+    """dpo's train.preference_reference=copy: the starting model built again by the same shard_on_meta, so it
+    is sharded as the policy is (tp, sp, ep, FSDP), its weights filled as the policy's are (the seed's
+    initialisation or model.pretrained; checkpoint.init_from is loaded into it at the start), without
+    gradients and in eval mode."""
+    model = shard_on_meta(v, mesh).model
+    materialize(model, v.run.model, v.run.train.seed, device)
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def static_stage_shapes(v: ValidatedRun) -> bool:
@@ -123,6 +150,13 @@ def _pipeline_engine(
     dp_group = mesh["dp_sp"].get_group() if (not fsdp and mesh.size("dp_sp") > 1) else None
     static = static_stage_shapes(v)
     shard = sequence_shard(mesh, p.sp_mode)  # context parallelism: local tokens, its own loss
+    # dpo / simpo: the pairs' loss on the last stage (validation keeps sp off under pp for them)
+    preference = preference_objective(run.train, run.peft.method) if run.train.objective != "lm" else None
+    loss_fn = (
+        preference.pipeline_loss
+        if preference
+        else _stage_loss(stages, held.adapter, shard, run.train.loss_chunk_tokens)
+    )
     runner = PipelineRunner(
         stages,
         chunks,
@@ -130,7 +164,7 @@ def _pipeline_engine(
         mesh["pp"],
         p.pp_schedule,
         v.microbatches,
-        _stage_loss(stages, held.adapter, shard, run.train.loss_chunk_tokens),
+        loss_fn,
         device,
         microbatch_size=run.train.micro_batch_size,
         seq_len=run.train.seq_len // mesh.size("sp"),
@@ -152,6 +186,7 @@ def _pipeline_engine(
     runner.label_group = shard.group if shard else None  # masked labels: counted over the sp slices
     engine = PipelineEngine(runner, optimizer, stages, mesh["pp"].get_group(), autocast, device, loss_ctx, sync)
     engine.moe = held.moe
+    engine.preference = preference
     return engine
 
 

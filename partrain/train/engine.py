@@ -15,6 +15,7 @@ from partrain.models.loss import forward_loss, label_weight
 from partrain.parallel.data_parallel import DataParallelModel
 from partrain.parallel.grad_norm import clip_gradients
 from partrain.runtime.cuda_defaults import to_device
+from partrain.train.preference import sequence_logps
 
 
 def autocast_context(precision: str, device_type: str):
@@ -181,12 +182,31 @@ class DirectEngine:
         module.train()
         return float(total) / count
 
+    @torch.no_grad()
+    def score_rows(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's sum of labelled log-probabilities [B] (float64, on the host), in eval mode and without
+        gradients: full fine-tuning dpo's reference table (partrain.train.reference_logps). Under sequence
+        parallelism this rank scores its slice of every row and the slices' sums meet over the sp group."""
+        shard = self.preference.sequence if self.preference is not None else None
+        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
+        if shard is not None:
+            inputs, labels, positions = shard.take(inputs), shard.take(labels), shard.take(positions)
+        module = self.dp.module
+        module.eval()
+        x, y, p = (to_device(t, self.device) for t in (inputs, labels, positions))
+        with autocast_context(self.precision, self.device.type), self.loss_context():
+            logps, _ = sequence_logps(module(input_ids=x, position_ids=p).logits, y, self.label_group)
+        module.train()
+        return logps.double().cpu()
+
 
 class PipelineEngine:
     """This rank's pipeline chunks, driven by a torch.distributed.pipelining schedule."""
 
     moe = None
     """As DirectEngine.moe."""
+    preference = None
+    """As DirectEngine.preference: its pipeline_loss is the last stage's loss_fn."""
 
     def __init__(
         self,
@@ -227,6 +247,7 @@ class PipelineEngine:
         if self.moe is not None:
             self.moe.grad_scale = loss_scale  # torch divides every gradient by the microbatches afterwards
         with self.loss_context(), autocast_context(self.precision, self.device.type):
+            labels = self._dpo_target(inputs, labels, position_ids)
             # Position ids go to every stage: each runs attention, so each needs the document bounds.
             loss = self.runner.step(inputs if first else None, labels if last else None, position_ids)
         with record_function("partrain/dp/sync_gradients"):
@@ -253,10 +274,53 @@ class PipelineEngine:
         for m in self.stage_modules:
             m.eval()
         with self.loss_context(), autocast_context(self.precision, self.device.type):
+            labels = self._dpo_target(inputs, labels, position_ids)
             value = self.runner.eval_step(inputs if first else None, labels if last else None, position_ids)
         for m in self.stage_modules:
             m.train()
         return value
+
+    def _dpo_target(self, inputs: torch.Tensor, labels: torch.Tensor, position_ids) -> torch.Tensor:
+        """dpo's target for the last stage: the labels and each row's reference log-probability
+        (PreferenceObjective.with_reference), from the full fine-tuning table or, under LoRA, from a forward
+        of the stages with their adapters switched off (without gradients, every microbatch, before the
+        schedule's). The labels for any other objective."""
+        p = self.preference
+        if p is None or p.kind != "dpo":
+            return labels
+        if p.reference is None:
+            ref = p.next_reference(labels.shape[0])
+        else:
+            with contextlib.ExitStack() as off:
+                for module in self.stage_modules:
+                    off.enter_context(p.reference(module))
+                ref = self._row_logps(inputs, labels, position_ids)
+        return p.with_reference(labels, ref) if self.runner.has_last else labels
+
+    @torch.no_grad()
+    def _row_logps(self, inputs: torch.Tensor, labels: torch.Tensor, position_ids=None) -> Optional[torch.Tensor]:
+        """Each row's sum of labelled log-probabilities [B] on the last stage's rank (None elsewhere); B a
+        multiple of the microbatch size (one microbatch of the schedule's shape at a time)."""
+        first, last = self.runner.has_first, self.runner.has_last
+        n = inputs.shape[0] // self.runner.microbatch_size
+        values = self.runner.forward_only(
+            inputs if first else None,
+            labels if last else None,
+            position_ids,
+            lambda h, y: sequence_logps(h, y)[0],
+            n_microbatches=n,
+        )
+        return torch.cat(values) if values else None
+
+    def score_rows(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """As DirectEngine.score_rows: the last stage scores the rows, every pp rank gets the values."""
+        for m in self.stage_modules:
+            m.eval()
+        with self.loss_context(), autocast_context(self.precision, self.device.type):
+            values = self._row_logps(inputs, labels)
+        for m in self.stage_modules:
+            m.train()
+        return self.runner.broadcast_rows(values, inputs.shape[0])
 
     def timing(self) -> List[dict]:
         return self.runner.gather_timing()

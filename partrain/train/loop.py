@@ -266,7 +266,7 @@ class Trainer:
                 record.update(self.engine.moe.step_metrics(self._group("dp_sp"), self._group("pp")))
             preference = getattr(self.engine, "preference", None)
             if preference is not None:  # dpo / simpo: rewards, accuracy, margin and log-probs of the step's pairs
-                record.update(preference.step_metrics(self._group("dp_sp")))
+                record.update(preference.step_metrics(self._group("dp_sp"), self._group("pp")))
             if self.is_main:  # rank 0's peak memory: metrics.jsonl, the trackers (memory/peak_bytes), the log line
                 record["memory_bytes"] = memory_bytes(getattr(self.engine, "device", torch.device("cpu")))
             self.metrics.write(record)

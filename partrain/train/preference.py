@@ -12,6 +12,10 @@ labelled), computed in fp32 from the model's logits, vocabulary-sharded ones inc
 - simpo: margin = log p(c) / |c| - log p(r) / |r| (length-averaged; no reference);
   loss = -log sigmoid(beta x margin - gamma) (TRL's CPOTrainer with loss_type=simpo, cpo_alpha=0).
 
+Under pipeline parallelism the last stage's loss_fn is `pipeline_loss(logits, target)`: dpo's target carries
+each row's reference log-probability in one more column (`with_reference`), so each microbatch's reference
+meets its logits whatever order the schedule computes the losses in.
+
 With label smoothing e both become (1 - e) x loss(z) + e x loss(-z) (conservative DPO). The microbatch's
 loss is the mean over its pairs; every microbatch holds as many pairs, so the engines' mean over
 microbatches and data-parallel ranks is the mean over the global batch's pairs, for every layout.
@@ -84,7 +88,11 @@ class PreferenceObjective:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     reference: Optional[Callable[[nn.Module], ContextManager]] = None
-    """dpo under LoRA: model -> the context in which the model is the reference (its adapters switched off)."""
+    """dpo with a reference computed in the step: policy model -> a context giving the module to run as the
+    reference (the frozen copy), or giving nothing while the policy is the reference (its adapters switched
+    off); None with a table or simpo."""
+    frozen: Optional[nn.Module] = None
+    """train.preference_reference=copy: the frozen copy (partrain.train.assemble.frozen_copy)."""
     sequence: Any = None
     """Sequence parallelism: this rank's SequenceShard (partrain.parallel.context_parallel); None without sp."""
     table: Optional[torch.Tensor] = None
@@ -98,7 +106,8 @@ class PreferenceObjective:
         """The examples (cache indices) of the rows the next forwards score, in order (full-FT dpo)."""
         self._rows, self._next = self.table[torch.as_tensor(examples, dtype=torch.long)], 0
 
-    def _reference_of(self, rows: int, device) -> torch.Tensor:
+    def next_reference(self, rows: int, device=None) -> torch.Tensor:
+        """The reference log-probabilities of the next `rows` rows that use_rows named (full-FT dpo)."""
         if self._rows is None or self._next + rows > len(self._rows):
             raise RuntimeError("dpo without a LoRA reference needs the rows' reference log-probabilities (use_rows)")
         ref = self._rows[self._next : self._next + rows]
@@ -113,12 +122,19 @@ class PreferenceObjective:
             position_ids = self.sequence.position_ids(input_ids.shape[1] * self.sequence.size, input_ids.device)
         elif position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        ref = None
         if self.kind == "dpo" and self.reference is None:
-            ref = self._reference_of(input_ids.shape[0], input_ids.device)
+            ref = self.next_reference(input_ids.shape[0], input_ids.device)
         elif self.kind == "dpo":
-            with torch.no_grad(), self.reference(model):
-                ref, _ = sequence_logps(model(input_ids=input_ids, position_ids=position_ids).logits, labels, group)
+            with torch.no_grad(), self.reference(model) as reference:
+                reference = reference if reference is not None else model  # a context may yield nothing: the policy
+                ref, _ = sequence_logps(reference(input_ids=input_ids, position_ids=position_ids).logits, labels, group)
         logits = model(input_ids=input_ids, position_ids=position_ids).logits
+        return self.pair_loss(logits, labels, ref, group)
+
+    def pair_loss(self, logits: torch.Tensor, labels: torch.Tensor, ref: Optional[torch.Tensor], group=None):
+        """The mean loss of the microbatch's pairs from the policy's logits (ref: dpo's per-row reference
+        log-probabilities, None for simpo); the pairs' metrics counted."""
         logps, counts = sequence_logps(logits, labels, group)
         chosen, rejected = logps[0::2], logps[1::2]
         if self.kind == "dpo":
@@ -134,6 +150,23 @@ class PreferenceObjective:
         self._add(chosen_reward, rejected_reward, chosen.detach(), rejected.detach())
         return losses.mean()
 
+    # -- pipeline parallelism: the last stage's loss_fn(logits, target) -------------------------------------
+    def with_reference(self, labels: torch.Tensor, ref: Optional[torch.Tensor]) -> torch.Tensor:
+        """The pipeline's target for dpo: labels [B, S] and one more column holding each row's reference
+        log-probability (float64 bits in an int64), so that a microbatch's reference travels with its labels
+        whatever order the schedule computes the microbatches' losses in. simpo: the labels."""
+        if self.kind != "dpo":
+            return labels
+        bits = ref.to(device=labels.device, dtype=torch.float64).contiguous().view(torch.int64)
+        return torch.cat([labels, bits.unsqueeze(1)], dim=1)
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """loss_fn of the pipeline's last stage (target: `with_reference`'s)."""
+        if self.kind != "dpo":
+            return self.pair_loss(logits, target, None)
+        ref = target[:, -1].contiguous().view(torch.float64).float()
+        return self.pair_loss(logits, target[:, :-1], ref)
+
     def _add(self, chosen_reward, rejected_reward, chosen, rejected) -> None:
         row = torch.stack(
             [
@@ -148,18 +181,20 @@ class PreferenceObjective:
         )
         self._sums.append(row.double().cpu())
 
-    def step_metrics(self, group=None) -> Dict[str, float]:
+    def step_metrics(self, group=None, pp_group=None) -> Dict[str, float]:
         """Means over the step's pairs of every data-parallel rank (`group`: the ranks holding other pairs;
-        a collective when given), then a fresh count. Evaluation forwards count too: call after them only
-        through `reset`."""
-        if not self._sums:
+        a collective when given), then a fresh count. Under pipeline parallelism (`pp_group`) only the last
+        stage counts pairs: the sums meet over the pp group too, so every rank reads them. Evaluation
+        forwards count too: call after them only through `reset`."""
+        if not self._sums and pp_group is None:
             return {}
-        total = torch.stack(self._sums).sum(dim=0)
+        total = torch.stack(self._sums).sum(dim=0) if self._sums else torch.zeros(len(STAT_NAMES) + 1).double()
         self._sums.clear()
-        if group is not None:
-            dist.all_reduce(total, group=group)
+        for g in (group, pp_group):
+            if g is not None:
+                dist.all_reduce(total, group=g)
         pairs = float(total[-1])
-        return {name: float(total[i]) / pairs for i, name in enumerate(STAT_NAMES)}
+        return {name: float(total[i]) / pairs for i, name in enumerate(STAT_NAMES)} if pairs else {}
 
     def reset(self) -> None:
         """Forget what was counted (evaluation forwards, which are not the step's)."""

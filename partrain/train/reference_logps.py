@@ -28,8 +28,6 @@ import torch.distributed as dist
 from partrain.blueprint.validate import ValidatedRun
 from partrain.data.atomic import write_json
 from partrain.data.open_batches import DATA_MANIFEST
-from partrain.train.engine import autocast_context
-from partrain.train.preference import sequence_logps
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +117,12 @@ def _compute(v: ValidatedRun, engine, batches, evals, mesh, events) -> np.ndarra
     steps = -(-per_rank // micro)
     mine = rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     padded = np.resize(mine if len(mine) else rows[:1], steps * micro)  # every rank runs `steps` forwards
-    module, shard = engine.dp.module, engine.preference.sequence
-    module.eval()
     values = []
     for i in range(steps):
         inputs, labels = batches._rows.rows(padded[i * micro : (i + 1) * micro])
-        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
-        if shard is not None:  # sequence parallelism: this rank's slice of every row, summed over the sp group
-            inputs, labels, positions = shard.take(inputs), shard.take(labels), shard.take(positions)
-        inputs, labels, positions = inputs.to(engine.device), labels.to(engine.device), positions.to(engine.device)
-        group = shard.group if shard is not None else None
-        with autocast_context(engine.precision, engine.device.type), engine.loss_context():
-            logps, _ = sequence_logps(module(input_ids=inputs, position_ids=positions).logits, labels, group)
-        values.append(logps.double().cpu())
+        values.append(engine.score_rows(inputs, labels))
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             events("reference", done=(i + 1) * micro * dp_size, total=len(rows))
-    module.train()
     scored = torch.cat(values)[: len(mine)]
     out = torch.full((per_rank,), float("nan"), dtype=torch.float64)
     out[: len(scored)] = scored

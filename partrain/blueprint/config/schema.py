@@ -34,6 +34,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 PEFT_METHODS = ("none", "lora")
 OBJECTIVES = ("lm", "dpo", "simpo")
+PREFERENCE_REFERENCES = ("auto", "adapters", "table", "copy")
 
 CHOICES = {
     "parallel.pp_schedule": PP_SCHEDULES,
@@ -51,6 +52,7 @@ CHOICES = {
     "parallel.zero_stage": ZERO_STAGES,
     "peft.method": PEFT_METHODS,
     "train.objective": OBJECTIVES,
+    "train.preference_reference": PREFERENCE_REFERENCES,
     "data.format": DATA_FORMATS,
     "data.train_on": TRAIN_ON,
     "data.long_examples": LONG_EXAMPLES,
@@ -351,6 +353,13 @@ class TrainConfig:
     cached beside the data) or simpo (reference-free: -log sigmoid(beta x the margin of length-averaged
     log-probs - simpo_gamma)). A pair is two rows of one microbatch (chosen, rejected):
     train.micro_batch_size counts rows and must be even. See docs/preference-tuning.md."""
+    preference_reference: str = "auto"
+    """dpo: where the reference's log-probabilities come from. adapters: the model with its LoRA adapters
+    switched off (peft=lora; one forward without gradients a microbatch, nothing more held). table: the
+    starting model's log-probabilities of every pair, computed once before step 1 by the run's own layout and
+    cached beside the data (8 bytes a row; reused on resume and under another layout). copy: a frozen copy
+    of the starting model sharded as the policy is (its parameters held again; one forward a microbatch;
+    parallel.pp=1). auto: adapters under peft=lora, else table."""
     preference_beta: float = 0.1
     """dpo and simpo: beta, the scale of the margin inside the sigmoid (TRL's beta; SimPO's paper uses 2-10)."""
     preference_label_smoothing: float = 0.0

@@ -191,7 +191,7 @@ def _rank_memory(spec: PlanSpec, r: PipelineRank, n_if: int, s: StepInputs) -> R
     cpu_runtime = spec.cluster.device == "cpu" and spec.mixed != "zero"
     process = process_bytes(spec, activations + transient) if cpu_runtime else 0.0
     return RankMemory(
-        params=p * dt.param,
+        params=p * dt.param * (2 if spec.reference_copy else 1),  # dpo's frozen copy: the parameters again
         grads=g * dt.grad,
         optimizer=o * dt.optim,
         activations=activations,
@@ -257,7 +257,7 @@ def _rank_compute(spec: PlanSpec, r: PipelineRank, s: StepInputs) -> RankCompute
         hw += layers * s.passes_extra
     elif spec.recompute == "selective":
         hw += core * s.passes_extra
-    if spec.reference_forward:  # dpo under LoRA: the reference's forward, adapters off, no backward
+    if spec.reference_forward:  # dpo's reference (adapters off, or the frozen copy): one forward, no backward
         hw += layers + head
     if s.compute is not None:  # timed per matmul shape from cluster.compute_profile (compute_model.py)
         t = rank_microbatch_time(s.compute, spec, dense, r.sparse, r.first, r.last, s.tokens)

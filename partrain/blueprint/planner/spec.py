@@ -169,8 +169,11 @@ class PlanSpec:
     lora_targets: Tuple[str, ...] = ()
     """The projections LoRA adapts (peft.target_modules or the family's default)."""
     reference_forward: bool = False
-    """train.objective=dpo under LoRA: each microbatch also runs forward once without gradients, adapters off
-    (its reference); one more forward of the layers and head per microbatch, nothing more held."""
+    """dpo whose reference runs in the step (train.preference_reference adapters or copy): each microbatch
+    also runs forward once without gradients; one more forward of the layers and head per microbatch."""
+    reference_copy: bool = False
+    """dpo with train.preference_reference=copy: the frozen copy holds this rank's parameters again (sharded
+    as the policy's; no gradients, no optimizer state)."""
 
     def loss_chunk(self, tokens: float) -> float:
         """Tokens whose logits exist at once on a rank for a microbatch of `tokens` tokens: the
@@ -270,6 +273,7 @@ def run_settings(run) -> Dict[str, Any]:
     settings the estimate depends on (parameter dtype, FSDP and DP gradient sync, buckets,
     parameter servers, MoE capacity, loss chunking, axis order, sp mode). One function, so that a
     validated run, the layout search and `parallel=auto` estimate every layout with the same settings."""
+    from partrain.blueprint.validate_objective import reference_kind
     from partrain.blueprint.validate_peft import lora_targets
 
     p, t = run.parallel, run.train
@@ -289,7 +293,8 @@ def run_settings(run) -> Dict[str, Any]:
         ps_servers=p.ps_servers,
         # The preference objectives compute each microbatch's logits whole (partrain.train.preference).
         loss_chunk_tokens=t.loss_chunk_tokens if t.objective == "lm" else 0,
-        reference_forward=t.objective == "dpo" and lora,
+        reference_forward=reference_kind(t, run.peft.method) in ("adapters", "copy"),
+        reference_copy=reference_kind(t, run.peft.method) == "copy",
         float8=t.float8_recipe if t.float8 else "",
     )
 

@@ -10,7 +10,9 @@ JSON key "fine_tuning" (null for a text run without peft):
          first_batches: {steps, tokens, trained, masked_share}} or null (text data; or `plan` without
          --check, which reads no data); a streamed run's skipped_rows and long_examples are null (its
          rows are met by the workers, not counted ahead);
-  adapters: {method, r, alpha, target_modules, params, base_params, share, memory_bytes} or null.
+  adapters: {method, r, alpha, target_modules, params, base_params, share, memory_bytes} or null;
+  objective: {objective, beta, reference (dpo's: adapters, table or copy; null for simpo), reference_holds}
+         or null (train.objective=lm).
 The data part is measured by the launch's own preflight (partrain.preflight.fine_tuning); the adapter
 part is counted here from the model's parameter shapes, as the planner counts them (torch-free).
 """
@@ -22,6 +24,7 @@ from typing import Optional
 
 from partrain.blueprint.planner.params import tensor_specs, with_lora
 from partrain.blueprint.validate import ValidatedRun
+from partrain.blueprint.validate_objective import reference_kind
 from partrain.blueprint.validate_peft import lora_targets
 
 ADAPTER_BYTES_PER_PARAM = 16
@@ -51,12 +54,38 @@ def adapter_facts(v: ValidatedRun) -> Optional[dict]:
     }
 
 
-def fine_tuning_section(v: ValidatedRun, data: Optional[dict]) -> Optional[dict]:
-    """The report's "fine_tuning" value: the preflight's data facts and the adapters; None when neither."""
-    adapters = adapter_facts(v)
-    if data is None and adapters is None:
+REFERENCE_HOLDS = {
+    "adapters": "the model with its adapters switched off: nothing more held; one forward without gradients a "
+    "microbatch",
+    "table": "the starting model's log-probabilities, computed by one forward of every row before step 1 and "
+    "cached beside the data: 8 bytes a row, nothing held in the step",
+    "copy": "a frozen copy of the starting model sharded as the policy: this rank's parameters again (the memory "
+    "estimate's params count it); one forward without gradients a microbatch",
+}
+"""What each dpo reference (train.preference_reference) holds and costs, as the report says it."""
+
+
+def objective_facts(v: ValidatedRun) -> Optional[dict]:
+    """train.objective's settings and dpo's reference (what it holds); None for lm."""
+    t = v.run.train
+    if t.objective == "lm":
         return None
-    return {"data": data, "adapters": adapters}
+    reference = reference_kind(t, v.run.peft.method)
+    return {
+        "objective": t.objective,
+        "beta": t.preference_beta,
+        "reference": reference,
+        "reference_holds": REFERENCE_HOLDS.get(reference),
+    }
+
+
+def fine_tuning_section(v: ValidatedRun, data: Optional[dict]) -> Optional[dict]:
+    """The report's "fine_tuning" value: the preflight's data facts, the adapters and the preference objective;
+    None when none."""
+    adapters, objective = adapter_facts(v), objective_facts(v)
+    if data is None and adapters is None and objective is None:
+        return None
+    return {"data": data, "adapters": adapters, "objective": objective}
 
 
 def fine_tuning_lines(section: Optional[dict]) -> list:
@@ -101,4 +130,10 @@ def fine_tuning_lines(section: Optional[dict]) -> list:
                 f"{a['memory_bytes'] / 2**20:.2f} MiB with gradients and AdamW state",
             )
         )
+    o = section.get("objective")
+    if o:
+        text = f"{o['objective']}, beta {o['beta']:g}"
+        if o["reference"]:
+            text += f"; reference ({o['reference']}): {o['reference_holds']}"
+        rows.append(("objective", text))
     return rows

@@ -279,7 +279,11 @@ def render_layout(report: dict, console, all_ranks: bool = False, picture=None) 
     console.print(_groups_table(report, width, all_ranks))
     if "pipeline" in report:
         pipe = report["pipeline"]
-        line = f"pipeline schedule {pipe['schedule']}: formula bubble {pipe['bubble_fraction_formula']:.3f}"
+        formula = pipe["bubble_fraction_formula"]
+        # The zero-bubble schedules have no published closed form (schedule_sim.formula_bubble): the simulation says.
+        line = f"pipeline schedule {pipe['schedule']}: " + (
+            f"formula bubble {formula:.3f}" if formula is not None else "no formula bubble"
+        )
         if "bubble_fraction_simulated" in pipe:
             line += f", simulated {pipe['bubble_fraction_simulated']:.3f} of the step (unit costs F=1, B=2)"
         console.print(line, markup=False)

@@ -135,6 +135,7 @@ class PipelineRunner:
         hidden = unwrap_ddp(stage_modules[0]).config.hidden_size
         between = activation_seq_len or seq_len  # a sequence shard between stages under Megatron-SP
         self._io_shape = (microbatch_size, between, hidden) if microbatch_size and between else None
+        self.microbatch_size = microbatch_size
 
         shapes = (microbatch_size, seq_len, activation_dtype) if static_shapes else None
         self.stages = [self._stage(module, chunk, shapes) for module, chunk in zip(self.modules, self.chunk_indices)]
@@ -195,10 +196,9 @@ class PipelineRunner:
 
         stage.forward_one_chunk = forward_one_chunk
 
-    def _set_positions(self, position_ids: Optional[torch.Tensor]) -> None:
-        self._positions = (
-            None if position_ids is None else to_device(position_ids, self.device).chunk(self.n_microbatches)
-        )
+    def _set_positions(self, position_ids: Optional[torch.Tensor], n_microbatches: Optional[int] = None) -> None:
+        n = n_microbatches or self.n_microbatches
+        self._positions = None if position_ids is None else to_device(position_ids, self.device).chunk(n)
 
     # -- instrumentation --------------------------------------------------------------------------
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -290,8 +290,29 @@ class PipelineRunner:
         labels: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor] = None,
     ) -> Optional[float]:
-        """Forward only, one microbatch and one chunk at a time (no schedule, no overlap): the mean
-        microbatch loss on the last chunk's rank, None elsewhere. Gradients are untouched.
+        """Forward only (`forward_only`): the mean microbatch loss on the last chunk's rank, None elsewhere.
+        Gradients are untouched."""
+
+        def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            weight = label_weight(y, self.label_share, self.label_group)
+            return torch.tensor(float(self._user_loss_fn(h, y)) * weight, dtype=torch.float64)
+
+        values = self.forward_only(inputs, labels, position_ids, loss)
+        return float(torch.stack(values).sum()) / self.n_microbatches if self.has_last else None
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        inputs: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        on_last: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        n_microbatches: Optional[int] = None,
+    ) -> List[torch.Tensor]:
+        """Every microbatch through the chunks without gradients, one microbatch and one chunk at a time (no
+        schedule, no overlap); on the last chunk's rank on_last(output, labels) of each microbatch, in order
+        (an empty list elsewhere). The modules' train/eval mode is the caller's. n_microbatches: how many
+        microbatches of the static shape the batch holds (the step's by default).
 
         torch's `schedule.eval()` fails for the V-shaped and zero-bubble schedules in 2.13, so this
         walks the chunks itself with blocking send/recv over the pp group. Every rank visits the
@@ -299,19 +320,20 @@ class PipelineRunner:
         plain-tensor activations of the static shape (microbatch_size, seq_len, hidden).
         """
         if self._io_shape is None:
-            raise ValueError("eval_step needs microbatch_size and seq_len")
+            raise ValueError("forward_only needs microbatch_size and seq_len")
+        n = n_microbatches or self.n_microbatches
         owner = owner_of_chunk(self.pp_size, self.n_chunks // self.pp_size, self.style)
         mine = dict(zip(self.chunk_indices, self.modules))
         if self.has_first:
-            self._check_batch(inputs)
-            xs = to_device(inputs, self.device).chunk(self.n_microbatches)
+            self._check_batch(inputs, n)
+            xs = to_device(inputs, self.device).chunk(n)
         if self.has_last:
-            self._check_batch(labels)
-            ys = to_device(labels, self.device).chunk(self.n_microbatches)
+            self._check_batch(labels, n)
+            ys = to_device(labels, self.device).chunk(n)
         b, s, hidden = self._io_shape
-        self._set_positions(position_ids)
-        total = torch.zeros((), dtype=torch.float64)
-        for mb in range(self.n_microbatches):
+        self._set_positions(position_ids, n)
+        out: List[torch.Tensor] = []
+        for mb in range(n):
             h: Optional[torch.Tensor] = None
             for c in range(self.n_chunks):
                 if c not in mine:
@@ -326,18 +348,23 @@ class PipelineRunner:
                 module.microbatch_position_ids = self._positions[mb] if self._positions is not None else None
                 h = mine[c](h)
                 if c == self.n_chunks - 1:
-                    weight = label_weight(ys[mb], self.label_share, self.label_group)
-                    total += float(self._user_loss_fn(h, ys[mb])) * weight
+                    out.append(on_last(h, ys[mb]))
                 elif owner[c + 1] != self.pp_rank:
                     with record_function("partrain/pp/send"):
                         dist.send(h.contiguous(), group=self.group, group_dst=owner[c + 1])
-        return float(total) / self.n_microbatches if self.has_last else None
+        return out
 
-    def _check_batch(self, t: torch.Tensor) -> None:
-        if t.dim() != 2 or t.shape[0] % self.n_microbatches:
-            raise ValueError(
-                f"expected [B, S] with B a multiple of {self.n_microbatches} microbatches, got {tuple(t.shape)}"
-            )
+    def broadcast_rows(self, values: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+        """The last chunk's per-row values [rows] (float64) on every pp rank (collective over the pp group)."""
+        t = values.detach().double().cpu() if values is not None else torch.zeros(rows, dtype=torch.float64)
+        if self.pp_size > 1:
+            dist.broadcast(t, group=self.group, group_src=self.last_owner)
+        return t
+
+    def _check_batch(self, t: torch.Tensor, n_microbatches: Optional[int] = None) -> None:
+        n = n_microbatches or self.n_microbatches
+        if t.dim() != 2 or t.shape[0] % n:
+            raise ValueError(f"expected [B, S] with B a multiple of {n} microbatches, got {tuple(t.shape)}")
 
     def broadcast_loss(self, value: Optional[float]) -> float:
         """The last chunk's loss on every pp rank (collective over the pp group)."""
