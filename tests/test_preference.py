@@ -57,6 +57,14 @@ LAYOUTS = {
     # Four processes: vocabulary-sharded logits on the last stage, and the pairs' metrics summed over dp and pp.
     "dpo-pp2-tp2": (DPO, ["parallel.dp=1", "parallel.tp=2", *PP2, *FOUR]),
     "simpo-pp2-dp2": (SIMPO, ["parallel.dp=2", *PP2, *FOUR]),
+    "dpo-hsdp-2x2": (DPO_FULL, ["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2", *PP2[1:], *FOUR]),
+    # The schedules left: every one of partrain's seven carries the pairs' loss.
+    "dpo-pp2-looped-bfs": (DPO, ["parallel.dp=1", *PP2, "parallel.pp_schedule=looped-bfs", *V2]),
+    "simpo-pp2-interleaved-zero-bubble": (
+        SIMPO,
+        ["parallel.dp=1", *PP2, "parallel.pp_schedule=interleaved-zero-bubble", *V2],
+    ),
+    "dpo-full-pp2-dualpipev": (DPO_FULL, ["parallel.dp=1", *PP2, "parallel.pp_schedule=dualpipev", *V2]),
     "simpo-sp2-ring": (SIMPO, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ring", "train.micro_batch_size=4"]),
     "simpo-zero1": (SIMPO, ["parallel.dp=2", "parallel.tp=1", "parallel.zero_stage=1", "train.micro_batch_size=2"]),
     "simpo-tp2": (SIMPO, ["parallel.dp=1", "parallel.tp=2", "parallel.zero_stage=0", "train.micro_batch_size=4"]),
@@ -196,3 +204,14 @@ def test_the_evaluation_of_dpo_under_pipeline_parallelism_is_the_one_process_eva
     assert len(evals[0]) == 2 and evals[0][0] > 0, evals
     for a, b in zip(*evals, strict=True):
         assert math.isclose(a, b, rel_tol=1e-5), evals
+
+
+def test_a_resume_whose_reference_table_is_gone_is_exit_2_before_any_process(runs, cli, tmp_path):
+    """The table lives in the data cache; resumed where that cache is empty (another machine, a wiped
+    cache), the run cannot get the starting model's numbers back: exit 2 naming the key and the ways out."""
+    saved = runs["dpo-full-saved"].run_dir / "checkpoints" / "step-00000002"
+    args = [*reference_overrides(DPO_FULL), f"checkpoint.resume={saved}", f"data.cache_dir={tmp_path / 'wiped'}"]
+    ran = cli("train", "--dry-run", *args)
+    out = " ".join((ran.stdout + ran.stderr).split())
+    assert ran.code == 2 and ran.spawned == [] and "Traceback" not in out, out
+    assert "train.preference_reference" in out and "gone or damaged" in out and "preference_reference=copy" in out, out

@@ -243,6 +243,8 @@ def data_problems(
 
                 facts["fine_tuning"] = data_facts(v, examples)
             problems = _vocab_problems(v, examples.vocab_size) + long_example_problems(v.run.data, examples, t.seq_len)
+            if resume_record is not None:
+                problems += _reference_table_problems(v, examples.meta_path)
             if note := row_note(v.run.data, examples, t.seq_len):  # skipped rows, cut examples: said, not silent
                 print(f"note: {note}", file=sys.stderr, flush=True)
             long_examples, packing = v.run.data.long_examples, v.run.data.packing
@@ -280,6 +282,32 @@ def data_problems(
 
         problems += epoch_problems(v, text_epoch_counts(packed, t.seq_len, v.global_batch_size), facts)
     return problems
+
+
+def _reference_table_problems(v: ValidatedRun, meta_path: Path) -> List[Problem]:
+    """A resumed dpo run whose reference is the table (train.preference_reference): the table its first
+    launch wrote must still be there, since trained weights cannot give the starting model's numbers back."""
+    from partrain.blueprint.validate_objective import reference_kind
+
+    if reference_kind(v.run.train, v.run.peft.method) != "table":
+        return []
+    from partrain.train.reference_logps import table_is_readable, table_paths
+
+    if table_is_readable(v, meta_path):
+        return []
+    array_path, _ = table_paths(v, meta_path)
+    copy = (
+        " or train.preference_reference=copy (the starting model rebuilt beside the policy)" if v.layout.pp == 1 else ""
+    )
+    return [
+        Problem(
+            "train.preference_reference",
+            v.run.train.preference_reference,
+            f"the resumed run's reference log-probabilities ({array_path}) are gone or damaged, and trained weights "
+            "cannot give the starting model's back",
+            f"restore the file, start a new run (another train.run_dir){copy if v.layout.pp == 1 else ''}",
+        )
+    ]
 
 
 def _objective_problem(v: ValidatedRun) -> Optional[Problem]:

@@ -57,9 +57,18 @@ def reference_key(v: ValidatedRun) -> str:
 
 
 def _paths(v: ValidatedRun, run_dir: Path) -> tuple:
-    meta_path = Path(json.loads((Path(run_dir) / DATA_MANIFEST).read_text())["meta_path"])
-    stem = meta_path.parent / f"reference-{reference_key(v)}"
+    return table_paths(v, Path(json.loads((Path(run_dir) / DATA_MANIFEST).read_text())["meta_path"]))
+
+
+def table_paths(v: ValidatedRun, meta_path: Path) -> tuple:
+    """(the table, its facts) in the examples cache entry whose meta file is meta_path."""
+    stem = Path(meta_path).parent / f"reference-{reference_key(v)}"
     return stem.with_suffix(".npy"), stem.with_suffix(".json")
+
+
+def table_is_readable(v: ValidatedRun, meta_path: Path) -> bool:
+    """Whether the cache entry holds this run's table with a matching checksum (what a resume reads)."""
+    return _read(*table_paths(v, meta_path)) is not None
 
 
 def _read(array_path: Path, facts_path: Path) -> Optional[np.ndarray]:
