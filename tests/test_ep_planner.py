@@ -33,6 +33,10 @@ BAD = [
     ("aux-negative", [MOE, "parallel.moe_aux_loss_coef=-0.01"], "parallel.moe_aux_loss_coef", "router_aux_loss_coef"),
     ("z-negative", [MOE, "parallel.moe_z_loss_coef=-1"], "parallel.moe_z_loss_coef", "0.001"),
     ("z-inf", [MOE, "parallel.moe_z_loss_coef=inf"], "parallel.moe_z_loss_coef", "0.001"),
+    ("bias-negative", [MOE, "parallel.moe_bias_update_speed=-0.001"], "parallel.moe_bias_update_speed", "0.001"),
+    # Mixtral's router has no selection bias: auxiliary-loss-free balancing needs DeepSeek-V3's.
+    ("bias-no-router-bias", [MOE, "parallel.moe_bias_update_speed=0.001"], "parallel.moe_bias_update_speed", "aux"),
+    ("dense-bias", [GPT, "parallel.moe_bias_update_speed=0.001"], "parallel.moe_bias_update_speed", "mixtral"),
     ("dense-cf", [GPT, "parallel.moe_capacity_factor=1.25"], "parallel.moe_capacity_factor", "model=mixtral-tiny"),
     ("dense-aux", [GPT, "parallel.moe_aux_loss_coef=0.01"], "parallel.moe_aux_loss_coef", "model=mixtral-tiny"),
     ("dense-z", [GPT, "parallel.moe_z_loss_coef=0.001"], "parallel.moe_z_loss_coef", "model=mixtral-tiny"),

@@ -36,6 +36,8 @@ QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]  # 4 experts top-2, q/k no
 GPT_OSS = ["recipe=mixtral-ep", "model=gpt-oss-tiny", "model.config.sliding_window=64"]
 DEEPSEEK = ["recipe=mixtral-ep", "model=deepseek-v3-tiny"]  # latent attention, a dense layer, a shared expert
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
+# Auxiliary-loss-free balancing: the routers' selection bias moves after every step by the loads of every rank.
+DEEPSEEK_BALANCED = DEEPSEEK + ["parallel.moe_bias_update_speed=0.05"]
 
 LAYOUTS = {
     "mixtral-ep4": (MIXTRAL, FOUR + ["parallel.ep=4"]),
@@ -65,6 +67,11 @@ LAYOUTS = {
         DEEPSEEK,
         ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "cluster.devices_per_node=4"],
     ),
+    "deepseek-v3-ep2-bias-update": (DEEPSEEK_BALANCED, []),
+    "deepseek-v3-ep2-pp2-bias-update": (
+        DEEPSEEK_BALANCED,
+        ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4"],
+    ),
     # Each sp rank runs half of the heads after Ulysses' all-to-all, with those heads' sink logits.
     "gpt-oss-ep2-sp2-ulysses": (GPT_OSS, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
     # Context parallel: the router losses gather their statistics over the sp ranks' shards, so they
@@ -89,6 +96,7 @@ def _reference_name(model) -> str:
         tuple(QWEN3): "qwen3",
         tuple(GPT_OSS): "gpt-oss",
         tuple(DEEPSEEK): "deepseek",
+        tuple(DEEPSEEK_BALANCED): "deepseek-balanced",
     }
     return "reference-" + names[tuple(model)]
 
@@ -147,6 +155,14 @@ def test_layout_matches_single_process(name, runs):
     if name == "mixtral-ep4":
         total = ref.summary["ranks"][0]["expert_param_bytes"]
         assert all(abs(r["expert_param_bytes"] - total / 4) <= 0.02 * total / 4 for r in got.summary["ranks"])
+
+
+def test_the_bias_update_changes_the_routing_of_one_process_as_of_every_layout(runs):
+    """parallel.moe_bias_update_speed moves DeepSeek-V3's selection biases after each step: the balanced run
+    leaves the plain one (its routing changed), and the layouts above matched it step by step."""
+    plain, balanced = runs["reference-deepseek"], runs["reference-deepseek-balanced"]
+    assert plain.losses[0] == balanced.losses[0]  # the first step routes with the loaded (zero) biases
+    assert plain.losses[1:] != balanced.losses[1:], (plain.losses, balanced.losses)
 
 
 def _routed_experts_ep2_vs_ep1(rank, world):

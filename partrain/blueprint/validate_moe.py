@@ -1,4 +1,5 @@
-"""Rules for the MoE routing keys (parallel.moe_capacity_factor, moe_aux_loss_coef, moe_z_loss_coef).
+"""Rules for the MoE routing keys (parallel.moe_capacity_factor, moe_aux_loss_coef, moe_z_loss_coef,
+moe_bias_update_speed).
 
 Kept apart from validate.py so the MoE rules read in one place. `moe_problems` appends to the
 collector `validate` passes in (anything with `check(ok, key, value, rule, fix)`).
@@ -13,9 +14,10 @@ import math
 from typing import Optional
 
 from partrain.blueprint.config.schema import ParallelConfig
+from partrain.blueprint.families import family
 from partrain.blueprint.model_facts import ModelFacts
 
-MOE_KEYS = ("moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+MOE_KEYS = ("moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_speed")
 _DEFAULTS = {k: getattr(ParallelConfig(), k) for k in MOE_KEYS}
 
 
@@ -40,6 +42,22 @@ def moe_problems(c, p: ParallelConfig, facts: Optional[ModelFacts]) -> None:
                 f"e.g. parallel.{key}=0.001"
                 + (", or null for the model's router_aux_loss_coef" if key == "moe_aux_loss_coef" else ""),
             )
+    speed = p.moe_bias_update_speed
+    c.check(
+        math.isfinite(speed) and speed >= 0,
+        "parallel.moe_bias_update_speed",
+        speed,
+        "must be a finite number >= 0 (0 = the router bias stays as loaded)",
+        "e.g. parallel.moe_bias_update_speed=0.001 (DeepSeek-V3's)",
+    )
+    if facts is not None and facts.is_moe and speed > 0:
+        c.check(
+            family(facts.arch).router_bias,
+            "parallel.moe_bias_update_speed",
+            speed,
+            f"moves a router selection bias (DeepSeek-V3's e_score_correction_bias); {facts.arch}'s router has none",
+            "drop parallel.moe_bias_update_speed, and balance with parallel.moe_aux_loss_coef instead",
+        )
     if facts is None or facts.is_moe:
         return
     for key in MOE_KEYS:

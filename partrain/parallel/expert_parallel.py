@@ -63,6 +63,12 @@ class MoESettings:
     capacity_factor: Optional[float] = None
     aux_coef: float = 0.0
     z_coef: float = 0.0
+    bias_update_speed: float = 0.0
+    """parallel.moe_bias_update_speed: how far each router's selection bias moves towards balance a step."""
+
+
+ROUTER_BIAS = "e_score_correction_bias"
+"""transformers' name for a router's per-expert selection bias (DeepSeek-V3 and the families built like it)."""
 
 
 @dataclass
@@ -83,6 +89,8 @@ class MoERuntime:
     """Context parallelism (sp > 1): the sp ProcessGroup, over which the router losses gather their
     per-expert statistics so they are those of the whole sequence, as with sp = 1."""
     sp_size: int = 1
+    routers: Dict[int, nn.Module] = field(default_factory=dict)
+    """This rank's routers by MoE-layer position (their selection bias is what moe_bias_update_speed moves)."""
 
     def local_expert_bytes(self) -> int:
         """Bytes of the expert parameters this rank holds (its local shards)."""
@@ -108,6 +116,8 @@ class MoERuntime:
             if group is not None and dist.get_world_size(group) > 1:
                 table = _all_reduce_sum(table, group)
         routed, dropped = table[:, :E], table[:, E : 2 * E]
+        if s.bias_update_speed:
+            self._balance_biases(routed)
         forwards = table[:, -1].clamp(min=1)
         per_layer_mean = routed.mean(1).clamp(min=1e-12)
         self.totals = routed if self.totals is None else self.totals + routed
@@ -122,6 +132,17 @@ class MoERuntime:
         if s.capacity_factor is not None:
             out["moe_dropped_share"] = float(dropped.sum() / routed.sum().clamp(min=1))
         return out
+
+    @torch.no_grad()
+    def _balance_biases(self, routed: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): each router's selection bias moves by the speed
+        towards balance, from the step's loads summed over every rank; every rank holding a router takes the
+        same step, so the biases stay equal across tp, dp and ep."""
+        speed = self.settings.bias_update_speed
+        for index, router in self.routers.items():
+            bias = getattr(router, ROUTER_BIAS)
+            load = routed[index]
+            bias.add_((speed * torch.sign(load.mean() - load)).to(bias.dtype).to(bias.device))
 
     def summary(self) -> Optional[dict]:
         """Expert load over the whole run, for summary.json and the CLI's table."""
@@ -172,6 +193,7 @@ def settings_for(model: nn.Module, adapter: Adapter, parallel) -> Optional[MoESe
         capacity_factor=getattr(parallel, "moe_capacity_factor", None),
         aux_coef=float(aux),
         z_coef=float(getattr(parallel, "moe_z_loss_coef", 0.0) or 0.0),
+        bias_update_speed=float(getattr(parallel, "moe_bias_update_speed", 0.0) or 0.0),
     )
 
 
@@ -445,7 +467,10 @@ def apply_ep(model: nn.Module, adapter: Adapter, ep_mesh, runtime: MoERuntime) -
         new = RoutedExperts(hf, runtime, moe_order[index], ep_mesh if ep > 1 else None)
         parent_path, _, attr = attr_path.rpartition(".")
         setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, new)
-        adapter.router(layer).register_forward_hook(_keep_router_logits(new))
+        router = adapter.router(layer)
+        router.register_forward_hook(_keep_router_logits(new))
+        if hasattr(router, ROUTER_BIAS):
+            runtime.routers[moe_order[index]] = router
         swapped.append(new)
     runtime.layers.extend(swapped)
     return swapped

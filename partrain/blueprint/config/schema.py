@@ -181,6 +181,12 @@ class ParallelConfig:
     moe_z_loss_coef: float = 0.0
     """MoE only: weight of the router z-loss (mean squared logsumexp of router logits, ST-MoE); 0 = off
     (Mixtral, Qwen2-MoE and Qwen3-MoE have none in HF)."""
+    moe_bias_update_speed: float = 0.0
+    """MoE with a router selection bias (DeepSeek-V3's e_score_correction_bias) only: auxiliary-loss-free
+    load balancing. After each optimizer step every MoE layer's bias moves by this speed towards balance,
+    bias_e += speed x sign(mean load - load_e), the loads counted over the step's tokens on every rank (so
+    every layout applies the same update); the bias is saved and resumed with the model. 0 = the bias stays
+    as loaded. DeepSeek-V3 trained with 0.001."""
     order: List[str] = field(default_factory=lambda: list(AXES))
     """Rank order of the axes, fastest-varying first (default tp, sp, dp, pp as in Megatron)."""
     zero_stage: int = 0

@@ -132,6 +132,9 @@ class Family:
     Gemma 3 has 4 (also after each)."""
     shared_expert: bool = False
     """An always-on shared expert beside the routed ones, with its own sigmoid gate (Qwen2-MoE)."""
+    router_bias: bool = False
+    """The router adds a per-expert bias to its scores when it picks the experts, not when it weights them
+    (DeepSeek-V3's e_score_correction_bias): what parallel.moe_bias_update_speed moves."""
     moe_input_casts: int = 1
     """16-bit copies autocast keeps of a MoE block's input: one per projection reading it (Qwen2-MoE:
     router, experts, shared expert, shared-expert gate)."""

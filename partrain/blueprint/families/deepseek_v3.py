@@ -142,5 +142,6 @@ DEEPSEEK_V3 = replace(
         *llama.DENSE_MLP,
     ),
     shared_expert=True,
+    router_bias=True,
     moe_input_casts=3,  # router, experts, shared experts
 )
