@@ -170,6 +170,7 @@ SINGLE_PROCESS_FILES = frozenset(
         "epochs",
         "doc_commands",
         "local_gpus",
+        "mxfp4",
         "preference_data",
         "preference_trl",
     )

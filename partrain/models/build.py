@@ -72,6 +72,7 @@ def hf_config(model_cfg: ModelConfig) -> Any:
             )
         ) from exc
 
+    _dense_weights(config, model_cfg)
     config.use_cache = False
     softcap = {"attn_logit_softcapping": getattr(config, "attn_logit_softcapping", None)}
     config._attn_implementation = attention_implementation(
@@ -79,6 +80,34 @@ def hf_config(model_cfg: ModelConfig) -> Any:
     )
     config._experts_implementation = implementations.get("experts_implementation", EXPERTS_IMPLEMENTATION)
     return config
+
+
+DEQUANTIZED_ON_LOAD = ("mxfp4",)
+"""Quantized weight formats partrain reads by dequantizing them (partrain.models.pretrained): gpt-oss' experts."""
+
+
+def _dense_weights(config: Any, model_cfg: ModelConfig) -> None:
+    """partrain trains dense weights: a folder's MXFP4 experts are dequantized on load, so the model's config
+    (and what an export writes) says nothing of a quantization; any other quantized release is refused."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    if str(method) not in DEQUANTIZED_ON_LOAD:
+        raise ConfigError(
+            Problem(
+                "model.pretrained",
+                model_cfg.pretrained,
+                f"its weights are quantized ({method}); partrain trains dense weights and dequantizes only "
+                f"{', '.join(DEQUANTIZED_ON_LOAD)} on load",
+                "use the model's unquantized (bf16 or fp32) release",
+            )
+        )
+    del config.quantization_config
 
 
 def _load_pretrained_config(model_cfg: ModelConfig, kwargs: Dict[str, Any]) -> Any:

@@ -5,7 +5,10 @@ never loaded because unpickling runs arbitrary code. Besides exact names, the re
 the differences between transformers' in-memory names and what `save_pretrained` writes:
 - a base-model-only file (keys without "model." / "transformer.", as on the Hub for gpt2);
 - the adapter's renames (Mixtral's router lives under "block_sparse_moe" on disk);
-- MoE experts stored per expert on disk but as stacked 3-D parameters in memory (LegacyExperts).
+- MoE experts stored per expert on disk but as stacked 3-D parameters in memory (LegacyExperts);
+- experts stored in MXFP4 (gpt-oss as released: `<name>_blocks` and `<name>_scales`, blocks of 32 4-bit
+  values sharing one power-of-two scale), dequantized on load by transformers' own function into the
+  training dtype (`mxfp4_shape` says what they become; training runs on the dequantized weights).
 """
 
 from __future__ import annotations
@@ -59,7 +62,20 @@ class SafetensorsCheckpoint:
         for key in self._candidate_keys(fqn):
             if key in self.key_to_file:
                 return self.read(key)
+        packed = self.mxfp4_key(fqn)
+        if packed is not None:
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            blocks, scales = self.read(packed + MXFP4_BLOCKS), self.read(packed + MXFP4_SCALES)
+            return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         return self._legacy_experts(fqn, shape)
+
+    def mxfp4_key(self, fqn: str) -> Optional[str]:
+        """The key (without its _blocks / _scales suffix) under which `fqn` is stored in MXFP4, or None."""
+        for key in self._candidate_keys(fqn):
+            if key + MXFP4_BLOCKS in self.key_to_file and key + MXFP4_SCALES in self.key_to_file:
+                return key
+        return None
 
     def stored_key(self, fqn: str) -> Optional[str]:
         """The key under which the folder stores model tensor `fqn` whole, or None (absent, or
@@ -103,6 +119,18 @@ class SafetensorsCheckpoint:
             if row != shape[1]:
                 raise ValueError(f"{fqn}: per-expert weights give {row} rows, the model expects {shape[1]}")
         return full
+
+
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+"""The suffixes of an MXFP4 tensor's two parts: [E, rows, groups, 16] uint8 (two 4-bit values a byte) and
+[E, rows, groups] uint8 (each group's power-of-two exponent, biased by 127)."""
+
+
+def mxfp4_shape(blocks_shape: Sequence[int]) -> tuple:
+    """The shape MXFP4 blocks of `blocks_shape` dequantize to: [E, groups x 32, rows] (transformers stores
+    gpt-oss' experts transposed: the in-memory [E, in, out] is [E, out, in] on disk)."""
+    experts, rows, groups, packed = blocks_shape
+    return (experts, groups * packed * 2, rows)
 
 
 def _key_to_file(folder: Path) -> Dict[str, str]:

@@ -93,6 +93,11 @@ def _expected_shape(fqn: str, shape: Tuple[int, ...], ckpt, stored: Dict[str, Tu
     key = ckpt.stored_key(fqn)
     if key is not None:
         return key, stored[key]
+    packed = ckpt.mxfp4_key(fqn)
+    if packed is not None:  # gpt-oss' experts as released: dequantized on load
+        from partrain.models.pretrained import MXFP4_BLOCKS, mxfp4_shape
+
+        return packed + MXFP4_BLOCKS, mxfp4_shape(stored[packed + MXFP4_BLOCKS])
     adapter = ckpt.adapter
     legacy, experts_attr = adapter.legacy_experts, adapter.experts_attr
     layer, sep, param = fqn.rpartition(f".{experts_attr}.") if legacy and experts_attr else ("", "", "")
