@@ -124,7 +124,8 @@ class MeshCache:
         kept = set()
         for mesh in self._meshes.values():
             for part in (mesh.world, *mesh.flat.values()):
-                registry = getattr(part._get_root_mesh(), "_pg_registry", None)
+                root_of = getattr(part, "_get_root_mesh", None)  # torch 2.9 has neither this nor the registry
+                registry = getattr(root_of(), "_pg_registry", None) if root_of is not None else None
                 if registry is None:
                     return None
                 kept.update(registry.values())
