@@ -147,6 +147,8 @@ MODEL_CASES = [
 def test_model_facts_agree_with_the_hf_config_object(arch, kwargs):
     from transformers import CONFIG_MAPPING
 
+    from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
+
     hf = CONFIG_MAPPING[arch](**kwargs)
     facts = model_facts(arch, kwargs)
     hidden, heads = hf.hidden_size, hf.num_attention_heads
@@ -191,14 +193,34 @@ def test_model_facts_agree_with_the_hf_config_object(arch, kwargs):
             hf.kv_lora_rank,
             hf.v_head_dim,
         )
+    if arch in GENERIC_MOE_RECORDS:  # the generic MoE path: its figures counted on the meta-built model
+        expected.update(_moe_figures(hf))
     assert {k: getattr(facts, k) for k in expected} == expected
 
 
+def _moe_figures(hf) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        layers = AutoModelForCausalLM.from_config(hf).model.layers
+    sparse = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+    shared = getattr(sparse[0], "shared_experts", None)
+    return dict(
+        ffn=sparse[0].experts.down_proj.shape[-1],
+        n_experts=sparse[0].experts.gate_up_proj.shape[0],
+        moe_layers=len(sparse),
+        shared_expert_ffn=shared.down_proj.weight.shape[1] if shared is not None else 0,
+    )
+
+
 def test_every_verified_arch_has_a_shipped_model():
-    """The families of their own file; the generic path's are trained from a user's folder or model.arch."""
+    """The families of their own file; the generic paths' are trained from a user's folder or model.arch, two
+    MoE ones also from a shipped tiny model (the suite's parity runs)."""
     from partrain.blueprint.families import VERIFIED
 
-    assert {yaml.safe_load(p.read_text())["arch"] for p in MODELS} == set(VERIFIED)
+    shipped = {yaml.safe_load(p.read_text())["arch"] for p in MODELS}
+    assert shipped - set(VERIFIED) == {"glm4_moe", "exaone_moe"} and set(VERIFIED) <= shipped
 
 
 def test_pretrained_folder_config_wins(tmp_path: Path):

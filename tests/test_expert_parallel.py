@@ -35,6 +35,11 @@ QWEN3 = ["recipe=mixtral-ep", "model=qwen3-moe-tiny"]  # 4 experts top-2, q/k no
 # 4 biased transposed experts top-2, attention sinks; a window as long as the sequence so Ulysses runs it.
 GPT_OSS = ["recipe=mixtral-ep", "model=gpt-oss-tiny", "model.config.sliding_window=64"]
 DEEPSEEK = ["recipe=mixtral-ep", "model=deepseek-v3-tiny"]  # latent attention, a dense layer, a shared expert
+# The generic MoE path (blueprint/families/generic_moe.py): transformers' own MoE blocks around partrain's
+# routed experts. GLM-4.5: a dense first layer, a sigmoid router choosing inside groups with a selection bias,
+# a shared expert split over tp; EXAONE-MoE: Qwen3's attention, its router bias saved under another name.
+GLM4_MOE = ["recipe=mixtral-ep", "model=glm4-moe-tiny"]
+EXAONE_MOE = ["recipe=mixtral-ep", "model=exaone-moe-tiny"]
 FOUR = ["parallel.dp=4", "cluster.devices_per_node=4"]
 # Auxiliary-loss-free balancing: the routers' selection bias moves after every step by the loads of every rank.
 DEEPSEEK_BALANCED = DEEPSEEK + ["parallel.moe_bias_update_speed=0.05"]
@@ -72,6 +77,15 @@ LAYOUTS = {
         DEEPSEEK_BALANCED,
         ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4"],
     ),
+    "glm4-moe-ep2-tp2": (GLM4_MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "cluster.devices_per_node=4"]),
+    "glm4-moe-ep2-lora-bias-update": (
+        GLM4_MOE + ["peft=lora", "parallel.moe_bias_update_speed=0.05"],
+        [],
+    ),
+    "exaone-moe-ep2-pp2": (
+        EXAONE_MOE,
+        ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "cluster.devices_per_node=4"],
+    ),
     # Each sp rank runs half of the heads after Ulysses' all-to-all, with those heads' sink logits.
     "gpt-oss-ep2-sp2-ulysses": (GPT_OSS, ["parallel.dp=1", "parallel.sp=2", "parallel.sp_mode=ulysses"]),
     # Context parallel: the router losses gather their statistics over the sp ranks' shards, so they
@@ -97,6 +111,9 @@ def _reference_name(model) -> str:
         tuple(GPT_OSS): "gpt-oss",
         tuple(DEEPSEEK): "deepseek",
         tuple(DEEPSEEK_BALANCED): "deepseek-balanced",
+        tuple(GLM4_MOE): "glm4-moe",
+        tuple(GLM4_MOE + ["peft=lora", "parallel.moe_bias_update_speed=0.05"]): "glm4-moe-lora-balanced",
+        tuple(EXAONE_MOE): "exaone-moe",
     }
     return "reference-" + names[tuple(model)]
 
@@ -362,6 +379,31 @@ def _tiny_moe(family: str, layers: int):
             Qwen2MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)
         ), QWEN2_MOE
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw, num_experts=4, moe_intermediate_size=32, head_dim=8)), QWEN3_MOE
+
+
+def test_routed_experts_compute_what_transformers_computes_on_the_generic_moe_path():
+    """Every family of the generic MoE path, built small by its survey: swapping its experts modules for
+    RoutedExperts (ep=1) inside transformers' own MoE blocks gives transformers' logits."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
+    from partrain.models.adapters import get_adapter
+    from partrain.models.generic_moe_survey import _build, _kwargs
+    from partrain.parallel.expert_parallel import apply_ep, new_runtime
+
+    parallel = SimpleNamespace(moe_capacity_factor=None, moe_aux_loss_coef=None, moe_z_loss_coef=0.0)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for arch in GENERIC_MOE_RECORDS:
+        model = _build(arch, _kwargs(arch, 0)[0], "cpu").train()
+        expected = model(input_ids=x).logits
+        adapter = get_adapter(model)
+        runtime = new_runtime(model, adapter, parallel)
+        swapped = apply_ep(model, adapter, None, runtime)
+        assert len(swapped) == runtime.settings.num_moe_layers > 0, arch
+        assert (model(input_ids=x).logits - expected).abs().max().item() <= 1e-6, arch
+        assert all(layer.take_stats()[-1].item() == 1 for layer in swapped), arch  # each block ran its experts
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])

@@ -137,6 +137,21 @@ def test_the_generic_paths_families_still_build_as_their_base_in_the_installed_t
     assert base_of("stablelm", bases)[0] is None and base_of("gpt_oss", bases)[0] is None  # LayerNorm biases; sinks
 
 
+def test_the_generic_moe_families_still_build_as_recorded_in_the_installed_transformers():
+    """hf_facts.json's generic_moe_families, re-checked: each record is what models/generic_moe_survey.py finds
+    now (the planner's tensors equal to the meta-built model's at two sizes, the router's logits, the experts'
+    layout on disk); a MoE family it cannot take is left out saying why."""
+    from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS, NOT_GENERIC_MOE
+    from partrain.models.generic_moe_survey import moe_record
+
+    assert {"glm4_moe", "exaone_moe", "ernie4_5_moe"} <= set(GENERIC_MOE_RECORDS)
+    for arch, record in GENERIC_MOE_RECORDS.items():
+        assert moe_record(arch) == (record, ""), arch
+    assert GENERIC_MOE_RECORDS["exaone_moe"].renames  # its router bias is saved under the block's name
+    assert "neither llama's nor qwen3's" in NOT_GENERIC_MOE["olmoe"]  # q/k norms over the whole width
+    assert moe_record("phimoe")[0] is None and moe_record("llama")[0] is None
+
+
 def test_a_family_off_the_generic_path_is_refused_saying_why(cli):
     ran = cli("train", "model=llama-tiny", "model.arch=stablelm", "--dry-run")
     assert ran.code == 2 and "model.arch='stablelm'" in ran.stderr, ran.stderr
@@ -150,7 +165,10 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
     transformers logits exactly; for the others it does not, or cannot run."""
     import torch
 
-    from partrain.blueprint.families.generic import GENERIC_BASES, GENERIC_PIPELINE
+    from partrain.blueprint.families import GENERIC_BASE
+    from partrain.blueprint.families.generic import GENERIC_PIPELINE
+    from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
+    from partrain.models import generic_moe_survey
     from partrain.models.families import ADAPTERS
     from partrain.models.generic_survey import _build
     from partrain.parallel.pipeline.stage import PipelineStageModule
@@ -158,7 +176,10 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def reproduced(arch: str) -> bool:
-        model = _build(arch, "cpu").eval()
+        if arch in GENERIC_MOE_RECORDS:  # small experts: the survey's first size
+            model = generic_moe_survey._build(arch, generic_moe_survey._kwargs(arch, 0)[0], "cpu").eval()
+        else:
+            model = _build(arch, "cpu").eval()
         try:
             first = PipelineStageModule(model, ADAPTERS[arch], 0, 2, range(0, 1))
             last = PipelineStageModule(model, ADAPTERS[arch], 1, 2, range(1, 2))
@@ -167,7 +188,7 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
         except TypeError:  # the stage calls a module as its verified families do (olmo3's rotary)
             return False
 
-    assert {a for a in GENERIC_BASES if reproduced(a)} == GENERIC_PIPELINE
+    assert {a for a in GENERIC_BASE if reproduced(a)} == GENERIC_PIPELINE
 
 
 def test_a_generic_family_is_refused_pipeline_parallelism_and_short_windows_by_name(cli, monkeypatch):

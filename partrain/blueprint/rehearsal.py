@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from partrain.blueprint.families import family
+from partrain.blueprint.families.generic_moe import EXPERT_FFN_KEYS, EXPERTS_KEYS, SHARED_FFN_KEYS
 from partrain.blueprint.model_facts import load_snapshot, merged_kwargs
 from partrain.blueprint.validate import ValidatedRun
 
@@ -257,7 +258,7 @@ def _shrink_model(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> None
         layers = max(layers, stages * -(-(min(dense, 1) + 1) // stages))
     sizes = {"hidden": hidden, "ffn": 2 * hidden, "layers": layers, "heads": heads, "kv_heads": kv}
     why = "a model of the same family and options, small enough for CPU processes; every degree still divides it"
-    widths = {"ffn", "moe_intermediate_size", "shared_expert_intermediate_size"}  # never widened
+    widths = {"ffn", *EXPERT_FFN_KEYS, *SHARED_FFN_KEYS}  # never widened
     for generic, key in fam.config_keys.items():
         if generic in sizes and values.get(key):
             size = min(sizes[generic], values[key]) if generic in widths else sizes[generic]
@@ -265,8 +266,8 @@ def _shrink_model(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> None
                 b.set(f"++model.config.{key}", size, values[key], why)
     extra = {
         "head_dim": HEAD_DIM,
-        "moe_intermediate_size": min(hidden, values.get("moe_intermediate_size") or hidden),
-        "shared_expert_intermediate_size": min(hidden, values.get("shared_expert_intermediate_size") or hidden),
+        **{key: min(hidden, values.get(key) or hidden) for key in ("moe_intermediate_size", *SHARED_FFN_KEYS)},
+        "dense_intermediate_size": min(2 * hidden, values.get("dense_intermediate_size") or hidden),
         "first_k_dense_replace": min(dense, 1),
         "q_lora_rank": 2 * HEAD_DIM if values.get("q_lora_rank") else None,
         "kv_lora_rank": HEAD_DIM,
@@ -282,6 +283,9 @@ def _shrink_model(v: ValidatedRun, degrees: Dict[str, int], b: _Builder) -> None
     if isinstance(values.get("layer_types"), list) and values["layer_types"]:
         types = values["layer_types"]
         b.set("++model.config.layer_types", [types[i % len(types)] for i in range(layers)], None, why)
+    if isinstance(values.get("mlp_layer_types"), list) and values["mlp_layer_types"]:  # dense ones come first
+        types = values["mlp_layer_types"]
+        b.set("++model.config.mlp_layer_types", [types[min(i, len(types) - 1)] for i in range(layers)], None, why)
     for key in ("mlp_only_layers",):
         if values.get(key):
             b.set(f"++model.config.{key}", [i for i in values[key] if i < layers], values[key], why)
@@ -314,7 +318,7 @@ def _shrink_experts(values: Dict[str, Any], f: Any, ep: int, b: _Builder) -> Non
         top_groups = max(top_groups, -(-top_k // (small // groups)))
         b.set("++model.config.topk_group", top_groups, values.get("topk_group"), why)
     if small < experts:
-        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        for key in EXPERTS_KEYS:
             if key in values and values[key]:
                 b.set(f"++model.config.{key}", small, experts, why)
 

@@ -12,44 +12,29 @@ import json
 from typing import Any, Dict
 
 from partrain.blueprint.model_facts import SNAPSHOT_PATH
+from partrain.models.generic_survey import live_class_fields
 
-
-def live_class_fields(arch: str) -> dict:
-    """Fields, JSON-able defaults and attribute map of the installed transformers config class."""
-    import dataclasses
-
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[arch]
-    defaults: Dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            value = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            value = f.default_factory()  # type: ignore[misc]
-        else:
-            value = None
-        try:
-            json.dumps(value)
-        except TypeError:
-            value = repr(value)
-        defaults[f.name] = value
-    return {"class": cls.__name__, "defaults": defaults, "attribute_map": dict(cls.attribute_map)}
+__all__ = ["live_class_fields", "write_snapshot"]
 
 
 def write_snapshot() -> None:
-    """hf_facts.json: the config classes of the verified families and of those the generic-path survey
-    finds (models/generic_survey.py), and the list of the latter."""
+    """hf_facts.json: the config classes of the verified families and of those the generic-path surveys
+    find (models/generic_survey.py, models/generic_moe_survey.py), and the lists of the latter."""
     import transformers
 
     from partrain.blueprint.families import VERIFIED
     from partrain.blueprint.families.generic import GENERIC_KEY, NOT_GENERIC_KEY
+    from partrain.blueprint.families.generic_moe import GENERIC_MOE_KEY, NOT_GENERIC_MOE_KEY
+    from partrain.models.generic_moe_survey import moe_survey
     from partrain.models.generic_survey import survey
 
     generic, not_generic = survey(tuple(VERIFIED))
+    moe, not_moe = moe_survey(sorted(not_generic))
     data: Dict[str, Any] = {"transformers_version": transformers.__version__, GENERIC_KEY: generic}
-    data[NOT_GENERIC_KEY] = not_generic
-    data.update({arch: live_class_fields(arch) for arch in (*VERIFIED, *generic)})
+    data[NOT_GENERIC_KEY] = {arch: why for arch, why in not_generic.items() if arch not in moe}
+    data[GENERIC_MOE_KEY] = {arch: record.to_json() for arch, record in moe.items()}
+    data[NOT_GENERIC_MOE_KEY] = not_moe
+    data.update({arch: live_class_fields(arch) for arch in (*VERIFIED, *generic, *moe)})
     SNAPSHOT_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

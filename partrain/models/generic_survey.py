@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 BASES = ("llama", "qwen2", "qwen3", "olmo2")
 """The verified families a generic one may stand on, in the order they are tried."""
@@ -34,6 +34,30 @@ TINY_SIZES = dict(
     tie_word_embeddings=False,
 )
 """Sizes every surveyed config gets (keys a config class does not have are kept as attributes, unused)."""
+
+
+def live_class_fields(arch: str) -> dict:
+    """Fields, JSON-able defaults and attribute map of the installed transformers config class."""
+    import dataclasses
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[arch]
+    defaults: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+        else:
+            value = None
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = repr(value)
+        defaults[f.name] = value
+    return {"class": cls.__name__, "defaults": defaults, "attribute_map": dict(cls.attribute_map)}
 
 
 def _build(arch: str, device: str):

@@ -222,7 +222,7 @@ def _install_projections(
             new = tp_layers.RowParallelLinear(
                 layer.get_submodule(key),
                 mesh,
-                to_sequence=sequence_parallel and leaf in BLOCK_OUTPUTS,
+                to_sequence=sequence_parallel and leaf in BLOCK_OUTPUTS and not _in_moe_block(layer, adapter, key),
                 split_input=_gathers(style),
             )
         else:
@@ -279,6 +279,8 @@ def parallelize_layers(
     base = layer_plan_from_hf(hf_plan, adapter, sequence_parallel, model.config.model_type)
     for layer in entries:
         plan = {k: v for k, v in base.items() if _has(layer, k)}
+        if sequence_parallel:
+            _whole_outputs_inside_moe_blocks(layer, adapter, plan)
         if sequence_parallel and not sharded_saves:
             # Module-input preparation first, then the projections inside.
             plan = {**_torch_sequence_parallel_plan(layer, adapter), **plan}
@@ -289,6 +291,20 @@ def parallelize_layers(
         for key, style in plan.items():  # what is left: torch's styles (MoE SP, head norms, sp_memory)
             for s in style if isinstance(style, list) else [style]:
                 parallelize_module(layer, mesh, {key: s})
+
+
+def _in_moe_block(layer: nn.Module, adapter: Adapter, key: str) -> bool:
+    """Whether `key` is inside the MoE block of `layer` (GLM-4.5's shared experts, split by its tp plan)."""
+    return adapter.experts(layer) is not None and key.startswith(adapter.mlp_attr + ".")
+
+
+def _whole_outputs_inside_moe_blocks(layer: nn.Module, adapter: Adapter, plan: Dict[str, object]) -> None:
+    """Under Megatron-SP an MoE block gathers the sequence and hands its output back as shards itself
+    (_moe_sequence_parallel): a row-parallel projection inside it (a shared expert's down_proj) sums its
+    output whole, to add to the routed experts' whole output, instead of reduce-scattering it."""
+    for key, style in plan.items():
+        if isinstance(style, RowwiseParallel) and _in_moe_block(layer, adapter, key):
+            plan[key] = RowwiseParallel()
 
 
 def _has(module: nn.Module, path: str) -> bool:

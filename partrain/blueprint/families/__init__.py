@@ -16,7 +16,8 @@ from partrain.blueprint.families.cohere2 import COHERE2
 from partrain.blueprint.families.deepseek_v3 import DEEPSEEK_V3
 from partrain.blueprint.families.gemma2 import GEMMA2
 from partrain.blueprint.families.gemma3 import GEMMA3
-from partrain.blueprint.families.generic import GENERIC_FAMILIES, NOT_GENERIC
+from partrain.blueprint.families.generic import GENERIC_BASES, GENERIC_FAMILIES, NOT_GENERIC
+from partrain.blueprint.families.generic_moe import GENERIC_MOE_FAMILIES, GENERIC_MOE_RECORDS, NOT_GENERIC_MOE
 from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
 from partrain.blueprint.families.gpt_oss import GPT_OSS
@@ -31,16 +32,23 @@ from partrain.errors import ConfigError, Problem
 DENSE = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, SMOLLM3, GRANITE, GEMMA2, GEMMA3, OLMO2, PHI3, GLM4, COHERE2)
 VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT_OSS, DEEPSEEK_V3)}
 """HF model_type -> the planner family of its own file, verified layout by layout."""
-FAMILIES: Dict[str, Family] = {**VERIFIED, **{a: f for a, f in GENERIC_FAMILIES.items() if a not in VERIFIED}}
+FAMILIES: Dict[str, Family] = {
+    **VERIFIED,
+    **{a: f for a, f in {**GENERIC_FAMILIES, **GENERIC_MOE_FAMILIES}.items() if a not in VERIFIED},
+}
 """HF model_type -> its planner family, in the order reports list the supported architectures (the
-generic path's last)."""
+generic paths' last)."""
+GENERIC_BASE: Dict[str, str] = {**GENERIC_BASES, **{a: r.base for a, r in GENERIC_MOE_RECORDS.items()}}
+"""Every family of the generic paths (dense and MoE) -> the verified family whose tensors it stands on."""
+WHY_NOT_GENERIC: Dict[str, str] = {**NOT_GENERIC, **NOT_GENERIC_MOE}
+"""Why the surveys left a family of the installed transformers off both generic paths."""
 
 
 def unknown_arch(arch: str) -> Problem:
     names = tuple(FAMILIES)
     close = difflib.get_close_matches(arch, names, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    why = f"; the generic path does not take it: {NOT_GENERIC[arch]}" if arch in NOT_GENERIC else ""
+    why = f"; the generic path does not take it: {WHY_NOT_GENERIC[arch]}" if arch in WHY_NOT_GENERIC else ""
     return Problem(
         "model.arch",
         arch,

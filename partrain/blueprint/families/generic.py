@@ -51,22 +51,30 @@ GENERIC_FAMILIES: Dict[str, Family] = {
 GENERIC_PIPELINE = frozenset(
     (
         "cwm",
+        "dots1",
         "ernie4_5",
+        "ernie4_5_moe",
         "exaone",
+        "exaone_moe",
         "gemma",
+        "glm4_moe",
         "helium",
         "internlm3",
         "iquestcoder",
+        "mellum",
+        "minimax_m3_vl_text",
         "ministral",
         "ministral3",
         "olmo3",
         "seed_oss",
+        "solar_open",
     )
 )
 """The generic families whose transformers forward partrain's pipeline stages reproduce: a tiny model split
 into two PipelineStageModule chunks gives transformers' logits exactly (tests/test_families.py checks this
 set against the installed transformers; olmo3's rotary takes the layer's attention type, which the stage
-gives a rotary module whose forward asks for it). Today every family of the generic path; one a later
+gives a rotary module whose forward asks for it). Today every family of the generic paths (dense and MoE,
+families/generic_moe.py); one a later
 transformers adds that the stages do not reproduce is refused pp by name."""
 
 GENERIC_REFUSED = {

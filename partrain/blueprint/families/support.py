@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from partrain.blueprint.families.generic import GENERIC_BASES, SNAPSHOT
+from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
 
 PARITY_STEPS = 2
 """Steps of every cell: the first compares the forward and the backward, the second the update that
@@ -62,6 +63,7 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     ),
     "gpt_oss": ("model=gpt-oss-tiny",),
     "deepseek_v3": ("model=deepseek-v3-tiny",),
+    "glm4_moe": ("model=glm4-moe-tiny",),
     "gemma": (
         "model=llama-tiny",
         "model.arch=gemma",
@@ -129,6 +131,10 @@ FAMILY_NOTES: Dict[str, str] = {
         "multi-head latent attention; a dense layer, then 4 routed experts (top-2 of the best group, sigmoid"
         " router) beside a shared expert (ep=1 here)"
     ),
+    "glm4_moe": (
+        "generic MoE path: a dense layer, then 4 routed experts (top-2 of the best group, sigmoid router with a "
+        "selection bias) beside a shared expert (ep=1 here); q/k/v biases, partial rotary"
+    ),
     "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
 """What each family's row exercises beyond Llama."""
@@ -172,7 +178,8 @@ def render() -> str:
             "",
             *layouts,
             "",
-            "`gpt_oss` and `deepseek_v3` are mixture-of-experts families: their rows run at `parallel.ep=1` (every"
+            "`gpt_oss`, `deepseek_v3` and `glm4_moe` are mixture-of-experts families: their rows run at"
+            " `parallel.ep=1` (every"
             " rank holds every expert). The MoE families (`mixtral`, `qwen2_moe`, `qwen3_moe`, `gpt_oss`,"
             " `deepseek_v3`) are verified under expert"
             " parallelism and its combinations in [Expert parallelism](parallel/expert.md).",
@@ -192,6 +199,21 @@ def render() -> str:
             " above are checked as every family is. The families on this path, with their base:",
             "",
             ", ".join(f"`{arch}` ({base})" for arch, base in GENERIC_BASES.items()) + ".",
+            "",
+            "## The generic MoE path",
+            "",
+            "A mixture-of-experts family without a file of its own is trained when transformers builds it as a"
+            " base (`llama` or `qwen3`) whose MLP is, in some layers, an MoE block around transformers' fused"
+            " experts module (named by the config class's `base_model_ep_plan`): partrain built every MoE family"
+            " at two sizes and kept those whose tensors outside that block are the base's and whose block's"
+            " tensors it can name (routed experts, router, shared experts), whose router returns the router"
+            " logits, whose `save_pretrained` folders it loads, and whose logits are the head applied to the"
+            " base model's output. The routing runs in transformers' own block; partrain replaces only the"
+            " experts module (expert parallelism), and the suite checks that the swap gives transformers' logits"
+            " for each. They take every layout the dense generic path takes, and `parallel.ep`. `glm4_moe`"
+            " above is checked as every family is. The families on this path, with their base:",
+            "",
+            ", ".join(f"`{arch}` ({r.base})" for arch, r in GENERIC_MOE_RECORDS.items()) + ".",
             "",
             "Any other `model_type` is refused before launch (exit 2, naming `model.arch`, or the pretrained"
             " folder's `config.json`, and the supported families).",

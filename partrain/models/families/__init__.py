@@ -13,8 +13,9 @@ from dataclasses import replace
 from typing import Any, Dict
 
 from partrain.blueprint.families.generic import GENERIC_BASES
+from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS, MoeRecord
 from partrain.errors import ConfigError, Problem
-from partrain.models.families.base import Adapter
+from partrain.models.families.base import Adapter, LegacyExperts
 from partrain.models.families.cohere2 import COHERE2
 from partrain.models.families.deepseek_v3 import DEEPSEEK_V3
 from partrain.models.families.gemma2 import GEMMA2
@@ -51,6 +52,26 @@ VERIFIED_ADAPTERS: Dict[str, Adapter] = {
 }
 """model_type -> adapter of its own family file (a new family: add its module here)."""
 
+
+def moe_adapter(arch: str, record: MoeRecord) -> Adapter:
+    """A generic MoE family's adapter (blueprint/families/generic_moe.py): its base's paths, and where the
+    survey found its MoE block, experts, router and shared experts."""
+    block = record.block
+    return replace(
+        VERIFIED_ADAPTERS[record.base],
+        family="generic",
+        archs=(arch,),
+        mlp_attr=block,
+        is_moe=True,
+        experts_attr=f"{block}.experts",
+        expert_param_names=("gate_up_proj", "down_proj"),
+        router_attr=f"{block}.{record.router}",
+        shared_expert_attr=f"{block}.{record.shared}" if record.shared else None,
+        legacy_experts=LegacyExperts(*record.legacy) if record.legacy else None,
+        checkpoint_renames=record.renames,
+    )
+
+
 ADAPTERS: Dict[str, Adapter] = {
     **VERIFIED_ADAPTERS,
     **{
@@ -58,9 +79,10 @@ ADAPTERS: Dict[str, Adapter] = {
         for arch, base in GENERIC_BASES.items()
         if arch not in VERIFIED_ADAPTERS
     },
+    **{arch: moe_adapter(arch, r) for arch, r in GENERIC_MOE_RECORDS.items() if arch not in VERIFIED_ADAPTERS},
 }
-"""model_type -> adapter, for every supported architecture: the generic path's families
-(blueprint/families/generic.py) take their base family's module paths."""
+"""model_type -> adapter, for every supported architecture: the generic paths' families
+(blueprint/families/generic.py, generic_moe.py) take their base family's module paths."""
 
 
 def get_adapter(model_or_arch: Any) -> Adapter:
