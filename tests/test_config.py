@@ -216,11 +216,11 @@ def _moe_figures(hf) -> dict:
 
 def test_every_verified_arch_has_a_shipped_model():
     """The families of their own file; the generic paths' are trained from a user's folder or model.arch, two
-    MoE ones also from a shipped tiny model (the suite's parity runs)."""
+    MoE ones and a template one also from a shipped tiny model (the suite's parity runs)."""
     from partrain.blueprint.families import VERIFIED
 
     shipped = {yaml.safe_load(p.read_text())["arch"] for p in MODELS}
-    assert shipped - set(VERIFIED) == {"glm4_moe", "exaone_moe"} and set(VERIFIED) <= shipped
+    assert shipped - set(VERIFIED) == {"glm4_moe", "exaone_moe", "phi"} and set(VERIFIED) <= shipped
 
 
 def test_pretrained_folder_config_wins(tmp_path: Path):

@@ -152,6 +152,32 @@ def test_the_generic_moe_families_still_build_as_recorded_in_the_installed_trans
     assert moe_record("phimoe")[0] is None and moe_record("llama")[0] is None
 
 
+def test_the_template_families_still_build_as_recorded_in_the_installed_transformers():
+    """hf_facts.json's template_families, re-checked: each record is what models/generic_template_survey.py
+    finds now (its template equal to the meta-built model at two sizes, its paths, plans and fixed flags)."""
+    from partrain.blueprint.families.generic_template import TEMPLATE_RECORDS
+    from partrain.models.generic_template_survey import template_record
+
+    assert {"phi", "starcoder2", "olmo", "nemotron"} <= set(TEMPLATE_RECORDS)
+    for arch, record in TEMPLATE_RECORDS.items():
+        assert template_record(arch) == (record, ""), arch
+    assert TEMPLATE_RECORDS["starcoder2"].fixed_flags == {"use_bias": True}
+    assert template_record("cohere")[1] == "its logits are not the head applied to the base model's output"
+
+
+def test_a_template_family_refuses_what_its_record_cannot_hold(cli):
+    """A boolean field that changes the tensors away from the recorded value, Megatron-SP where the row
+    projections are not o_proj / down_proj: exit 2 naming the key, before any process."""
+    base = ["model=phi-tiny", "cluster.devices_per_node=2"]
+    ran = cli("train", *base, "+model.config.qk_layernorm=true", "--dry-run")
+    assert ran.code == 2 and "model.config.qk_layernorm=True" in ran.stderr and "template path" in ran.stderr
+    ran = cli("train", *base, "parallel.tp=2", "parallel.tp_sequence_parallel=true")
+    assert ran.code == 2 and "parallel.tp_sequence_parallel" in ran.stderr, ran.stderr
+    assert "Megatron-SP for phi, a family on the template path" in ran.stderr
+    ran = cli("train", *base, "parallel.tp=2", "--dry-run")
+    assert ran.code == 0 and "phi (template path: tensors, plans and module paths recorded" in ran.stdout, ran.stderr
+
+
 def test_a_family_off_the_generic_path_is_refused_saying_why(cli):
     ran = cli("train", "model=llama-tiny", "model.arch=stablelm", "--dry-run")
     assert ran.code == 2 and "model.arch='stablelm'" in ran.stderr, ran.stderr
@@ -165,10 +191,11 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
     transformers logits exactly; for the others it does not, or cannot run."""
     import torch
 
-    from partrain.blueprint.families import GENERIC_BASE
+    from partrain.blueprint.families import FAMILIES
     from partrain.blueprint.families.generic import GENERIC_PIPELINE
     from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
-    from partrain.models import generic_moe_survey
+    from partrain.blueprint.families.generic_template import TEMPLATE_RECORDS
+    from partrain.models import generic_moe_survey, generic_template_survey
     from partrain.models.families import ADAPTERS
     from partrain.models.generic_survey import _build
     from partrain.parallel.pipeline.stage import PipelineStageModule
@@ -178,6 +205,8 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
     def reproduced(arch: str) -> bool:
         if arch in GENERIC_MOE_RECORDS:  # small experts: the survey's first size
             model = generic_moe_survey._build(arch, generic_moe_survey._kwargs(arch, 0)[0], "cpu").eval()
+        elif arch in TEMPLATE_RECORDS:
+            model = generic_template_survey._build(arch, 0, "cpu").eval()
         else:
             model = _build(arch, "cpu").eval()
         try:
@@ -188,7 +217,7 @@ def test_pipeline_stages_reproduce_the_generic_families_they_take():
         except TypeError:  # the stage calls a module as its verified families do (olmo3's rotary)
             return False
 
-    assert {a for a in GENERIC_BASE if reproduced(a)} == GENERIC_PIPELINE
+    assert {a for a, f in FAMILIES.items() if f.generic and reproduced(a)} == GENERIC_PIPELINE
 
 
 def test_a_generic_family_is_refused_pipeline_parallelism_and_short_windows_by_name(cli, monkeypatch):

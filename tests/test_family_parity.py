@@ -32,6 +32,7 @@ from partrain.blueprint.families.support import (
     RING_SOFTCAP,
     SP_WINDOW,
     TP_GATHERED,
+    TP_TEMPLATE,
     TP_WHOLE_ATTENTION,
 )
 from partrain.testing.in_process import train_with_references
@@ -105,6 +106,7 @@ def test_refused_cells_are_refused_before_launch(family, layout):
     expected[RING_SOFTCAP] = "attention scores capped by model.config.attn_logit_softcapping"
     expected[TP_WHOLE_ATTENTION] = "keeps attention whole"
     expected[RING_SINKS] = "attention sink logits inside ring attention"
+    expected[TP_TEMPLATE] = "a family on the template path"
     # Each refusal is one line; a cell may break two rules (gpt-oss' ring: its window and its sinks).
     assert any(expected[PARITY_REFUSED[family, layout]] in line for line in missing), missing
 

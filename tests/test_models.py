@@ -254,6 +254,19 @@ def test_pretrained_round_trip_of_the_generic_moe_path(arch, tmp_path):
     assert_same_tensors(loaded.named_buffers(), source.named_buffers())
 
 
+@pytest.mark.parametrize("arch", ["phi", "starcoder2", "olmo"])
+def test_pretrained_round_trip_of_the_template_path(arch, tmp_path):
+    """A save_pretrained folder of a family on the template path loads every parameter and buffer as saved."""
+    from partrain.models import generic_template_survey
+
+    source = generic_template_survey._build(arch, 0, "cpu")
+    source.save_pretrained(tmp_path)
+    model_cfg = ModelConfig(arch=arch, pretrained=str(tmp_path))
+    loaded = materialize(build_meta_model(model_cfg), model_cfg, seed=99, device="cpu")
+    assert_same_tensors(loaded.named_parameters(), source.named_parameters())
+    assert_same_tensors(loaded.named_buffers(), source.named_buffers())
+
+
 def test_pretrained_hub_style_gpt2_in_bf16(tmp_path):
     """Hub gpt2 files name tensors without "transformer." and omit the tied head; bf16 is upcast."""
     from safetensors.torch import save_file

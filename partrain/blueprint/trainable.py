@@ -11,6 +11,7 @@ from typing import List
 
 from partrain.blueprint.families import family
 from partrain.blueprint.families.generic import GENERIC_PIPELINE, GENERIC_REFUSED
+from partrain.blueprint.families.generic_template import TEMPLATE_RECORDS
 from partrain.blueprint.precision_mode import run_uses_master_weights
 from partrain.blueprint.validate import ValidatedRun
 
@@ -33,6 +34,8 @@ IMPLEMENTED = {
     "sp-ring-softcap": False,
     "sp-ring-sinks": False,
     "pp-generic": False,
+    "tp-sp-template": False,
+    "sp-template": False,
 }
 
 
@@ -92,14 +95,28 @@ def _tp_splits_attention(v: ValidatedRun) -> bool:
 
 
 def _generic_limits(v: ValidatedRun) -> dict:
-    """The degree a family on the generic path cannot take (families/generic.py)."""
+    """The degrees a family on a generic path cannot take (families/generic.py, generic_template.py)."""
     arch, layout = v.run.model.arch, v.layout
-    if not family(arch).generic or arch in GENERIC_PIPELINE:
+    if not family(arch).generic:
         return {}
-    why = {key: text.format(arch=arch) for key, text in GENERIC_REFUSED.items()}
-    return {
-        "pp-generic": (layout.pp > 1, f"parallel.pp={layout.pp} ({why['parallel.pp'].rstrip(',')})"),
-    }
+    limits = {}
+    if arch not in GENERIC_PIPELINE:
+        why = GENERIC_REFUSED["parallel.pp"].format(arch=arch).rstrip(",")
+        limits["pp-generic"] = (layout.pp > 1, f"parallel.pp={layout.pp} ({why})")
+    record = TEMPLATE_RECORDS.get(arch)
+    if record is not None:
+        limits["tp-sp-template"] = (
+            v.run.parallel.tp_sequence_parallel and layout.tp > 1 and not record.megatron_sp,
+            f"parallel.tp_sequence_parallel=true (Megatron-SP for {arch}, a family on the template path: partrain "
+            "hands the residual back as sequence shards at o_proj and down_proj, and its tensor-parallel plan "
+            "names its row projections otherwise or gathers outputs)",
+        )
+        limits["sp-template"] = (
+            layout.sp > 1 and not record.attention_interface,
+            f"parallel.sp={layout.sp} (sequence parallelism for {arch}, whose attention does not go through "
+            "transformers' attention interface, where partrain's sp attention runs)",
+        )
+    return limits
 
 
 def _sp_limits(v: ValidatedRun) -> dict:

@@ -18,6 +18,7 @@ from partrain.blueprint.families.gemma2 import GEMMA2
 from partrain.blueprint.families.gemma3 import GEMMA3
 from partrain.blueprint.families.generic import GENERIC_BASES, GENERIC_FAMILIES, NOT_GENERIC
 from partrain.blueprint.families.generic_moe import GENERIC_MOE_FAMILIES, GENERIC_MOE_RECORDS, NOT_GENERIC_MOE
+from partrain.blueprint.families.generic_template import NOT_TEMPLATE, TEMPLATE_FAMILIES
 from partrain.blueprint.families.glm4 import GLM4
 from partrain.blueprint.families.gpt2 import GPT2
 from partrain.blueprint.families.gpt_oss import GPT_OSS
@@ -34,14 +35,21 @@ VERIFIED: Dict[str, Family] = {f.arch: f for f in (*DENSE, MIXTRAL, QWEN2_MOE, Q
 """HF model_type -> the planner family of its own file, verified layout by layout."""
 FAMILIES: Dict[str, Family] = {
     **VERIFIED,
-    **{a: f for a, f in {**GENERIC_FAMILIES, **GENERIC_MOE_FAMILIES}.items() if a not in VERIFIED},
+    **{a: f for a, f in {**GENERIC_FAMILIES, **GENERIC_MOE_FAMILIES, **TEMPLATE_FAMILIES}.items() if a not in VERIFIED},
 }
 """HF model_type -> its planner family, in the order reports list the supported architectures (the
 generic paths' last)."""
 GENERIC_BASE: Dict[str, str] = {**GENERIC_BASES, **{a: r.base for a, r in GENERIC_MOE_RECORDS.items()}}
 """Every family of the generic paths (dense and MoE) -> the verified family whose tensors it stands on."""
-WHY_NOT_GENERIC: Dict[str, str] = {**NOT_GENERIC, **NOT_GENERIC_MOE}
-"""Why the surveys left a family of the installed transformers off both generic paths."""
+WHY_NOT_GENERIC: Dict[str, str] = {
+    **{
+        a: f"{why}; nor the template path's: {NOT_TEMPLATE[a]}" if a in NOT_TEMPLATE else why
+        for a, why in NOT_GENERIC.items()
+    },
+    **NOT_GENERIC_MOE,
+}
+"""Why the surveys left a family of the installed transformers off every generic path: the MoE survey's
+reason for an MoE family, else the base survey's and the template survey's."""
 
 
 def unknown_arch(arch: str) -> Problem:

@@ -50,31 +50,43 @@ GENERIC_FAMILIES: Dict[str, Family] = {
 
 GENERIC_PIPELINE = frozenset(
     (
+        "apertus",
+        "apertus1p5_text",
+        "arcee",
         "cwm",
         "dots1",
         "ernie4_5",
         "ernie4_5_moe",
         "exaone",
+        "exaone4",
         "exaone_moe",
         "gemma",
+        "glm",
         "glm4_moe",
         "helium",
+        "hunyuan_v1_dense",
+        "hyperclovax",
         "internlm3",
         "iquestcoder",
+        "jais2",
         "mellum",
         "minimax_m3_vl_text",
         "ministral",
         "ministral3",
+        "nemotron",
+        "olmo",
         "olmo3",
+        "phi",
         "seed_oss",
         "solar_open",
+        "starcoder2",
     )
 )
 """The generic families whose transformers forward partrain's pipeline stages reproduce: a tiny model split
 into two PipelineStageModule chunks gives transformers' logits exactly (tests/test_families.py checks this
 set against the installed transformers; olmo3's rotary takes the layer's attention type, which the stage
-gives a rotary module whose forward asks for it). Today every family of the generic paths (dense and MoE,
-families/generic_moe.py); one a later
+gives a rotary module whose forward asks for it). Today every family of the generic paths (dense, MoE and
+template: families/generic_moe.py, generic_template.py); one a later
 transformers adds that the stages do not reproduce is refused pp by name."""
 
 GENERIC_REFUSED = {

@@ -11,10 +11,11 @@ here, at ep=1.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from partrain.blueprint.families.generic import GENERIC_BASES, SNAPSHOT
 from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS
+from partrain.blueprint.families.generic_template import TEMPLATE_RECORDS
 
 PARITY_STEPS = 2
 """Steps of every cell: the first compares the forward and the backward, the second the update that
@@ -64,6 +65,7 @@ PARITY_FAMILIES: Dict[str, Tuple[str, ...]] = {
     "gpt_oss": ("model=gpt-oss-tiny",),
     "deepseek_v3": ("model=deepseek-v3-tiny",),
     "glm4_moe": ("model=glm4-moe-tiny",),
+    "phi": ("model=phi-tiny",),
     "gemma": (
         "model=llama-tiny",
         "model.arch=gemma",
@@ -86,6 +88,10 @@ TP_GATHERED = (
 TP_WHOLE_ATTENTION = (
     "Megatron-SP is not derived where transformers' tp plan keeps attention whole (parallel.tp_sequence_parallel)"
 )
+TP_TEMPLATE = (
+    "Megatron-SP is not derived where a template family's row projections are not o_proj / down_proj "
+    "(parallel.tp_sequence_parallel)"
+)
 PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("mistral", "sp2-ulysses"): SP_WINDOW,
     ("mistral", "sp2-ring"): SP_WINDOW,
@@ -104,6 +110,7 @@ PARITY_REFUSED: Dict[Tuple[str, str], str] = {
     ("gpt_oss", "sp2-ring"): RING_SINKS,
     ("cohere2", "sp2-ulysses"): SP_WINDOW,
     ("cohere2", "sp2-ring"): SP_WINDOW,
+    ("phi", "tp2-megatron-sp"): TP_TEMPLATE,
 }
 """(family, layout) cells refused before launch (exit 2), with the reason; the test checks each is."""
 
@@ -134,6 +141,10 @@ FAMILY_NOTES: Dict[str, str] = {
     "glm4_moe": (
         "generic MoE path: a dense layer, then 4 routed experts (top-2 of the best group, sigmoid router with a "
         "selection bias) beside a shared expert (ep=1 here); q/k/v biases, partial rotary"
+    ),
+    "phi": (
+        "template path: attention and MLP in parallel on one LayerNorm with biases, partial rotary, GELU fc1/fc2, "
+        "a head bias (Megatron-SP refused: its plan's row projections are dense and fc2)"
     ),
     "gemma": "generic path: scaled tied embedding, (1 + w) norms and a GELU MLP inside transformers' forward",
 }
@@ -184,42 +195,66 @@ def render() -> str:
             " `deepseek_v3`) are verified under expert"
             " parallelism and its combinations in [Expert parallelism](parallel/expert.md).",
             "",
-            "## The generic path",
-            "",
-            "A family without a file of its own is trained when transformers builds it exactly as a verified"
-            " family (its base: `llama`, `qwen2`, `qwen3` or `olmo2`): partrain built every causal-LM family of"
-            " transformers " + _transformers_version() + " and kept those whose parameters are their base's"
-            " (names and shapes), whose logits are the head applied to the base model's output, and which ship"
-            " a tensor-parallel plan. Each runs transformers' own forward under dp, ZeRO/FSDP, tp (transformers'"
-            " plan; Megatron-SP where its base has it), sp (through transformers' attention interface; a sliding"
-            " window shorter than the sequence is refused) and LoRA. Pipeline parallelism replaces the base"
-            " model's forward with partrain's own loop over the layers: it runs for the families whose forward"
-            " that loop reproduces exactly on a tiny model (today all below) and is refused for the others"
-            " (exit 2). `gemma`, `olmo3` and `seed_oss`"
-            " above are checked as every family is. The families on this path, with their base:",
-            "",
-            ", ".join(f"`{arch}` ({base})" for arch, base in GENERIC_BASES.items()) + ".",
-            "",
-            "## The generic MoE path",
-            "",
-            "A mixture-of-experts family without a file of its own is trained when transformers builds it as a"
-            " base (`llama` or `qwen3`) whose MLP is, in some layers, an MoE block around transformers' fused"
-            " experts module (named by the config class's `base_model_ep_plan`): partrain built every MoE family"
-            " at two sizes and kept those whose tensors outside that block are the base's and whose block's"
-            " tensors it can name (routed experts, router, shared experts), whose router returns the router"
-            " logits, whose `save_pretrained` folders it loads, and whose logits are the head applied to the"
-            " base model's output. The routing runs in transformers' own block; partrain replaces only the"
-            " experts module (expert parallelism), and the suite checks that the swap gives transformers' logits"
-            " for each. They take every layout the dense generic path takes, and `parallel.ep`. `glm4_moe`"
-            " above is checked as every family is. The families on this path, with their base:",
-            "",
-            ", ".join(f"`{arch}` ({r.base})" for arch, r in GENERIC_MOE_RECORDS.items()) + ".",
-            "",
+            *_generic_paths(),
             "Any other `model_type` is refused before launch (exit 2, naming `model.arch`, or the pretrained"
             " folder's `config.json`, and the supported families).",
             "",
         ]
     )
+
+
+def _generic_paths() -> List[str]:
+    """docs/families.md's sections on the generic, generic MoE and template paths."""
+    return [
+        "## The generic path",
+        "",
+        "A family without a file of its own is trained when transformers builds it exactly as a verified"
+        " family (its base: `llama`, `qwen2`, `qwen3` or `olmo2`): partrain built every causal-LM family of"
+        " transformers " + _transformers_version() + " and kept those whose parameters are their base's"
+        " (names and shapes), whose logits are the head applied to the base model's output, and which ship"
+        " a tensor-parallel plan. Each runs transformers' own forward under dp, ZeRO/FSDP, tp (transformers'"
+        " plan; Megatron-SP where its base has it), sp (through transformers' attention interface; a sliding"
+        " window shorter than the sequence is refused) and LoRA. Pipeline parallelism replaces the base"
+        " model's forward with partrain's own loop over the layers: it runs for the families whose forward"
+        " that loop reproduces exactly on a tiny model (today all below) and is refused for the others"
+        " (exit 2). `gemma`, `olmo3` and `seed_oss`"
+        " above are checked as every family is. The families on this path, with their base:",
+        "",
+        ", ".join(f"`{arch}` ({base})" for arch, base in GENERIC_BASES.items()) + ".",
+        "",
+        "## The generic MoE path",
+        "",
+        "A mixture-of-experts family without a file of its own is trained when transformers builds it as a"
+        " base (`llama` or `qwen3`) whose MLP is, in some layers, an MoE block around transformers' fused"
+        " experts module (named by the config class's `base_model_ep_plan`): partrain built every MoE family"
+        " at two sizes and kept those whose tensors outside that block are the base's and whose block's"
+        " tensors it can name (routed experts, router, shared experts), whose router returns the router"
+        " logits, whose `save_pretrained` folders it loads, and whose logits are the head applied to the"
+        " base model's output. The routing runs in transformers' own block; partrain replaces only the"
+        " experts module (expert parallelism), and the suite checks that the swap gives transformers' logits"
+        " for each. They take every layout the dense generic path takes, and `parallel.ep`. `glm4_moe`"
+        " above is checked as every family is. The families on this path, with their base:",
+        "",
+        ", ".join(f"`{arch}` ({r.base})" for arch, r in GENERIC_MOE_RECORDS.items()) + ".",
+        "",
+        "## The template path",
+        "",
+        "A dense family like none of the bases is trained from what partrain recorded of it: its every"
+        " parameter as a name and a shape in symbols (hidden, vocabulary, MLP width, query and key/value"
+        " widths, head width), the same at two sizes and equal to the meta-built model's, its module paths"
+        " (embeddings, final norm, rotary, a layer's attention, MLP and norms) and the dimension transformers'"
+        " tp plan splits in each tensor. A family qualifies when its config class ships a tp plan, its base"
+        " model is at `model` with its layers at `model.layers`, and its logits are the head applied to the"
+        " base model's output. A boolean config field that changes its tensors is held at the value"
+        " recorded (another is exit 2, naming the key). It runs transformers' own forward under dp, ZeRO/FSDP,"
+        " tp, sp (where its attention goes through transformers' attention interface), LoRA and pp (where"
+        " partrain's stages reproduce it); Megatron-SP where its row projections are `o_proj` and"
+        " `down_proj`. Its memory and FLOPs figures are Llama's formulas (approximate); its parameter counts"
+        " are exact. `phi` above is checked as every family is. The families on this path:",
+        "",
+        ", ".join(f"`{arch}`" for arch in TEMPLATE_RECORDS) + ".",
+        "",
+    ]
 
 
 def _transformers_version() -> str:

@@ -66,10 +66,16 @@ def embed_tensors(facts: ModelFacts) -> List[TensorSpec]:
 
 def final_tensors(facts: ModelFacts) -> List[TensorSpec]:
     """Final norm and the output head, as the whole (unsplit) model holds them (tied: no head)."""
-    out = family(facts.arch).final_norm_tensors(facts)
-    if not facts.tied_embeddings:
-        out.append(TensorSpec("lm_head.weight", (facts.vocab, facts.hidden), "head", tp_dim=0))
-    return out
+    return with_head(family(facts.arch).final_norm_tensors(facts), facts)
+
+
+def with_head(tensors: List[TensorSpec], facts: ModelFacts) -> List[TensorSpec]:
+    """`tensors` with the head's weight where it is not tied: before the head's other tensors (Phi's bias),
+    as transformers registers them, else last."""
+    if facts.tied_embeddings:
+        return tensors
+    at = next((k for k, t in enumerate(tensors) if t.part == "head"), len(tensors))
+    return [*tensors[:at], TensorSpec("lm_head.weight", (facts.vocab, facts.hidden), "head", tp_dim=0), *tensors[at:]]
 
 
 def tied_head_copy(facts: ModelFacts) -> TensorSpec:

@@ -14,6 +14,7 @@ from typing import Any, Dict
 
 from partrain.blueprint.families.generic import GENERIC_BASES
 from partrain.blueprint.families.generic_moe import GENERIC_MOE_RECORDS, MoeRecord
+from partrain.blueprint.families.generic_template import TEMPLATE_RECORDS, TemplateRecord
 from partrain.errors import ConfigError, Problem
 from partrain.models.families.base import Adapter, LegacyExperts
 from partrain.models.families.cohere2 import COHERE2
@@ -72,6 +73,22 @@ def moe_adapter(arch: str, record: MoeRecord) -> Adapter:
     )
 
 
+def template_adapter(arch: str, record: TemplateRecord) -> Adapter:
+    """A template family's adapter (blueprint/families/generic_template.py): the paths its survey found."""
+    return Adapter(
+        family="generic",
+        archs=(arch,),
+        base_prefix="model",
+        layer_prefix="model.layers",
+        embedding_paths=record.embedding_paths,
+        final_norm_path=record.final_norm_path,
+        rotary_path=record.rotary_path,
+        attention_attr=record.attention_attr,
+        mlp_attr=record.mlp_attr,
+        layer_norms=record.layer_norms,
+    )
+
+
 ADAPTERS: Dict[str, Adapter] = {
     **VERIFIED_ADAPTERS,
     **{
@@ -80,9 +97,11 @@ ADAPTERS: Dict[str, Adapter] = {
         if arch not in VERIFIED_ADAPTERS
     },
     **{arch: moe_adapter(arch, r) for arch, r in GENERIC_MOE_RECORDS.items() if arch not in VERIFIED_ADAPTERS},
+    **{arch: template_adapter(arch, r) for arch, r in TEMPLATE_RECORDS.items() if arch not in VERIFIED_ADAPTERS},
 }
 """model_type -> adapter, for every supported architecture: the generic paths' families
-(blueprint/families/generic.py, generic_moe.py) take their base family's module paths."""
+(blueprint/families/generic.py, generic_moe.py) take their base family's module paths, the template path's
+(generic_template.py) those its survey recorded."""
 
 
 def get_adapter(model_or_arch: Any) -> Adapter:
