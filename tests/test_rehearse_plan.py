@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from partrain.blueprint.config.compose import compose
+from partrain.blueprint.families.generic_moe import EXPERTS_KEYS
 from partrain.blueprint.rehearsal import DEFAULT_MAX_PROCESSES, plan_rehearsal
 from partrain.blueprint.trainable import unsupported_features
 from partrain.blueprint.validate import validate
@@ -75,7 +76,7 @@ LAYOUTS = {
 }
 
 
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_KEYS = EXPERTS_KEYS
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -92,6 +93,8 @@ def test_every_family_shrinks_with_every_degree_still_dividing(model):
     if "head_dim" in config["config"]:
         big.append("++model.config.head_dim=64")
     big += [f"++model.config.{k}=32" for k in EXPERT_KEYS if k in config["config"]]
+    if "n_group" in config["config"]:  # group-limited routing: 8 groups of 4, the best 4 groups
+        big += ["++model.config.n_group=8", "++model.config.topk_group=4"]
     cases = dict(LAYOUTS)
     if any(k in config["config"] for k in EXPERT_KEYS):
         cases["ep2"] = ["parallel.ep=2", "parallel.dp=2"]
@@ -108,6 +111,9 @@ def test_every_family_shrinks_with_every_degree_still_dividing(model):
         tried += 1
         assert shrunk.run.model.arch == user.run.model.arch and shrunk.facts.hidden < user.facts.hidden, name
         assert shrunk.facts.n_experts <= 8 and shrunk.facts.experts_per_token == user.facts.experts_per_token
+        groups = (shrunk.run.model.config or {}).get("n_group")
+        if groups:  # a group's score is its best two experts' (DeepSeek-V3, GLM-4.5): two or more a group
+            assert shrunk.facts.n_experts // groups >= 2, (model, name, groups)
         for axis in AXES:
             assert getattr(shrunk.layout, axis) == getattr(user.layout, axis), (model, name, axis)
     assert tried >= 2, model

@@ -309,8 +309,8 @@ def _shrink_experts(values: Dict[str, Any], f: Any, ep: int, b: _Builder) -> Non
     experts = f.n_experts
     small = ep * max(1, -(-max(4, top_k) // ep))
     groups = values.get("n_group")
-    if groups:  # group-limited routing: the groups must split the experts and hold top-k between them
-        groups = min(int(groups), small)
+    if groups:  # group-limited routing: the groups split the experts, 2 or more each (a group's score sums
+        groups = min(int(groups), max(1, small // 2))  # its best two: DeepSeek-V3, GLM-4.5), and hold top-k
         while small % groups:
             groups -= 1
         b.set("++model.config.n_group", groups, values["n_group"], why)
