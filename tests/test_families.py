@@ -174,15 +174,22 @@ def test_a_template_family_refuses_what_its_record_cannot_hold(cli):
     ran = cli("train", *base, "parallel.tp=2", "parallel.tp_sequence_parallel=true")
     assert ran.code == 2 and "parallel.tp_sequence_parallel" in ran.stderr, ran.stderr
     assert "Megatron-SP for phi, a family on the template path" in ran.stderr
+    # StableLM: no tp plan in its config class, attention outside transformers' interface.
+    stablelm = ["model=llama-tiny", "model.arch=stablelm", "cluster.devices_per_node=2"]
+    for degree, why in (("parallel.tp=2", "ships no tensor-parallel plan"), ("parallel.sp=2", "attention interface")):
+        ran = cli("train", *stablelm, degree)
+        assert ran.code == 2 and why in ran.stderr and "stablelm" in ran.stderr, ran.stderr
+    assert cli("train", *stablelm, "parallel.pp=2", "--dry-run").code == 0
     ran = cli("train", *base, "parallel.tp=2", "--dry-run")
     assert ran.code == 0 and "phi (template path: tensors, plans and module paths recorded" in ran.stdout, ran.stderr
 
 
 def test_a_family_off_the_generic_path_is_refused_saying_why(cli):
-    ran = cli("train", "model=llama-tiny", "model.arch=stablelm", "--dry-run")
-    assert ran.code == 2 and "model.arch='stablelm'" in ran.stderr, ran.stderr
+    ran = cli("train", "model=llama-tiny", "model.arch=gpt_neox", "--dry-run")
+    assert ran.code == 2 and "model.arch='gpt_neox'" in ran.stderr, ran.stderr
     assert "the generic path does not take it: its parameters are none of" in ran.stderr
-    assert "input_layernorm.bias" in ran.stderr
+    assert "gpt_neox.final_layer_norm.bias" in ran.stderr  # each survey's reason: the bases', the template's
+    assert "nor the template path's: its base model is not at `model`" in ran.stderr
 
 
 def test_pipeline_stages_reproduce_the_generic_families_they_take():

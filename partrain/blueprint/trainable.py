@@ -35,6 +35,7 @@ IMPLEMENTED = {
     "sp-ring-sinks": False,
     "pp-generic": False,
     "tp-sp-template": False,
+    "tp-template": False,
     "sp-template": False,
 }
 
@@ -110,6 +111,11 @@ def _generic_limits(v: ValidatedRun) -> dict:
             f"parallel.tp_sequence_parallel=true (Megatron-SP for {arch}, a family on the template path: partrain "
             "hands the residual back as sequence shards at o_proj and down_proj, and its tensor-parallel plan "
             "names its row projections otherwise or gathers outputs)",
+        )
+        limits["tp-template"] = (
+            layout.tp > 1 and not record.tensor_parallel,
+            f"parallel.tp={layout.tp} (tensor parallelism for {arch}, whose config class ships no "
+            "tensor-parallel plan)",
         )
         limits["sp-template"] = (
             layout.sp > 1 and not record.attention_interface,

@@ -1,7 +1,8 @@
 """Which of transformers' dense causal-LM families partrain can train by the template path, found by
 building them (the path itself: partrain/blueprint/families/generic_template.py).
 
-A family qualifies when its config class ships a `base_model_tp_plan` and no expert plan, keeps its base
+A family qualifies when its config class ships no expert plan (a `base_model_tp_plan` where it has one:
+without, tensor parallelism is refused for it), keeps its base
 model under `model` with its decoder layers at `model.layers`, its logits are the head applied to the base
 model's output, and, built at two sizes, every parameter's shape is named by the template's symbols, the
 same template (one decoder layer repeated) gives the model's tensors exactly at both, and each boolean
@@ -70,7 +71,7 @@ def _tp_dim(plan: Dict[str, str], name: str) -> Optional[int]:
 def _entries(model) -> Tuple[Optional[Dict[str, List]], str]:
     """The model's parameters as template entries by part (embed, layer, final), or (None, why not)."""
     value = _values(model.config)
-    plan = model.config.base_model_tp_plan
+    plan = model.config.base_model_tp_plan or {}
     parts: Dict[str, List] = {"embed": [], "layer": [], "final": []}
     seen_layers = False
     layers: Dict[int, List] = {}
@@ -149,8 +150,6 @@ def template_record(arch: str) -> Tuple[Optional[TemplateRecord], str]:
             config = AutoConfig.for_model(arch)
             if getattr(config, "base_model_ep_plan", None):
                 return None, "a mixture-of-experts family unlike the generic MoE path's"
-            if not getattr(config, "base_model_tp_plan", None):
-                return None, "transformers ships no tensor-parallel plan for it"
             meta = _build(arch, 0, "meta")
             if sum(p.numel() for p in meta.parameters()) > MAX_PARAMS:
                 return None, "its config class does not take the survey's small sizes"
@@ -170,7 +169,7 @@ def _record(arch: str, model, head_is_plain) -> Tuple[Optional[TemplateRecord], 
     if not (paths["embedding_paths"] and paths["final_norm_path"] and paths["attention_attr"] and paths["mlp_attr"]):
         return None, "its embeddings, final norm, attention or MLP are not where the template path looks"
     tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = model.config.base_model_tp_plan
+    plan = model.config.base_model_tp_plan or {}
     rows = {k.rsplit(".", 1)[-1] for k, style in plan.items() if style.startswith("rowwise")}
     gathers = any(style.endswith(("gather_output", "split_input")) for style in plan.values())
     record = TemplateRecord(
@@ -180,7 +179,8 @@ def _record(arch: str, model, head_is_plain) -> Tuple[Optional[TemplateRecord], 
         fixed_flags=_fixed_flags(arch, tensors),
         norm="layernorm" if any(".bias" in n and "norm" in n for n, _, _ in parts["layer"]) else "rmsnorm",
         gated=any("gate" in n for n, _, _ in parts["layer"]),
-        megatron_sp=rows <= set(BLOCK_OUTPUTS) and not gathers,
+        megatron_sp=bool(plan) and rows <= set(BLOCK_OUTPUTS) and not gathers,
+        tensor_parallel=bool(plan),
         attention_interface=bool(getattr(model, "_supports_attention_backend", False)),
         **paths,
     )

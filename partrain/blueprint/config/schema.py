@@ -91,8 +91,8 @@ class ModelConfig:
     arch: str = "gpt2"
     """Hugging Face architecture family (its `model_type`): gpt2, llama, qwen2, qwen3, mistral, smollm3, granite,
     gemma2, gemma3_text, olmo2, phi3, glm4, cohere2, mixtral, qwen2_moe, qwen3_moe, gpt_oss, deepseek_v3, and the
-    families of the generic path (docs/families.md). With model.pretrained: the folder's model_type unless given on
-    the command line or in the recipe."""
+    families of the generic, generic MoE and template paths (docs/families.md). With model.pretrained: the
+    folder's model_type unless given on the command line or in the recipe."""
     config: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the HF config class (e.g. n_layer, hidden_size). Keys are checked against that class.
     With model.pretrained only the keys given on the command line or in the recipe apply (the model group's

@@ -53,6 +53,7 @@ GENERIC_PIPELINE = frozenset(
         "apertus",
         "apertus1p5_text",
         "arcee",
+        "bitnet",
         "cwm",
         "dots1",
         "ernie4_5",
@@ -76,9 +77,11 @@ GENERIC_PIPELINE = frozenset(
         "nemotron",
         "olmo",
         "olmo3",
+        "persimmon",
         "phi",
         "seed_oss",
         "solar_open",
+        "stablelm",
         "starcoder2",
     )
 )

@@ -5,7 +5,8 @@ partrain/models/generic_template_survey.py builds each dense causal-LM family th
 two sizes and writes every parameter as a name and a shape in the symbols below (`{i}` for the layer
 index). A family is recorded (hf_facts.json, `template_families`) when the same template gives the
 meta-built model's tensors exactly at both sizes, every decoder layer has the same tensors, its logits are
-the head applied to the base model's output, and its config class ships a `base_model_tp_plan`; the
+the head applied to the base model's output (a family whose config class ships no `base_model_tp_plan`
+is recorded too, and refused tensor parallelism); the
 boolean config fields that change its tensors are recorded with the value the template holds for, and a
 run that sets another is refused (exit 2). Tensor parallelism follows transformers' plan (the survey
 records which dimension each style splits), the module paths (embeddings, final norm, rotary, the layer's
@@ -35,7 +36,7 @@ heads x head width, key/value heads x head width, both fused with the queries, h
 
 TEMPLATE_NOTE = (
     "template path: tensors, plans and module paths recorded from transformers' own model, transformers' forward; "
-    "dp, ZeRO/FSDP, tp, sp, LoRA{pp}; memory and FLOPs by Llama's formulas"
+    "dp, ZeRO/FSDP{tp}, sp, LoRA{pp}; memory and FLOPs by Llama's formulas"
 )
 """What the dry run and docs/families.md say of a family on the template path."""
 
@@ -71,6 +72,8 @@ class TemplateRecord:
     residual back as sequence shards."""
     attention_interface: bool
     """Its attention calls transformers' attention interface (sp replaces the kernel there)."""
+    tensor_parallel: bool = True
+    """Its config class ships a `base_model_tp_plan` (without one, parallel.tp > 1 is refused)."""
 
     @staticmethod
     def from_json(data: Dict[str, Any]) -> "TemplateRecord":

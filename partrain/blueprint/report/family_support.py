@@ -9,7 +9,7 @@ from typing import Dict, List
 from partrain.blueprint.families import GENERIC_BASE, family
 from partrain.blueprint.families.generic import GENERIC_NOTE, GENERIC_PIPELINE
 from partrain.blueprint.families.generic_moe import GENERIC_MOE_NOTE, GENERIC_MOE_RECORDS
-from partrain.blueprint.families.generic_template import TEMPLATE_NOTE
+from partrain.blueprint.families.generic_template import TEMPLATE_NOTE, TEMPLATE_RECORDS
 from partrain.blueprint.families.support import PARITY_FAMILIES, PARITY_LAYOUTS, PARITY_REFUSED
 from partrain.blueprint.validate import ValidatedRun
 
@@ -41,7 +41,8 @@ def family_support(v: ValidatedRun) -> Dict[str, object]:
     arch = v.run.model.arch
     pp = ", pp" if arch in GENERIC_PIPELINE else ""
     note = GENERIC_MOE_NOTE if arch in GENERIC_MOE_RECORDS else GENERIC_NOTE if arch in GENERIC_BASE else TEMPLATE_NOTE
-    generic = note.format(base=GENERIC_BASE.get(arch), pp=pp) if family(arch).generic else ""
+    tp = "" if arch in TEMPLATE_RECORDS and not TEMPLATE_RECORDS[arch].tensor_parallel else ", tp"
+    generic = note.format(base=GENERIC_BASE.get(arch), pp=pp, tp=tp) if family(arch).generic else ""
     if arch not in PARITY_FAMILIES:
         return {"arch": arch, "matrix": False, "cells": {}, "note": generic or (MOE_VERIFIED if v.facts.is_moe else "")}
     cells = {c: "refused" if (arch, c) in PARITY_REFUSED else "verified" for c in matrix_cells(v)}
